@@ -1,0 +1,101 @@
+"""The command line: parse, call one function, render. No training logic lives here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from lisaft.errors import LisaftError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Fine-tune causal language models on one GPU: LISA, lean optimizers, exact resume.",
+)
+
+
+def _fail(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", markup=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe YAML."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a key: --set training.max_steps=100"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in output_dir."),
+) -> None:
+    """Fine-tune as RECIPE says."""
+    from lisaft.trainer import train as run_train
+
+    try:
+        code = run_train(recipe, overrides=set_ or [], overwrite=overwrite)
+    except LisaftError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+@app.command()
+def resume(
+    run_dir: Path = typer.Argument(..., help="Run directory of a stopped or crashed run."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Train to this step instead."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Change a cadence key (log/eval/save)."),
+) -> None:
+    """Continue RUN_DIR from its newest complete checkpoint, exactly."""
+    from lisaft.trainer import resume as run_resume
+
+    try:
+        code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [])
+    except LisaftError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+@app.command("estimate-memory")
+def estimate_memory(
+    recipe: Optional[Path] = typer.Argument(None, help="Recipe YAML to start from (flags override it)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Catalogue name (llama-3.1-8b), folder or hub id."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw_32bit|adamw_8bit|paged_adamw_32bit|paged_adamw_8bit"),
+    lisa_layers: Optional[int] = typer.Option(None, "--lisa-layers", help="LISA with this many active layers (γ)."),
+    no_lisa: bool = typer.Option(False, "--no-lisa", help="Full fine-tuning."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
+    gradient_checkpointing: Optional[bool] = typer.Option(
+        None, "--gradient-checkpointing/--no-gradient-checkpointing"),
+    attention: Optional[str] = typer.Option(None, "--attention", help="flash_attention_2|sdpa|eager"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16|float16|float32"),
+    in_backward: Optional[bool] = typer.Option(None, "--in-backward/--no-in-backward"),
+    budget: str = typer.Option("24GiB", "--budget", help="Memory budget, e.g. 24GiB, 80GB."),
+    device: str = typer.Option("cuda", "--device", help="cuda|cpu"),
+    json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON."),
+) -> None:
+    """Will it fit, where does the memory go, what to change."""
+    from lisaft.memory.command import estimate_memory_command
+
+    try:
+        code = estimate_memory_command(
+            recipe=recipe, model=model, optimizer=optimizer, lisa_layers=lisa_layers,
+            no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
+            gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
+            in_backward=in_backward, budget=budget, device=device, json_out=json_out,
+        )
+    except LisaftError as e:
+        _fail(str(e))
+    raise typer.Exit(code or 0)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""One exception type for every error a user can fix: the CLI prints its message and exits 2."""
+
+
+class LisaftError(Exception):
+    """Bad recipe, missing file, bad data row or impossible combination. The message names the
+    key, file or row; the CLI shows it without a traceback."""

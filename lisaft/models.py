@@ -1,0 +1,200 @@
+"""Loading models and tokenizers, choosing attention, and finding the parts LISA works on."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lisaft.errors import LisaftError
+from lisaft.recipe import ModelSection
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Where each known family keeps its decoder layers, and the final norm beside them.
+_LAYER_PATHS = {
+    "llama": "model.layers", "mistral": "model.layers", "mixtral": "model.layers",
+    "qwen2": "model.layers", "qwen3": "model.layers", "gemma": "model.layers",
+    "gemma2": "model.layers", "phi3": "model.layers", "phi": "model.layers",
+    "gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers",
+}
+_FINAL_NORM_NAMES = ("norm", "final_layer_norm", "ln_f", "final_layernorm")
+
+
+@dataclass
+class ModelParts:
+    """The three groups LISA treats differently. Each parameter belongs to exactly one group;
+    a head tied to the input embedding belongs to `embeddings`."""
+
+    layers: nn.ModuleList
+    embeddings: list[nn.Parameter]
+    head: list[nn.Parameter]
+
+    def layer_params(self, index: int) -> list[nn.Parameter]:
+        return list(self.layers[index].parameters())
+
+
+def _get_attr_path(root: nn.Module, dotted: str):
+    node = root
+    for part in dotted.split("."):
+        if not hasattr(node, part):
+            return None
+        node = getattr(node, part)
+    return node
+
+
+def decoder_layers_path(model: nn.Module, layers_path: str | None = None) -> str:
+    if layers_path:
+        node = _get_attr_path(model, layers_path)
+        if not isinstance(node, nn.ModuleList):
+            raise LisaftError(f"model.layers_path: {layers_path!r} is not a ModuleList in this model")
+        return layers_path
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    candidates = [_LAYER_PATHS[model_type]] if model_type in _LAYER_PATHS else []
+    candidates += sorted(set(_LAYER_PATHS.values()))
+    for path in candidates:
+        if isinstance(_get_attr_path(model, path), nn.ModuleList):
+            return path
+    raise LisaftError(
+        f"cannot find the decoder layers of model type {model_type!r}; set model.layers_path "
+        "(e.g. 'model.layers') in the recipe"
+    )
+
+
+def model_parts(model: nn.Module, layers_path: str | None = None) -> ModelParts:
+    path = decoder_layers_path(model, layers_path)
+    layers = _get_attr_path(model, path)
+    parent = _get_attr_path(model, path.rsplit(".", 1)[0]) if "." in path else model
+    in_layers = {id(p) for p in layers.parameters()}
+    head_modules: list[nn.Module] = []
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out_emb is not None:
+        head_modules.append(out_emb)
+    for name in _FINAL_NORM_NAMES:
+        mod = getattr(parent, name, None)
+        if isinstance(mod, nn.Module):
+            head_modules.append(mod)
+            break
+    in_emb = model.get_input_embeddings()
+    emb_ids = {id(p) for p in in_emb.parameters()}
+    head, head_ids = [], set()
+    for mod in head_modules:
+        for p in mod.parameters():
+            if id(p) not in emb_ids and id(p) not in head_ids:
+                head.append(p)
+                head_ids.add(id(p))
+    # Everything outside layers and head (token and position embeddings, anything else an
+    # architecture keeps at the bottom) trains with the embeddings.
+    embeddings = [p for p in model.parameters() if id(p) not in in_layers and id(p) not in head_ids]
+    return ModelParts(layers=layers, embeddings=embeddings, head=head)
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LisaftError("training.device: cuda was asked for but no CUDA device is visible")
+        from lisaft import dist
+
+        return torch.device("cuda", dist.local_rank())
+    return torch.device("cpu")
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(choice: str, device: torch.device, dtype: str) -> str:
+    """auto → flash_attention_2 where it can run, sdpa otherwise. An explicit FlashAttention
+    request that cannot run is an error rather than a silent downgrade."""
+    fa_ok = flash_attn_available() and device.type == "cuda" and dtype != "float32"
+    if choice == "auto":
+        return "flash_attention_2" if fa_ok else "sdpa"
+    if choice == "flash_attention_2" and not fa_ok:
+        if not flash_attn_available():
+            why = "the flash-attn package is not installed (pip install flash-attn)"
+        elif device.type != "cuda":
+            why = "it needs a CUDA device and this run is on CPU"
+        else:
+            why = "it needs model.dtype bfloat16 or float16"
+        raise LisaftError(f"model.attention: flash_attention_2 cannot run: {why}; or set model.attention: sdpa")
+    return choice
+
+
+def _is_local(ref: str) -> bool:
+    return Path(ref).exists()
+
+
+def _looks_like_local_path(ref: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else can only have meant a folder.
+    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref
+
+
+def _hub_error(key: str, ref: str, err: Exception) -> LisaftError:
+    if _looks_like_local_path(ref):
+        return LisaftError(f"{key}: {ref}: no such folder")
+    return LisaftError(
+        f"{key}: {ref!r} is not a local folder and could not be fetched from the hub "
+        f"(offline, or no such repository): {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+    )
+
+
+def load_config(ref: str):
+    from transformers import AutoConfig
+
+    path = Path(ref)
+    if not path.exists():
+        raise LisaftError(f"model.config: {ref}: no such file or folder")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises OSError/ValueError/KeyError for bad configs
+        raise LisaftError(f"model.config: {ref}: not a usable config.json: {e}") from None
+
+
+def load_tokenizer(section: ModelSection):
+    from transformers import AutoTokenizer
+
+    ref = section.tokenizer or section.name_or_path
+    try:
+        tok = AutoTokenizer.from_pretrained(ref)
+    except Exception as e:
+        if _is_local(ref):
+            raise LisaftError(f"model.tokenizer: {ref}: cannot load a tokenizer from it: {e}") from None
+        raise _hub_error("model.tokenizer", ref, e) from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn.Module:
+    """The model in `section.dtype` on `device`, attention chosen, checkpointing set up."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[section.dtype]
+    attn = resolve_attention(section.attention, device, section.dtype)
+    if section.config is not None:
+        config = load_config(section.config)
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    else:
+        ref = section.name_or_path
+        try:
+            model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, attn_implementation=attn)
+        except Exception as e:
+            if _is_local(ref):
+                raise LisaftError(f"model.name_or_path: {ref}: cannot load a model from it: {e}") from None
+            raise _hub_error("model.name_or_path", ref, e) from None
+    model.to(device)
+    if section.gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs, so no enable_input_require_grads
+        # hack is needed and backward can stop at the lowest trainable layer.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    model.train()
+    return model

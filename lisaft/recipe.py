@@ -1,0 +1,301 @@
+"""The recipe: a typed, documented schema for everything a run depends on.
+
+A recipe is YAML on disk and a `Recipe` object everywhere else; it is never turned back into a
+loose dict inside the package. Unknown keys are errors (extra="forbid") so that a typo such as
+`lisa.intervals_steps` fails loudly instead of silently training with the default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lisaft.errors import LisaftError
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
+OptimizerName = Literal["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
+StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str | None = Field(
+        None, description="Local folder saved with save_pretrained, or a hub id (needs network)."
+    )
+    config: str | None = Field(
+        None,
+        description="A config.json (or a folder holding one) to build a randomly initialised "
+        "model from, instead of loading weights. Exactly one of name_or_path / config.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer folder or hub id. Default: name_or_path."
+    )
+    dtype: Dtype = Field(
+        "bfloat16", description="Dtype of weights, gradients and 32-bit optimizer moments."
+    )
+    attention: Attention = Field(
+        "auto",
+        description="auto picks flash_attention_2 when flash-attn and CUDA are present, else sdpa.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute layer activations in backward (non-reentrant)."
+    )
+    layers_path: str | None = Field(
+        None,
+        description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "
+        "for architectures lisaft does not know.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError("set exactly one of model.name_or_path and model.config")
+        if self.config is not None and self.tokenizer is None:
+            raise ValueError("model.tokenizer is required when model.config is used (random init)")
+        return self
+
+
+class DataSection(_Section):
+    train: str = Field(..., description="jsonl/json/csv/parquet file, saved dataset folder, or hub name.")
+    eval: str | None = Field(None, description="Eval set, same kinds as train.")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
+    )
+    format: Literal["text", "instruction", "chat"] = Field(
+        "text",
+        description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
+        "chat: `messages` [{role, content}].",
+    )
+    max_seq_len: int = Field(1024, gt=0, description="Examples are truncated to this many tokens.")
+    packing: bool = Field(False, description="Concatenate examples into full max_seq_len rows.")
+
+
+class OptimizerSection(_Section):
+    name: OptimizerName = Field("adamw_32bit", description="Optimizer; see docs/lisa.md.")
+    lr: float = Field(1e-5, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam beta1, beta2.")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    in_backward: bool = Field(
+        False,
+        description="Step each parameter inside backward and free its gradient at once. "
+        "Incompatible with grad_accum_steps > 1 and max_grad_norm.",
+    )
+
+    @field_validator("lr")
+    @classmethod
+    def _lr_positive(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+
+class SchedulerSection(_Section):
+    name: Literal["constant", "linear", "cosine"] = Field("cosine", description="LR decay shape.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 over this many steps.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, x peak lr.")
+
+
+class LisaSection(_Section):
+    enabled: bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
+    active_layers: int = Field(2, ge=1, description="γ: decoder layers trained per interval.")
+    interval_steps: int = Field(20, ge=1, description="K: optimizer steps between re-samples.")
+    train_embeddings: bool = Field(True, description="Embeddings always train (paper default).")
+    train_head: bool = Field(True, description="LM head and final norm always train (paper default).")
+    state_policy: StatePolicy = Field(
+        "discard",
+        description="Optimizer state of a deactivated layer: discard (paper), offload_cpu, "
+        "offload_disk, or keep (resident, as LMFlow; for comparison).",
+    )
+
+
+class TrainingSection(_Section):
+    seed: int = Field(42, description="Seeds model init, data order, LISA sampling, dropout.")
+    batch_size: int = Field(1, ge=1, description="Sequences per micro-batch (per rank).")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    max_steps: int = Field(..., ge=1, description="Optimizer steps in the run.")
+    max_grad_norm: float | None = Field(1.0, description="Clip total grad norm; null disables.")
+    log_every: int = Field(1, ge=1, description="Write a train record every N steps.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
+    eval_batches: int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
+    output_dir: str = Field(..., description="Run directory; relative to the recipe file.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _norm_positive(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            raise ValueError("must be > 0, or null to disable clipping")
+        return v
+
+
+class Recipe(_Section):
+    model: ModelSection
+    data: DataSection
+    optimizer: OptimizerSection = OptimizerSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    lisa: LisaSection = LisaSection()
+    training: TrainingSection
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Recipe":
+        if self.optimizer.in_backward:
+            if self.training.grad_accum_steps > 1:
+                raise ValueError(
+                    "optimizer.in_backward cannot be combined with training.grad_accum_steps > 1: "
+                    "the update runs before the next micro-batch could add its gradient"
+                )
+            if self.training.max_grad_norm is not None:
+                raise ValueError(
+                    "optimizer.in_backward cannot be combined with training.max_grad_norm: the "
+                    "total norm is known only after every parameter was already updated; set "
+                    "training.max_grad_norm: null"
+                )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def digest(self) -> str:
+        """Hash of the resolved recipe, stored with each checkpoint."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# Keys whose change alters the training path: a resumed run must keep them.
+PATH_KEYS = (
+    "model", "data", "optimizer", "scheduler", "lisa",
+    "training.seed", "training.batch_size", "training.grad_accum_steps",
+    "training.max_grad_norm",
+)
+# Keys a resume may change; the change is reported.
+CADENCE_KEYS = (
+    "training.max_steps", "training.log_every", "training.eval_every", "training.eval_batches",
+    "training.save_every", "training.keep_last", "training.device",
+)
+
+# Recipe fields holding paths that are resolved against the recipe file's folder.
+_PATH_FIELDS = (
+    ("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"),
+    ("data", "train"), ("data", "eval"), ("training", "output_dir"),
+)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise LisaftError(f"--set {item!r}: expected key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise LisaftError(f"--set {item!r}: bad key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise LisaftError(f"--set {key}: value is not YAML: {e}") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply dotted `key.path=value` overrides (values parsed as YAML) to a raw recipe dict."""
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = data
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise LisaftError(f"--set {'.'.join(parts)}: {part!r} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def _resolve_paths(data: dict, base: Path) -> None:
+    for section, key in _PATH_FIELDS:
+        sec = data.get(section)
+        if not isinstance(sec, dict) or not isinstance(sec.get(key), str):
+            continue
+        value = sec[key]
+        p = Path(value).expanduser()
+        if p.is_absolute():
+            continue
+        candidate = base / p
+        # A hub id ("org/name") stays as it is unless a folder of that name sits beside the recipe.
+        if key in ("name_or_path", "tokenizer") and not candidate.exists() and not value.startswith("."):
+            continue
+        if section == "data" and not candidate.exists() and not value.startswith(".") and "/" in value \
+                and not Path(value).suffix:
+            continue  # hub dataset name
+        sec[key] = str(candidate.resolve())
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        msg = msg.removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return f"{source}: invalid recipe: " + "; ".join(lines)
+
+
+def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise LisaftError(format_validation_error(e, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_paths: bool = True) -> Recipe:
+    """Read a recipe YAML, apply --set overrides, resolve relative paths, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise LisaftError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise LisaftError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise LisaftError(f"{path}: not a text file") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise LisaftError(f"{path}: a recipe must be a YAML mapping of sections, got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    if resolve_paths:
+        _resolve_paths(data, path.resolve().parent)
+    return recipe_from_dict(data, str(path))
+
+
+def get_key(recipe: Recipe, dotted: str) -> Any:
+    node: Any = recipe
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
