@@ -167,10 +167,6 @@ class Recipe(_Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
-    def digest(self) -> str:
-        """Hash of the resolved recipe, stored with each checkpoint."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 # Keys whose change alters the training path: a resumed run must keep them.
@@ -299,3 +295,14 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def path_view(recipe: Recipe) -> dict[str, Any]:
+    """The flattened keys that define the training path (what a resume must not change)."""
+    flat = flatten(recipe.model_dump(mode="json"))
+    return {k: v for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in PATH_KEYS)}
+
+
+def path_digest(recipe: Recipe) -> str:
+    blob = json.dumps(path_view(recipe), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

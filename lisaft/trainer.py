@@ -1,0 +1,419 @@
+"""The training loop: set up, step, evaluate, log, save, stop cleanly.
+
+Everything the loop depends on is either in the recipe, a pure function of the step (learning
+rate, LISA's active set), or saved in a checkpoint (weights, optimizer moments, data position,
+RNG states), which is what makes `lisaft resume` continue the same run rather than a similar one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lisaft import checkpoint as ckpt_mod
+from lisaft import dist
+from lisaft.checkpoint import TrainState
+from lisaft.errors import LisaftError
+from lisaft.metrics import Display, MetricsLog, peak_memory_bytes
+from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
+from lisaft.schedules import lr_at
+
+IGNORE = -100
+RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", ckpt_mod.CHECKPOINTS, "final")
+
+
+@dataclass
+class Session:
+    """Everything set up for a run; built identically by `train` and `resume`."""
+
+    recipe: Recipe
+    run_dir: Path
+    device: torch.device
+    tokenizer: object
+    model: torch.nn.Module
+    parts: object
+    layers_path: str
+    optimizer: object
+    controller: object
+    train_examples: list
+    eval_examples: list | None
+    order: object
+    unit_by_param: dict = field(default_factory=dict)
+    grad_bytes: int = 0       # gradient bytes before the last optimizer step
+    lr: float = 0.0           # learning rate of the last step
+
+
+class StopRequest:
+    """First SIGINT/SIGTERM: finish the optimizer step, checkpoint, exit. A second one aborts at
+    once (default handlers are restored after the first)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequest":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:
+                pass  # not the main thread: no signal handling
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_DFL)
+        print(f"\n{signal.Signals(signum).name} received: finishing the current step and saving a "
+              "checkpoint (send it again to abort at once)", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# set-up
+
+
+def _build_session(recipe: Recipe, run_dir: Path) -> Session:
+    """Load tokenizer, data and model and build optimizer and LISA controller. Raises
+    LisaftError for anything the user can fix; writes nothing."""
+    from lisaft.data import DataOrder, load_splits
+    from lisaft.lisa import LisaController
+    from lisaft.models import decoder_layers_path, load_model, load_tokenizer, model_parts, resolve_device
+    from lisaft.optim import build_optimizer
+
+    t = recipe.training
+    if recipe.optimizer.in_backward and dist.world_size() > 1:
+        raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
+                          "before the gradient all-reduce; set it false")
+    device = resolve_device(t.device)
+    tokenizer = load_tokenizer(recipe.model)
+    train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
+    model = load_model(recipe.model, device, seed=t.seed)
+    layers_path = decoder_layers_path(model, recipe.model.layers_path)
+    parts = model_parts(model, recipe.model.layers_path)
+    optimizer = build_optimizer(model, recipe.optimizer, device)
+    controller = LisaController(model, parts, recipe.lisa, optimizer, device=device,
+                                offload_dir=run_dir / "lisa_offload", seed=t.seed)
+    order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size())
+    head_ids = {id(p) for p in parts.head}
+    unit_by_param = {}
+    for i, layer in enumerate(parts.layers):
+        for p in layer.parameters():
+            unit_by_param[id(p)] = f"layer-{i:05d}"
+    for p in model.parameters():
+        unit_by_param.setdefault(id(p), "head" if id(p) in head_ids else "embeddings")
+    return Session(recipe, run_dir, device, tokenizer, model, parts, layers_path, optimizer, controller,
+                   train_examples, eval_examples, order, unit_by_param)
+
+
+def _looks_like_run(path: Path) -> bool:
+    return any((path / m).exists() for m in RUN_MARKERS)
+
+
+def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite: bool = False,
+          show: bool = True, _stop_at: int | None = None) -> int:
+    """`lisaft train`: returns the process exit code. `_stop_at` (tests) stops as a signal would
+    after that many optimizer steps."""
+    recipe = load_recipe(recipe_path, overrides or [])
+    run_dir = Path(recipe.training.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LisaftError(f"training.output_dir: {run_dir} is a file")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if not _looks_like_run(run_dir):
+            raise LisaftError(f"training.output_dir: {run_dir} is not empty and holds no lisaft run; "
+                              "choose another folder")
+        if not overwrite:
+            raise LisaftError(f"training.output_dir: {run_dir} already holds a run; continue it with "
+                              f"`lisaft resume {run_dir}`, or pass --overwrite to start over")
+    session = _build_session(recipe, run_dir)
+    if dist.is_main():
+        if overwrite and run_dir.is_dir():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
+    dist.barrier()
+    session.controller.activate_for_step(0)
+    state = TrainState(recipe_digest=path_digest(recipe), world_size=dist.world_size())
+    return _run(session, state, base=None, show=show, stop_at=_stop_at)
+
+
+def _diff(old: dict, new: dict) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [k for k in keys if old.get(k) != new.get(k)]
+
+
+def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[str] | None = None,
+           show: bool = True, _stop_at: int | None = None) -> int:
+    """`lisaft resume`: continue RUN_DIR from its newest complete checkpoint."""
+    run_dir = Path(run_dir).resolve()
+    recipe_file = run_dir / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise LisaftError(f"{run_dir}: not a lisaft run (no recipe.yaml)")
+    overrides = list(overrides or [])
+    if max_steps is not None:
+        overrides.append(f"training.max_steps={max_steps}")
+    # The run lives where it is now, even if the folder was moved since.
+    overrides.append(f"training.output_dir={run_dir}")
+    recipe = load_recipe(recipe_file, overrides)
+    ckpt = ckpt_mod.newest_complete(run_dir, warn=lambda m: print(f"warning: {m}", flush=True))
+    if ckpt is None:
+        raise LisaftError(f"{run_dir}: no complete checkpoint to resume from; start over with "
+                          f"`lisaft train {recipe_file} --overwrite`")
+    saved = recipe_from_dict(json.loads((ckpt / "recipe.json").read_text()), f"{ckpt}/recipe.json")
+    saved_flat = flatten(saved.model_dump(mode="json"))
+    new_flat = flatten(recipe.model_dump(mode="json"))
+    saved_flat["training.output_dir"] = new_flat["training.output_dir"]
+    changed = _diff(saved_flat, new_flat)
+    refused = [k for k in changed if k not in CADENCE_KEYS]
+    if refused:
+        k = refused[0]
+        raise LisaftError(f"{k}: cannot change on resume (it alters the training path): checkpoint "
+                          f"has {saved_flat.get(k)!r}, now {new_flat.get(k)!r}")
+    state_preview = json.loads((ckpt / "state.json").read_text())
+    if state_preview.get("world_size", 1) != dist.world_size():
+        raise LisaftError(f"{ckpt.name} was written by {state_preview.get('world_size', 1)} processes; "
+                          f"resume with the same number (now {dist.world_size()})")
+    if state_preview["step"] >= recipe.training.max_steps:
+        raise LisaftError(f"{run_dir}: the run is complete at step {state_preview['step']}; pass "
+                          "--max-steps N to train further")
+    session = _build_session(recipe, run_dir)
+    state, optimizer_state = ckpt_mod.load_checkpoint(ckpt, session.model, session.device)
+    session.controller.load_state_dict(optimizer_state)
+    session.order.load_state_dict(state.data)
+    dropped = MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
+    if dist.is_main():
+        _write_atomic(recipe_file, recipe.to_yaml())
+        msg = f"resuming {run_dir} from {ckpt.name} (step {state.step})"
+        if changed:
+            msg += "; changed: " + ", ".join(f"{k} {saved_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
+        if dropped:
+            msg += f"; dropped {dropped} metrics records logged after that checkpoint"
+        print(msg, flush=True)
+    return _run(session, state, base=ckpt, show=show, stop_at=_stop_at)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross entropy over response tokens, in float32."""
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        torch.distributed.all_reduce(value)
+    return value
+
+
+def _all_reduce_grads(params: list) -> None:
+    """Sum the trainable set's gradients over ranks. The loss is already divided by the global
+    token count, so a sum gives exactly the single-process gradient."""
+    if not dist.is_initialized():
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        torch.distributed.all_reduce(flat)
+        for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
+            g.copy_(reduced)
+
+
+@torch.no_grad()
+def evaluate(session: Session) -> dict:
+    """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
+    from lisaft.data import collate, eval_index_batches
+
+    examples = session.eval_examples
+    t = session.recipe.training
+    batches = eval_index_batches(len(examples), t.batch_size)
+    if t.eval_batches is not None:
+        batches = batches[: t.eval_batches]
+    batches = batches[dist.rank():: dist.world_size()]
+    model = session.model
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    for idx in batches:
+        batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id)
+        batch = {k: v.to(session.device) for k, v in batch.items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        targets = batch["labels"][:, 1:]
+        mask = targets != IGNORE
+        totals[0] += _token_loss_sum(logits, batch["labels"]).item()
+        totals[1] += mask.sum().item()
+        totals[2] += ((logits[:, :-1].argmax(-1) == targets) & mask).sum().item()
+    model.train()
+    totals = _all_reduce_sum(totals.to(session.device)).cpu()
+    n = max(totals[1].item(), 1.0)
+    return {"eval_loss": totals[0].item() / n, "eval_token_accuracy": totals[2].item() / n}
+
+
+def _train_step(session: Session, step: int) -> tuple[float, int]:
+    """One optimizer step over grad_accum_steps micro-batches. Returns (mean token loss, global
+    tokens processed)."""
+    from lisaft.data import collate
+    from lisaft.optim import set_lr
+
+    r, t = session.recipe, session.recipe.training
+    controller, optimizer = session.controller, session.optimizer
+    controller.activate_for_step(step)
+    micro = []
+    for _ in range(t.grad_accum_steps):
+        idx = session.order.next_indices()
+        micro.append(collate([session.train_examples[i] for i in idx], session.tokenizer.pad_token_id))
+    counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro),
+                           sum(int(b["attention_mask"].sum()) for b in micro)], dtype=torch.float64)
+    counts = _all_reduce_sum(counts.to(session.device)).cpu()
+    loss_tokens = max(counts[0].item(), 1.0)
+    # The learning rate is set before backward: with optimizer.in_backward the update runs there.
+    session.lr = lr_at(step, peak_lr=r.optimizer.lr, max_steps=t.max_steps, name=r.scheduler.name,
+                       warmup_steps=r.scheduler.warmup_steps, min_lr_ratio=r.scheduler.min_lr_ratio)
+    set_lr(optimizer, session.lr)
+    loss_sum = 0.0
+    for batch in micro:
+        batch = {k: v.to(session.device, non_blocking=True) for k, v in batch.items()}
+        logits = session.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = _token_loss_sum(logits, batch["labels"])
+        del logits
+        (loss / loss_tokens).backward()
+        loss_sum += loss.item()
+    trainable = controller.trainable_parameters()
+    _all_reduce_grads(trainable)
+    session.grad_bytes = controller.grad_bytes()
+    if t.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_total = _all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
+    return loss_total / loss_tokens, int(counts[1].item())
+
+
+def _save(session: Session, state: TrainState, base: Path | None, changed: set[str] | None) -> Path:
+    state.data = session.order.state_dict()
+    path = ckpt_mod.save_checkpoint(
+        session.run_dir, state, session.model, session.layers_path, session.parts.head,
+        session.controller.state_dict(), changed, base, session.recipe.training.keep_last,
+        extra_files={"recipe.json": json.dumps(session.recipe.model_dump(mode="json"), indent=1)},
+    )
+    return path
+
+
+def _run(session: Session, state: TrainState, base: Path | None, show: bool, stop_at: int | None) -> int:
+    t = session.recipe.training
+    metrics = MetricsLog(session.run_dir / "metrics.jsonl")
+    changed: set[str] = set()
+    if dist.is_main():
+        ckpt_mod.remove_stale_temporaries(session.run_dir)
+    window = state.window or {"loss_sum": 0.0, "steps": 0, "tokens": 0}
+    window_t0 = time.perf_counter()
+    with StopRequest() as stop, Display(t.max_steps, state.step, enabled=show) as display:
+        _announce(session, display, state)
+        while state.step < t.max_steps:
+            step = state.step
+            loss, tokens = _train_step(session, step)
+            changed |= {session.unit_by_param[id(p)] for p in session.controller.trainable_parameters()}
+            state.step += 1
+            state.tokens_seen += tokens
+            window["loss_sum"] += loss
+            window["steps"] += 1
+            window["tokens"] += tokens
+            if state.step % t.log_every == 0 or state.step == t.max_steps:
+                elapsed = max(time.perf_counter() - window_t0, 1e-9)
+                dev_state, off_state = session.controller.state_bytes()
+                rec = {
+                    "step": state.step,
+                    "loss": window["loss_sum"] / window["steps"],
+                    "lr": session.lr,
+                    "tokens_per_s": window["tokens"] / elapsed,
+                    "active_layers": session.controller.active_layers,
+                    "trainable_params": session.controller.trainable_params(),
+                    "grad_bytes": session.grad_bytes,
+                    "optimizer_state_bytes": dev_state,
+                    "offloaded_state_bytes": off_state,
+                    "peak_memory_bytes": peak_memory_bytes(session.device),
+                }
+                metrics.write(rec)
+                display.train(rec)
+                window = {"loss_sum": 0.0, "steps": 0, "tokens": 0}
+                window_t0 = time.perf_counter()
+            if session.eval_examples and (
+                (t.eval_every and state.step % t.eval_every == 0) or state.step == t.max_steps
+            ):
+                rec = {"step": state.step, **evaluate(session)}
+                metrics.write(rec)
+                display.eval(rec)
+            stopping = stop.requested or (stop_at is not None and state.step >= stop_at)
+            if (t.save_every and state.step % t.save_every == 0) or stopping or state.step == t.max_steps:
+                state.window = window
+                base = _save(session, state, base, changed)
+                changed = set()
+            if stopping and state.step < t.max_steps:
+                why = signal.Signals(stop.signum).name if stop.signum else "stop requested"
+                display.print(f"stopped ({why}) at step {state.step}; checkpoint {base.name} written. "
+                              f"Continue with: lisaft resume {session.run_dir}")
+                return 128 + stop.signum if stop.signum else 3
+    _save_final(session)
+    if dist.is_main():
+        display.print(f"done: {state.step} steps; model saved to {session.run_dir / 'final'}")
+    return 0
+
+
+def _announce(session: Session, display: Display, state: TrainState) -> None:
+    r = session.recipe
+    n_params = sum(p.numel() for p in session.model.parameters())
+    lisa = (f"LISA γ={r.lisa.active_layers} of {len(session.parts.layers)} layers every "
+            f"{r.lisa.interval_steps} steps, state {r.lisa.state_policy}" if r.lisa.enabled else "full fine-tuning")
+    display.print(
+        f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
+        f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}; "
+        f"{len(session.train_examples)} train examples"
+        + (f", {len(session.eval_examples)} eval" if session.eval_examples else "")
+        + f"; steps {state.step}->{r.training.max_steps}; run {session.run_dir}"
+    )
+
+
+def _save_final(session: Session) -> None:
+    if not dist.is_main():
+        dist.barrier()
+        return
+    final = session.run_dir / "final"
+    tmp = session.run_dir / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    session.model.save_pretrained(tmp, safe_serialization=True)
+    session.tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    dist.barrier()
+

@@ -1,0 +1,19 @@
+import os
+
+import pytest
+import torch
+
+# Two cores: one intra-op thread per test process keeps timings stable and leaves room for
+# subprocess-based tests.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       tie_word_embeddings=False)

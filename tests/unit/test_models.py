@@ -1,0 +1,56 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lisaft.errors import LisaftError
+from lisaft.models import model_parts, resolve_attention
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _configs():
+    from transformers import (Gemma2Config, GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
+                              MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
+
+    yield "llama", LlamaConfig(**SMALL)
+    yield "mistral", MistralConfig(**SMALL)
+    yield "qwen2", Qwen2Config(**SMALL)
+    yield "qwen3", Qwen3Config(**SMALL, head_dim=8)
+    yield "gemma", GemmaConfig(**SMALL, head_dim=8)
+    yield "gemma2", Gemma2Config(**SMALL, head_dim=8)
+    yield "phi3", Phi3Config(**{k: v for k, v in SMALL.items()}, pad_token_id=0)
+    yield "gpt2", GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64)
+    yield "gpt_neox", GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("name, config", list(_configs()), ids=[n for n, _ in _configs()])
+def test_layer_discovery_covers_every_parameter_once(name, config):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parts = model_parts(model)
+    assert len(parts.layers) == 3
+    groups = [p for layer in parts.layers for p in layer.parameters()] + parts.embeddings + parts.head
+    ids = [id(p) for p in groups]
+    assert len(ids) == len(set(ids)), "a parameter is in two groups"
+    assert set(ids) == {id(p) for p in model.parameters()}
+    assert any(p is model.get_input_embeddings().weight for p in parts.embeddings)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied or any(p is model.get_output_embeddings().weight for p in parts.head)
+    assert parts.head, "final norm belongs to the head"
+
+
+def test_explicit_layers_path(tiny_llama_config):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_llama_config)
+    assert len(model_parts(model, "model.layers").layers) == 4
+    with pytest.raises(LisaftError, match="model.layers_path"):
+        model_parts(model, "model.norm")
+
+
+def test_flash_attention_on_cpu_is_a_clear_error():
+    with pytest.raises(LisaftError, match="model.attention: flash_attention_2 cannot run"):
+        resolve_attention("flash_attention_2", torch.device("cpu"), "bfloat16")
+    assert resolve_attention("auto", torch.device("cpu"), "bfloat16") == "sdpa"
+    assert resolve_attention("eager", torch.device("cpu"), "float32") == "eager"

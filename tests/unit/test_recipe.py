@@ -1,0 +1,110 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lisaft.errors import LisaftError
+from lisaft.recipe import Recipe, apply_overrides, load_recipe, path_digest
+
+BASE = {
+    "model": {"config": "cfg/config.json", "tokenizer": "tok"},
+    "data": {"train": "data/train.jsonl", "format": "instruction"},
+    "training": {"max_steps": 10, "output_dir": "runs/x"},
+}
+
+
+def write(tmp_path: Path, data, name="r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return p
+
+
+def test_defaults_documented_and_applied(tmp_path):
+    r = load_recipe(write(tmp_path, BASE))
+    assert r.optimizer.name == "adamw_32bit"
+    assert r.lisa.enabled is False and r.lisa.state_policy == "discard"
+    for section in (Recipe.model_fields["optimizer"].annotation, Recipe.model_fields["lisa"].annotation):
+        for name, f in section.model_fields.items():
+            assert f.description, f"{section.__name__}.{name} has no description"
+
+
+def test_relative_paths_resolve_against_recipe_folder(tmp_path, monkeypatch):
+    (tmp_path / "tok").mkdir()
+    r = load_recipe(write(tmp_path, BASE))
+    monkeypatch.chdir("/")
+    assert r.data.train == str((tmp_path / "data/train.jsonl").resolve())
+    assert r.model.tokenizer == str((tmp_path / "tok").resolve())
+    assert r.training.output_dir == str((tmp_path / "runs/x").resolve())
+
+
+def test_hub_id_left_alone(tmp_path):
+    data = {**BASE, "model": {"name_or_path": "meta-llama/Llama-3.1-8B"}}
+    r = load_recipe(write(tmp_path, data))
+    assert r.model.name_or_path == "meta-llama/Llama-3.1-8B"
+
+
+def test_overrides_parse_yaml_values(tmp_path):
+    r = load_recipe(write(tmp_path, BASE), ["lisa.enabled=true", "optimizer.lr=3e-4",
+                                            "training.max_grad_norm=null", "lisa.active_layers=3"])
+    assert r.lisa.enabled is True and r.lisa.active_layers == 3
+    assert r.optimizer.lr == 3e-4 and r.training.max_grad_norm is None
+
+
+def test_override_creates_missing_section():
+    assert apply_overrides({}, ["lisa.enabled=true"]) == {"lisa": {"enabled": True}}
+
+
+@pytest.mark.parametrize("override, key", [
+    (["lisa.intervals_steps=3"], "lisa.intervals_steps: unknown key"),
+    (["optimizer.lr=0"], "optimizer.lr"),
+    (["optimizer.lr=-1"], "optimizer.lr"),
+    (["optimizer.name=sgd"], "optimizer.name"),
+    (["training.batch_size=many"], "training.batch_size"),
+    (["optimizer.in_backward=true"], "training.max_grad_norm"),
+    (["optimizer.in_backward=true", "training.max_grad_norm=null", "training.grad_accum_steps=2"],
+     "grad_accum_steps"),
+])
+def test_bad_values_name_the_key(tmp_path, override, key):
+    with pytest.raises(LisaftError) as e:
+        load_recipe(write(tmp_path, BASE), override)
+    assert key in str(e.value)
+    assert str(tmp_path / "r.yaml") in str(e.value)
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    with pytest.raises(LisaftError, match="not valid YAML"):
+        load_recipe(write(tmp_path, "model: [unclosed\n  - x: :"))
+    with pytest.raises(LisaftError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(LisaftError, match="mapping"):
+        load_recipe(write(tmp_path, "- a\n- b\n"))
+
+
+def test_bad_set_syntax(tmp_path):
+    with pytest.raises(LisaftError, match="key.path=value"):
+        load_recipe(write(tmp_path, BASE), ["lisa.enabled"])
+
+
+def test_missing_required_section(tmp_path):
+    with pytest.raises(LisaftError, match="training: required key is missing"):
+        load_recipe(write(tmp_path, {k: v for k, v in BASE.items() if k != "training"}))
+
+
+def test_model_source_exclusive(tmp_path):
+    data = {**BASE, "model": {"config": "c.json", "name_or_path": "x", "tokenizer": "t"}}
+    with pytest.raises(LisaftError, match="exactly one of model.name_or_path and model.config"):
+        load_recipe(write(tmp_path, data))
+
+
+def test_path_digest_ignores_cadence(tmp_path):
+    a = load_recipe(write(tmp_path, BASE))
+    b = load_recipe(write(tmp_path, BASE), ["training.log_every=5", "training.max_steps=99"])
+    c = load_recipe(write(tmp_path, BASE), ["training.seed=7"])
+    assert path_digest(a) == path_digest(b) != path_digest(c)
+
+
+def test_every_shipped_recipe_validates():
+    recipes = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+    assert recipes, "no recipes shipped"
+    for path in recipes:
+        load_recipe(path)
