@@ -145,14 +145,17 @@ def is_complete(ckpt: Path) -> tuple[bool, str]:
     return True, ""
 
 
-def newest_complete(run_dir: Path, warn=print) -> Path | None:
-    """The newest checkpoint that is complete; incomplete or corrupt ones are skipped, loudly."""
+def complete_checkpoints(run_dir: Path, warn=print) -> list[Path]:
+    """Complete checkpoints, newest first; incomplete or corrupt ones newer than the newest
+    complete one are named in a warning."""
+    found = []
     for ckpt in list_checkpoints(run_dir):
         ok, why = is_complete(ckpt)
         if ok:
-            return ckpt
-        warn(f"skipping checkpoint {ckpt.name}: {why}")
-    return None
+            found.append(ckpt)
+        elif not found:
+            warn(f"skipping checkpoint {ckpt.name}: {why}")
+    return found
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
@@ -218,6 +221,7 @@ def save_checkpoint(
     _fsync_file(rng_file)
     dist.barrier()
     if dist.is_main():
+        _pause_for_tests(tmp)
         for f in written:
             _fsync_file(f)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -233,6 +237,17 @@ def save_checkpoint(
         prune(run_dir, keep_last)
     dist.barrier()
     return final
+
+
+def _pause_for_tests(tmp: Path) -> None:
+    """The crash-safety test kills the process here, with every file written but no marker yet:
+    the worst moment. Inert unless the variable is set."""
+    spec = os.environ.get("LISAFT_TEST_PAUSE_BEFORE_MARKER")  # "STEP:SECONDS"
+    if spec and tmp.name.startswith(f".tmp-{step_dir_name(int(spec.split(':')[0]))}-"):
+        (tmp.parent / "PAUSED").write_text(tmp.name)
+        import time
+
+        time.sleep(float(spec.split(":")[1]))
 
 
 def prune(run_dir: Path, keep_last: int) -> None:

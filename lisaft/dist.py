@@ -31,3 +31,37 @@ def is_main() -> bool:
 def barrier() -> None:
     if is_initialized():
         torch_dist.barrier()
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes in the environment (WORLD_SIZE > 1): NCCL on
+    CUDA, gloo on CPU. Returns True when this process is one rank of several."""
+    if is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return False
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    torch_dist.init_process_group(backend=backend)
+    return True
+
+
+def shutdown() -> None:
+    if is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on any: stop decisions must be collective, or the
+    ranks would part ways at the next collective."""
+    if not is_initialized():
+        return flag
+    import torch
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
+                     device="cuda" if torch_dist.get_backend() == "nccl" else "cpu")
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -178,7 +178,8 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
     if section.config is not None:
         config = load_config(section.config)
         torch.manual_seed(seed)
-        with warnings.catch_warnings():
+        # Built directly on the training device: an 8B model in bf16 never passes through host RAM.
+        with warnings.catch_warnings(), torch.device(device):
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:

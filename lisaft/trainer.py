@@ -87,9 +87,11 @@ class StopRequest:
 # set-up
 
 
-def _build_session(recipe: Recipe, run_dir: Path) -> Session:
+def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples: list | None = None,
+                  eval_examples: list | None = None) -> Session:
     """Load tokenizer, data and model and build optimizer and LISA controller. Raises
-    LisaftError for anything the user can fix; writes nothing."""
+    LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
+    tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
     from lisaft.data import DataOrder, load_splits
     from lisaft.lisa import LisaController
     from lisaft.models import decoder_layers_path, load_model, load_tokenizer, model_parts, resolve_device
@@ -100,14 +102,16 @@ def _build_session(recipe: Recipe, run_dir: Path) -> Session:
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")
     device = resolve_device(t.device)
-    tokenizer = load_tokenizer(recipe.model)
-    train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(recipe.model)
+    if train_examples is None:
+        train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
     model = load_model(recipe.model, device, seed=t.seed)
     layers_path = decoder_layers_path(model, recipe.model.layers_path)
     parts = model_parts(model, recipe.model.layers_path)
     optimizer = build_optimizer(model, recipe.optimizer, device)
     controller = LisaController(model, parts, recipe.lisa, optimizer, device=device,
-                                offload_dir=run_dir / "lisa_offload", seed=t.seed)
+                                offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed)
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size())
     head_ids = {id(p) for p in parts.head}
     unit_by_param = {}
@@ -124,6 +128,22 @@ def _looks_like_run(path: Path) -> bool:
     return any((path / m).exists() for m in RUN_MARKERS)
 
 
+def _in_process_group(fn):
+    """Run a command inside the torchrun process group when launched by torchrun."""
+
+    def wrapper(*args, **kwargs):
+        joined = dist.init_from_env()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if joined:
+                dist.shutdown()
+
+    wrapper.__doc__, wrapper.__name__ = fn.__doc__, fn.__name__
+    return wrapper
+
+
+@_in_process_group
 def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite: bool = False,
           show: bool = True, _stop_at: int | None = None) -> int:
     """`lisaft train`: returns the process exit code. `_stop_at` (tests) stops as a signal would
@@ -139,7 +159,8 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
         if not overwrite:
             raise LisaftError(f"training.output_dir: {run_dir} already holds a run; continue it with "
                               f"`lisaft resume {run_dir}`, or pass --overwrite to start over")
-    session = _build_session(recipe, run_dir)
+    session = build_session(recipe, run_dir)
+    dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
     if dist.is_main():
         if overwrite and run_dir.is_dir():
             shutil.rmtree(run_dir)
@@ -156,6 +177,7 @@ def _diff(old: dict, new: dict) -> list[str]:
     return [k for k in keys if old.get(k) != new.get(k)]
 
 
+@_in_process_group
 def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[str] | None = None,
            show: bool = True, _stop_at: int | None = None) -> int:
     """`lisaft resume`: continue RUN_DIR from its newest complete checkpoint."""
@@ -169,10 +191,12 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     # The run lives where it is now, even if the folder was moved since.
     overrides.append(f"training.output_dir={run_dir}")
     recipe = load_recipe(recipe_file, overrides)
-    ckpt = ckpt_mod.newest_complete(run_dir, warn=lambda m: print(f"warning: {m}", flush=True))
-    if ckpt is None:
+    warn = lambda m: print(f"warning: {m}", flush=True)  # noqa: E731
+    candidates = ckpt_mod.complete_checkpoints(run_dir, warn=warn)
+    if not candidates:
         raise LisaftError(f"{run_dir}: no complete checkpoint to resume from; start over with "
                           f"`lisaft train {recipe_file} --overwrite`")
+    ckpt = candidates[0]
     saved = recipe_from_dict(json.loads((ckpt / "recipe.json").read_text()), f"{ckpt}/recipe.json")
     saved_flat = flatten(saved.model_dump(mode="json"))
     new_flat = flatten(recipe.model_dump(mode="json"))
@@ -190,8 +214,16 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     if state_preview["step"] >= recipe.training.max_steps:
         raise LisaftError(f"{run_dir}: the run is complete at step {state_preview['step']}; pass "
                           "--max-steps N to train further")
-    session = _build_session(recipe, run_dir)
-    state, optimizer_state = ckpt_mod.load_checkpoint(ckpt, session.model, session.device)
+    session = build_session(recipe, run_dir)
+    for i, ckpt in enumerate(candidates):
+        try:
+            state, optimizer_state = ckpt_mod.load_checkpoint(ckpt, session.model, session.device)
+            break
+        except Exception as e:  # a checkpoint that passed the size check but does not load
+            if i + 1 == len(candidates):
+                raise LisaftError(f"{ckpt}: cannot be loaded ({e}); no older complete checkpoint; start "
+                                  f"over with `lisaft train {recipe_file} --overwrite`") from None
+            warn(f"skipping checkpoint {ckpt.name}: cannot be loaded ({e})")
     session.controller.load_state_dict(optimizer_state)
     session.order.load_state_dict(state.data)
     dropped = MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
@@ -279,7 +311,7 @@ def evaluate(session: Session) -> dict:
     return {"eval_loss": totals[0].item() / n, "eval_token_accuracy": totals[2].item() / n}
 
 
-def _train_step(session: Session, step: int) -> tuple[float, int]:
+def train_step(session: Session, step: int) -> tuple[float, int]:
     """One optimizer step over grad_accum_steps micro-batches. Returns (mean token loss, global
     tokens processed)."""
     from lisaft.data import collate
@@ -341,7 +373,7 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
         _announce(session, display, state)
         while state.step < t.max_steps:
             step = state.step
-            loss, tokens = _train_step(session, step)
+            loss, tokens = train_step(session, step)
             changed |= {session.unit_by_param[id(p)] for p in session.controller.trainable_parameters()}
             state.step += 1
             state.tokens_seen += tokens
@@ -373,16 +405,19 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
                 rec = {"step": state.step, **evaluate(session)}
                 metrics.write(rec)
                 display.eval(rec)
-            stopping = stop.requested or (stop_at is not None and state.step >= stop_at)
+            stopping = dist.any_rank(stop.requested or (stop_at is not None and state.step >= stop_at))
             if (t.save_every and state.step % t.save_every == 0) or stopping or state.step == t.max_steps:
                 state.window = window
                 base = _save(session, state, base, changed)
                 changed = set()
             if stopping and state.step < t.max_steps:
                 why = signal.Signals(stop.signum).name if stop.signum else "stop requested"
+                if stop.signum is None and stop_at is None:
+                    why = "another rank was stopped"
                 display.print(f"stopped ({why}) at step {state.step}; checkpoint {base.name} written. "
                               f"Continue with: lisaft resume {session.run_dir}")
                 return 128 + stop.signum if stop.signum else 3
+
     _save_final(session)
     if dist.is_main():
         display.print(f"done: {state.step} steps; model saved to {session.run_dir / 'final'}")
@@ -410,6 +445,9 @@ def _save_final(session: Session) -> None:
     final = session.run_dir / "final"
     tmp = session.run_dir / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     session.model.save_pretrained(tmp, safe_serialization=True)
     session.tokenizer.save_pretrained(tmp)
     if final.exists():

@@ -1,0 +1,178 @@
+"""Exact resume: a stopped and resumed run is the same run, bit for bit, on CPU."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from lisaft.cli import app
+from lisaft.metrics import read_metrics
+from lisaft.trainer import resume, train
+
+runner = CliRunner()
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+def evals(run: Path) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r}
+
+
+def final_weights(run: Path) -> dict:
+    out = {}
+    for f in sorted((run / "final").glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert losses(a) == losses(b)
+    assert evals(a) == evals(b)
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].equal(wb[k]), k
+
+
+@pytest.mark.parametrize("policy", ["discard", "offload_cpu", "offload_disk", "keep"])
+@pytest.mark.parametrize("stop_at, accum", [(4, 1), (3, 2)], ids=["mid-interval", "boundary-accum2"])
+def test_stop_and_resume_is_bit_identical(tiny_run, policy, stop_at, accum):
+    common = dict(lisa={"state_policy": policy, "interval_steps": 3},
+                  training={"max_steps": 7, "grad_accum_steps": accum, "eval_every": 3})
+    ref = tiny_run("ref.yaml", **common)
+    ref_code = train(ref, overrides=["training.output_dir=ref"], show=False)
+    assert ref_code == 0
+    cut = tiny_run("cut.yaml", **common)
+    assert train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=stop_at) != 0
+    assert max(losses(tiny_run.dir / "cut")) == stop_at
+    assert resume(tiny_run.dir / "cut", show=False) == 0
+    assert_same_run(tiny_run.dir / "ref", tiny_run.dir / "cut")
+
+
+def test_resume_refuses_path_change_and_reports_cadence(tiny_run):
+    recipe = tiny_run(training={"max_steps": 6})
+    train(recipe, show=False, _stop_at=2)
+    run = tiny_run.dir / "run"
+    result = runner.invoke(app, ["resume", str(run), "--set", "lisa.active_layers=3"])
+    assert result.exit_code == 2
+    assert "lisa.active_layers" in result.output and "Traceback" not in result.output
+    result = runner.invoke(app, ["resume", str(run), "--set", "training.seed=5"])
+    assert result.exit_code == 2 and "training.seed" in result.output
+    result = runner.invoke(app, ["resume", str(run), "--max-steps", "4", "--set", "training.log_every=2"])
+    assert result.exit_code == 0, result.output
+    assert "training.max_steps" in result.output and "training.log_every" in result.output
+    assert sorted(losses(run)) == [1, 2, 4]
+
+
+def test_resume_extends_a_finished_run_and_refuses_without_more_steps(tiny_run):
+    recipe = tiny_run(training={"max_steps": 3})
+    assert train(recipe, show=False) == 0
+    run = tiny_run.dir / "run"
+    result = runner.invoke(app, ["resume", str(run)])
+    assert result.exit_code == 2 and "--max-steps" in result.output
+    assert runner.invoke(app, ["resume", str(run), "--max-steps", "5"]).exit_code == 0
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5]
+
+
+def test_corrupt_newest_checkpoint_is_skipped(tiny_run):
+    common = dict(training={"max_steps": 6, "save_every": 2, "keep_last": 3})
+    ref = tiny_run("ref.yaml", **common)
+    assert train(ref, overrides=["training.output_dir=ref"], show=False) == 0
+    run = tiny_run.dir / "ref"
+    newest = run / "checkpoints" / "step-000006"
+    opt = newest / "optimizer.pt"
+    opt.write_bytes(opt.read_bytes()[:100])
+    reference = losses(run)
+    result = runner.invoke(app, ["resume", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "skipping checkpoint step-000006" in result.output
+    assert losses(run) == reference
+
+
+def test_no_complete_checkpoint_says_how_to_start_over(tiny_run):
+    recipe = tiny_run(training={"max_steps": 2})
+    assert train(recipe, show=False) == 0
+    run = tiny_run.dir / "run"
+    for c in (run / "checkpoints").iterdir():
+        (c / "COMPLETE").unlink()
+    result = runner.invoke(app, ["resume", str(run)])
+    assert result.exit_code == 2
+    assert "no complete checkpoint" in result.output and "--overwrite" in result.output
+
+
+def test_unchanged_layers_are_hard_linked_between_checkpoints(tiny_run):
+    recipe = tiny_run(lisa={"active_layers": 1, "interval_steps": 10},
+                      training={"max_steps": 4, "save_every": 2, "keep_last": 5})
+    assert train(recipe, show=False) == 0
+    ck = tiny_run.dir / "run" / "checkpoints"
+    first, second = ck / "step-000002" / "weights", ck / "step-000004" / "weights"
+    linked = [f.name for f in second.iterdir() if f.stat().st_ino == (first / f.name).stat().st_ino]
+    # Three of four layers were frozen throughout; embeddings and head trained.
+    assert len(linked) == 3 and all(n.startswith("layer-") for n in linked)
+    # Pruning the older checkpoint leaves the newer loadable.
+    import shutil
+    shutil.rmtree(ck / "step-000002")
+    assert runner.invoke(app, ["resume", str(tiny_run.dir / "run"), "--max-steps", "5"]).exit_code == 0
+
+
+def _spawn(recipe: Path, *extra: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lisaft", "train", str(recipe), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _wait_for(predicate, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early: {proc.stdout.read()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def test_sigterm_checkpoints_and_says_how_to_resume(tiny_run):
+    recipe = tiny_run(training={"max_steps": 100000, "eval_every": 0, "save_every": 0})
+    metrics = tiny_run.dir / "run" / "metrics.jsonl"
+    proc = _spawn(recipe)
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "lisaft resume" in out and "SIGTERM" in out
+    steps = sorted(losses(tiny_run.dir / "run"))
+    ckpts = [p.name for p in (tiny_run.dir / "run" / "checkpoints").iterdir()]
+    assert ckpts == [f"step-{steps[-1]:06d}"]
+
+
+def test_sigkill_while_writing_a_checkpoint_leaves_the_run_resumable(tiny_run):
+    common = {"max_steps": 6, "save_every": 2, "eval_every": 0}
+    ref = tiny_run("ref.yaml", training={**common, "output_dir": "ref"})
+    assert train(ref, show=False) == 0
+    recipe = tiny_run(training=common)
+    run = tiny_run.dir / "run"
+    paused = run / "checkpoints" / "PAUSED"
+    # step-000002 completes; the process is killed inside the write of step-000004, with every
+    # file written but the completion marker.
+    proc = _spawn(recipe, env={"LISAFT_TEST_PAUSE_BEFORE_MARKER": "4:60"})
+    _wait_for(paused.exists, proc)
+    proc.kill()
+    proc.wait()
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "step-000002" in names and "step-000004" not in names
+    result = runner.invoke(app, ["resume", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "from step-000002" in result.output
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert losses(run) == losses(tiny_run.dir / "ref")
+    assert_same_run(run, tiny_run.dir / "ref")

@@ -1,0 +1,102 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from lisaft.cli import app
+from lisaft.metrics import read_metrics
+
+runner = CliRunner()
+TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "active_layers", "trainable_params", "grad_bytes",
+                "optimizer_state_bytes", "offloaded_state_bytes", "peak_memory_bytes"}
+
+
+def test_train_end_to_end_writes_the_run_directory(tiny_run):
+    recipe = tiny_run()
+    result = runner.invoke(app, ["train", str(recipe), "--set", "training.save_every=4"])
+    assert result.exit_code == 0, result.output
+    run = tiny_run.dir / "run"
+    records = read_metrics(run / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert TRAIN_FIELDS <= set(train[0])
+    assert [r["step"] for r in evals] == [4, 8]
+    assert 0.0 <= evals[-1]["eval_token_accuracy"] <= 1.0
+    assert all(len(r["active_layers"]) == 2 for r in train)
+    assert all(r["peak_memory_bytes"] > 0 and r["grad_bytes"] > 0 for r in train)
+    assert (run / "recipe.yaml").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    assert model.config.num_hidden_layers == 4 and len(tok) == model.config.vocab_size
+
+
+def test_loss_goes_down_full_finetuning(tiny_run):
+    recipe = tiny_run(lisa={"enabled": False}, training={"max_steps": 30, "eval_every": 0})
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    train = [r for r in read_metrics(tiny_run.dir / "run" / "metrics.jsonl") if "loss" in r]
+    assert train[-1]["loss"] < 0.7 * train[0]["loss"]
+    assert train[0]["active_layers"] is None or train[0]["active_layers"] == [0, 1, 2, 3]
+
+
+def _one_error_line(result):
+    out = result.output.strip()
+    assert result.exit_code == 2, out
+    assert "Traceback" not in out
+    assert out.startswith("error:"), out
+    return out
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["lisa.activ_layers=2"], "lisa.activ_layers: unknown key"),
+    (["training.batch_size=two"], "training.batch_size"),
+    (["optimizer.name=sgd"], "optimizer.name"),
+    (["optimizer.lr=0"], "optimizer.lr"),
+    (["data.train=missing.jsonl"], "missing.jsonl"),
+    (["model.config=nope/config.json"], "model.config"),
+    (["model.attention=flash_attention_2"], "flash_attention_2"),
+    (["lisa.active_layers=9"], "lisa.active_layers"),
+])
+def test_bad_input_exits_2_with_one_message(tiny_run, overrides, needle):
+    recipe = tiny_run()
+    args = ["train", str(recipe)]
+    for o in overrides:
+        args += ["--set", o]
+    out = _one_error_line(runner.invoke(app, args))
+    assert needle in out
+    assert not (tiny_run.dir / "run").exists(), "a failed start must not create the run"
+
+
+def test_not_yaml_and_empty_dataset(tiny_run):
+    bad = tiny_run.dir / "bad.yaml"
+    bad.write_text("model: {config: [\n")
+    assert "not valid YAML" in _one_error_line(runner.invoke(app, ["train", str(bad)]))
+    (tiny_run.dir / "empty.jsonl").write_text("")
+    recipe = tiny_run(data={"train": "empty.jsonl"})
+    assert "empty.jsonl" in _one_error_line(runner.invoke(app, ["train", str(recipe)]))
+
+
+def test_bad_row_names_file_and_row(tiny_run):
+    path = tiny_run.dir / "badrow.jsonl"
+    rows = [{"instruction": "Reverse", "input": "ab", "output": "ba"}] * 5 + [{"instruction": "x"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _one_error_line(runner.invoke(app, ["train", str(tiny_run(data={"train": "badrow.jsonl"}))]))
+    assert "badrow.jsonl" in out and "6" in out
+
+
+def test_existing_run_is_refused_and_untouched(tiny_run):
+    recipe = tiny_run(training={"max_steps": 2})
+    assert runner.invoke(app, ["train", str(recipe)]).exit_code == 0
+    metrics = tiny_run.dir / "run" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    out = _one_error_line(runner.invoke(app, ["train", str(recipe)]))
+    assert "lisaft resume" in out and "--overwrite" in out
+    assert metrics.read_bytes() == before
+    result = runner.invoke(app, ["train", str(recipe), "--overwrite", "--set", "training.max_steps=1"])
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in read_metrics(metrics) if "loss" in r] == [1]
