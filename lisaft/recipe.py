@@ -306,3 +306,29 @@ def path_view(recipe: Recipe) -> dict[str, Any]:
 def path_digest(recipe: Recipe) -> str:
     blob = json.dumps(path_view(recipe), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def reference_markdown() -> str:
+    """docs/recipes.md, generated from the schema so the reference cannot drift from the code
+    (tests/unit/test_recipe.py checks it)."""
+    lines = ["# Recipe reference", "",
+             "Generated from `lisaft/recipe.py` by `python -m lisaft.recipe > docs/recipes.md`.",
+             "Unknown keys are errors. Any key can be overridden on the command line with",
+             "`--set section.key=value` (the value is parsed as YAML). Relative paths resolve",
+             "against the recipe file's folder.", ""]
+    for name, f in Recipe.model_fields.items():
+        section = f.annotation
+        lines += [f"## {name}", "", "| key | default | meaning |", "| --- | --- | --- |"]
+        for key, field in section.model_fields.items():
+            default = "required" if field.is_required() else json.dumps(
+                field.default if not isinstance(field.default, tuple) else list(field.default))
+            lines.append(f"| `{name}.{key}` | {default} | {field.description or ''} |")
+        lines.append("")
+    lines += ["## Keys a resume may change", "",
+              ", ".join(f"`{k}`" for k in CADENCE_KEYS) + ". Every other key alters the training "
+              "path and is refused by `lisaft resume`.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

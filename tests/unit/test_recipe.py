@@ -108,3 +108,10 @@ def test_every_shipped_recipe_validates():
     assert recipes, "no recipes shipped"
     for path in recipes:
         load_recipe(path)
+
+
+def test_recipe_reference_doc_matches_schema():
+    from lisaft.recipe import reference_markdown
+
+    doc = Path(__file__).parents[2] / "docs" / "recipes.md"
+    assert doc.read_text() == reference_markdown(), "regenerate: python -m lisaft.recipe > docs/recipes.md"
