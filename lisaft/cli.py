@@ -20,8 +20,10 @@ app = typer.Typer(
 
 def _fail(message: str) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", markup=True)
+    # soft_wrap: the message stays one line however narrow the terminal, so it can be grepped.
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(2)
 
 
