@@ -1,0 +1,589 @@
+"""Training data: reading rows, turning them into token ids with loss masks, and the order in
+which the loop sees them.
+
+An example is a plain dict {"input_ids": [...], "labels": [...]}. Labels are aligned with
+input_ids (the model shifts them), and -100 marks a position with no loss. Only the response
+carries loss:
+
+- text: every token of `text`, then EOS.
+- instruction: the prompt below, no loss; then `output` + EOS, with loss.
+
+      ### Instruction:
+      {instruction}
+
+      ### Input:
+      {input}
+
+      ### Response:
+      {output}<eos>
+
+  The `### Input:` block is left out when `input` is absent or empty.
+- chat: `messages` rendered with the tokenizer's chat template; loss on assistant turns only.
+  A turn's span is found by rendering the conversation up to the turn with the generation
+  prompt, and up to and including the turn: the text between the two renders is the turn's
+  content plus whatever the template closes it with (e.g. an end-of-turn token). The full
+  conversation is tokenized once and a token carries loss when it starts inside such a span,
+  so token boundaries are never guessed from partial renders. EOS is appended only when the
+  template closes the last assistant turn with no special token at all.
+
+Examples longer than data.max_seq_len are cut at the end. With data.packing, train examples are
+concatenated (each already ends in EOS) and cut into rows of exactly max_seq_len; the leftover
+tail is dropped. Attention in a packed row crosses example boundaries: the model sees the
+previous examples as context. Eval examples are never packed, so eval metrics mean the same with
+packing on or off.
+
+The order is a pure function of (seed, epoch, position), so a resumed run continues with
+exactly the batches an uninterrupted one would have seen, and N data-parallel ranks together
+see what one process with an N times larger batch sees.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lisaft.errors import LisaftError
+from lisaft.recipe import DataSection
+
+Example = dict  # {"input_ids": list[int], "labels": list[int]}
+
+IGNORE_INDEX = -100
+
+# The instruction template. Pieces, not one format string, so a tokenizer can hold each as a
+# single added token (the quickstart tokenizer does).
+INSTRUCTION_HEADER = "### Instruction:\n"
+INPUT_HEADER = "\n\n### Input:\n"
+RESPONSE_HEADER = "\n\n### Response:\n"
+
+_FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# Seeds the data order apart from the other consumers of training.seed (init, LISA sampling).
+_ORDER_SALT = 0x6C697361_64617461
+
+
+class DataWarning(UserWarning):
+    """Something was changed or dropped in the data; the run goes on."""
+
+
+def render_instruction_prompt(instruction: str, input: str | None = None) -> str:
+    prompt = INSTRUCTION_HEADER + instruction
+    if input:
+        prompt += INPUT_HEADER + input
+    return prompt + RESPONSE_HEADER
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows
+
+
+class _Rows:
+    """Rows of one source, with the words an error message needs to point at one of them."""
+
+    def __init__(self, rows: list[dict], key: str, source: str, unit: str):
+        self.rows = rows
+        self.key = key  # recipe key the source came from: data.train / data.eval
+        self.source = source
+        self.unit = unit  # "line" for jsonl (numbers count every line), "row" otherwise
+        self.numbers: list[int] = list(range(1, len(rows) + 1))
+
+    def where(self, i: int) -> str:
+        return f"{self.key}: {self.source}: {self.unit} {self.numbers[i]}"
+
+    def subset(self, indices: list[int]) -> "_Rows":
+        out = _Rows([self.rows[i] for i in indices], self.key, self.source, self.unit)
+        out.numbers = [self.numbers[i] for i in indices]
+        return out
+
+
+def _looks_like_path(ref: str) -> bool:
+    p = Path(ref)
+    return (
+        p.is_absolute() or ref.startswith((".", "~")) or p.suffix.lower() in _FILE_KINDS
+        or "\\" in ref or ref.count("/") > 1
+    )
+
+
+def _read_jsonl(path: Path, key: str) -> _Rows:
+    # Read by hand rather than through datasets: an error can then name the exact line, and a
+    # field whose type changes between rows is reported at that row instead of failing pyarrow's
+    # schema inference for the whole file.
+    rows, numbers = [], []
+    try:
+        # split("\n"), not splitlines(): U+2028 and friends may sit raw inside JSON strings.
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise LisaftError(f"{key}: {path}: not UTF-8 text") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LisaftError(f"{key}: {path}: line {lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise LisaftError(f"{key}: {path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+        numbers.append(lineno)
+    out = _Rows(rows, key, str(path), "line")
+    out.numbers = numbers
+    return out
+
+
+def _read_json(path: Path, key: str) -> _Rows:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise LisaftError(f"{key}: {path}: not UTF-8 text") from None
+    except json.JSONDecodeError:
+        # Many ".json" files are JSON lines in fact.
+        return _read_jsonl(path, key)
+    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        lengths = {len(v) for v in data.values()}
+        if len(lengths) != 1:
+            raise LisaftError(f"{key}: {path}: columns have different lengths {sorted(lengths)}")
+        cols = list(data)
+        data = [dict(zip(cols, vals)) for vals in zip(*data.values())]
+    if not isinstance(data, list):
+        raise LisaftError(f"{key}: {path}: expected a list of objects (or JSON lines)")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise LisaftError(f"{key}: {path}: row {i + 1}: expected a JSON object, got {type(row).__name__}")
+    return _Rows(data, key, str(path), "row")
+
+
+def _pick_split(ds: Any, key: str, source: str) -> Any:
+    """A Dataset from whatever load_dataset/load_from_disk returned."""
+    from datasets import DatasetDict
+
+    if not isinstance(ds, DatasetDict):
+        return ds
+    wanted = ("train",) if key == "data.train" else ("validation", "test", "eval")
+    for name in wanted:
+        if name in ds:
+            return ds[name]
+    if len(ds) == 1:
+        return next(iter(ds.values()))
+    raise LisaftError(f"{key}: {source}: has splits {sorted(ds)}, none of {list(wanted)}")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _read_with_datasets(ref: str, kind: str, key: str) -> _Rows:
+    try:
+        import datasets
+    except ImportError:
+        raise LisaftError(
+            f"{key}: {ref}: reading {kind} data needs the `datasets` package (pip install datasets)"
+        ) from None
+    # Progress bars for reading a local file are noise on the run's display.
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        if kind == "disk":
+            ds = datasets.load_from_disk(ref)
+        elif kind == "csv":
+            # Every column as text: an `output` column of numbers stays "42", not 42.
+            with open(ref, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), [])
+            features = datasets.Features({name: datasets.Value("string") for name in header})
+            ds = datasets.load_dataset("csv", data_files=ref, split="train", features=features)
+        elif kind == "parquet":
+            ds = datasets.load_dataset("parquet", data_files=ref, split="train")
+        else:
+            ds = datasets.load_dataset(ref)
+    except LisaftError:
+        raise
+    except Exception as e:  # datasets and pyarrow raise many types for unreadable input
+        if kind == "hub":
+            raise LisaftError(
+                f"{key}: {ref!r} is not a local file or folder and could not be loaded from the hub "
+                f"(offline, or no such dataset): {_first_line(e)}"
+            ) from None
+        what = "a saved dataset folder (datasets.save_to_disk)" if kind == "disk" else f"a {kind} file"
+        raise LisaftError(f"{key}: {ref}: cannot read it as {what}: {_first_line(e)}") from None
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+    ds = _pick_split(ds, key, ref)
+    return _Rows(ds.to_list(), key, ref, "row")
+
+
+def read_rows(ref: str, key: str) -> _Rows:
+    """The rows of a local file, saved dataset folder or hub dataset, as a list of dicts."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        rows = _read_with_datasets(str(path), "disk", key)
+    elif path.is_file():
+        kind = _FILE_KINDS.get(path.suffix.lower())
+        if kind is None:
+            raise LisaftError(
+                f"{key}: {path}: unsupported file type {path.suffix or '(none)'!r}; "
+                "use .jsonl, .json, .csv, .parquet or a saved dataset folder"
+            )
+        if kind == "jsonl":
+            rows = _read_jsonl(path, key)
+        elif kind == "json":
+            rows = _read_json(path, key)
+        else:
+            rows = _read_with_datasets(str(path), kind, key)
+    elif _looks_like_path(ref):
+        raise LisaftError(f"{key}: {ref}: no such file or folder")
+    else:
+        rows = _read_with_datasets(ref, "hub", key)
+    if not rows.rows:
+        raise LisaftError(f"{key}: {rows.source}: the dataset is empty")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows to examples
+
+
+def _field(rows: _Rows, i: int, name: str, optional: bool = False) -> str | None:
+    row = rows.rows[i]
+    value = row.get(name)
+    if value is None:
+        if optional:
+            return None
+        have = ", ".join(sorted(map(str, row))) or "none"
+        raise LisaftError(f"{rows.where(i)}: missing field {name!r} (fields: {have})")
+    if not isinstance(value, str):
+        raise LisaftError(f"{rows.where(i)}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+class _Tokens:
+    """What the tokenizer adds around a text, found by probing it rather than trusting flags
+    that differ between tokenizer classes."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        bare = tokenizer("x", add_special_tokens=False)["input_ids"]
+        full = tokenizer("x")["input_ids"]
+        # Whatever sits before the text (typically BOS) starts every prompt; what the tokenizer
+        # would add after it is not used, EOS is appended explicitly.
+        self.prefix: list[int] = []
+        for start in range(len(full) - len(bare) + 1):
+            if full[start:start + len(bare)] == bare:
+                self.prefix = list(full[:start])
+                break
+        self.eos: int | None = tokenizer.eos_token_id
+
+    def need_eos(self, key: str) -> int:
+        if self.eos is None:
+            raise LisaftError(f"{key}: the tokenizer has no EOS token, so a response cannot be ended")
+        return self.eos
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def _text_examples(rows: _Rows, tokens: _Tokens) -> list[Example]:
+    eos = tokens.need_eos(rows.key)
+    texts = [_field(rows, i, "text") for i in range(len(rows.rows))]
+    out = []
+    for ids in tokens.encode(texts):
+        ids = tokens.prefix + ids + [eos]
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def _instruction_examples(rows: _Rows, tokens: _Tokens) -> list[Example]:
+    eos = tokens.need_eos(rows.key)
+    prompts, outputs = [], []
+    for i in range(len(rows.rows)):
+        instruction = _field(rows, i, "instruction")
+        inp = _field(rows, i, "input", optional=True)
+        outputs.append(_field(rows, i, "output"))
+        prompts.append(render_instruction_prompt(instruction, inp))
+    out = []
+    # Prompt and response are tokenized apart so the boundary between loss and no loss falls on
+    # a token boundary; the prompt ends in a newline, where tokenizers do not merge across.
+    for p, r in zip(tokens.encode(prompts), tokens.encode(outputs)):
+        p = tokens.prefix + p
+        r = r + [eos]
+        out.append({"input_ids": p + r, "labels": [IGNORE_INDEX] * len(p) + r})
+    return out
+
+
+def _check_messages(rows: _Rows, i: int) -> list[dict]:
+    messages = rows.rows[i].get("messages")
+    if messages is None:
+        have = ", ".join(sorted(map(str, rows.rows[i]))) or "none"
+        raise LisaftError(f"{rows.where(i)}: missing field 'messages' (fields: {have})")
+    if not isinstance(messages, list) or not messages:
+        raise LisaftError(f"{rows.where(i)}: field 'messages' must be a non-empty list of {{role, content}}")
+    clean = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise LisaftError(
+                f"{rows.where(i)}: messages[{j}] must be an object with string 'role' and 'content'"
+            )
+        clean.append({"role": m["role"], "content": m["content"]})
+    return clean
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _chat_example(rows: _Rows, i: int, tokenizer, tokens: _Tokens, special: set[int]) -> Example:
+    messages = _check_messages(rows, i)
+    try:
+        full = _render(tokenizer, messages, False)
+        spans = []
+        for j, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = _render(tokenizer, messages[:j], True) if j else ""
+            through = _render(tokenizer, messages[: j + 1], False)
+            if not (through.startswith(before) and full.startswith(through)):
+                raise LisaftError(
+                    f"{rows.where(i)}: the chat template renders earlier turns differently once later "
+                    "turns follow, so assistant turns cannot be located; use a template that renders "
+                    "conversations incrementally"
+                )
+            spans.append((len(before), len(through)))
+    except LisaftError:
+        raise
+    except Exception as e:  # jinja errors from the template itself (e.g. role order rules)
+        raise LisaftError(f"{rows.where(i)}: the chat template rejected this conversation: {_first_line(e)}") from None
+
+    # The rendered text carries the template's own BOS, so nothing is added while tokenizing.
+    if tokenizer.is_fast:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, starts = enc["input_ids"], [s for s, _ in enc["offset_mapping"]]
+        labels = [
+            t if any(a <= s < b for a, b in spans) else IGNORE_INDEX for t, s in zip(ids, starts)
+        ]
+    else:
+        # No offsets: measure each span in tokens by encoding the text up to its ends.
+        ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+        labels = [IGNORE_INDEX] * len(ids)
+        for a, b in spans:
+            lo = len(tokenizer(full[:a], add_special_tokens=False)["input_ids"])
+            hi = len(tokenizer(full[:b], add_special_tokens=False)["input_ids"])
+            labels[lo:hi] = ids[lo:hi]
+    if spans and spans[-1][1] == len(full) and not _turn_has_special(ids, labels, special):
+        # The conversation ends on an assistant turn the template leaves open: without an EOS to
+        # learn, the model would never stop generating.
+        eos = tokens.need_eos(rows.key)
+        ids = list(ids) + [eos]
+        labels = labels + [eos]
+    return {"input_ids": list(ids), "labels": labels}
+
+
+def _turn_has_special(ids: list[int], labels: list[int], special: set[int]) -> bool:
+    """Whether the last labelled run of tokens (the final assistant turn) holds a special token,
+    i.e. the template already closes the turn with something the model can learn to emit."""
+    j = len(labels) - 1
+    while j >= 0 and labels[j] == IGNORE_INDEX:
+        j -= 1
+    while j >= 0 and labels[j] != IGNORE_INDEX:
+        if ids[j] in special:
+            return True
+        j -= 1
+    return False
+
+
+def _chat_examples(rows: _Rows, tokenizer, tokens: _Tokens) -> list[Example]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise LisaftError(f"{rows.key}: data.format is chat but the tokenizer has no chat template")
+    special = set(tokenizer.all_special_ids)
+    return [_chat_example(rows, i, tokenizer, tokens, special) for i in range(len(rows.rows))]
+
+
+def build_examples(rows: _Rows, fmt: str, tokenizer) -> list[Example]:
+    tokens = _Tokens(tokenizer)
+    if fmt == "text":
+        return _text_examples(rows, tokens)
+    if fmt == "instruction":
+        return _instruction_examples(rows, tokens)
+    return _chat_examples(rows, tokenizer, tokens)
+
+
+def _truncate_and_filter(examples: list[Example], max_seq_len: int, key: str) -> list[Example]:
+    truncated = dropped = 0
+    kept = []
+    for ex in examples:
+        if len(ex["input_ids"]) > max_seq_len:
+            truncated += 1
+            ex = {"input_ids": ex["input_ids"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
+        # The label at position 0 is never predicted (nothing precedes it), so an example needs a
+        # loss-carrying label after it to teach anything.
+        if all(l == IGNORE_INDEX for l in ex["labels"][1:]):
+            dropped += 1
+            continue
+        kept.append(ex)
+    if truncated:
+        warnings.warn(
+            f"{key}: {truncated} of {len(examples)} examples were longer than data.max_seq_len="
+            f"{max_seq_len} and were cut at the end", DataWarning, stacklevel=3,
+        )
+    if dropped:
+        warnings.warn(
+            f"{key}: dropped {dropped} of {len(examples)} examples with no response tokens left "
+            f"to learn from (prompt fills data.max_seq_len={max_seq_len}, or no assistant turn)",
+            DataWarning, stacklevel=3,
+        )
+    if not kept:
+        raise LisaftError(f"{key}: no usable examples: every example lost its response tokens")
+    return kept
+
+
+def pack(examples: list[Example], max_seq_len: int, key: str = "data.train") -> list[Example]:
+    """Concatenate examples and cut into rows of exactly max_seq_len; the tail is dropped."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for ex in examples:
+        ids.extend(ex["input_ids"])
+        labels.extend(ex["labels"])
+    n_rows = len(ids) // max_seq_len
+    if n_rows == 0:
+        raise LisaftError(
+            f"{key}: data.packing: the examples hold {len(ids)} tokens, fewer than one row of "
+            f"data.max_seq_len={max_seq_len}"
+        )
+    return [
+        {"input_ids": ids[k * max_seq_len:(k + 1) * max_seq_len],
+         "labels": labels[k * max_seq_len:(k + 1) * max_seq_len]}
+        for k in range(n_rows)
+    ]
+
+
+def _held_out(n: int, fraction: float, seed: int) -> list[int]:
+    n_eval = max(1, round(n * fraction))
+    if n_eval >= n:
+        raise LisaftError(
+            f"data.eval_fraction: holding out {fraction} of {n} rows would leave nothing to train on"
+        )
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([_ORDER_SALT, seed & (2**63 - 1), 1])))
+    return sorted(int(i) for i in rng.permutation(n)[:n_eval])
+
+
+def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Example], list[Example] | None]:
+    """Train examples and eval examples (from data.eval, else a seeded held-out
+    data.eval_fraction of the train rows, else None)."""
+    train_rows = read_rows(section.train, "data.train")
+    eval_rows: _Rows | None = None
+    if section.eval is not None:
+        if section.eval_fraction > 0:
+            warnings.warn("data.eval is set, so data.eval_fraction is ignored", DataWarning, stacklevel=2)
+        eval_rows = read_rows(section.eval, "data.eval")
+    elif section.eval_fraction > 0:
+        # Split rows, not examples, so the held-out set does not depend on the tokenizer.
+        held = _held_out(len(train_rows.rows), section.eval_fraction, seed)
+        held_set = set(held)
+        eval_rows = train_rows.subset(held)
+        eval_rows.key = "data.train (held out by data.eval_fraction)"
+        train_rows = train_rows.subset([i for i in range(len(train_rows.rows)) if i not in held_set])
+
+    train = _truncate_and_filter(
+        build_examples(train_rows, section.format, tokenizer), section.max_seq_len, "data.train"
+    )
+    if section.packing:
+        train = pack(train, section.max_seq_len)
+    evals = None
+    if eval_rows is not None:
+        evals = _truncate_and_filter(
+            build_examples(eval_rows, section.format, tokenizer), section.max_seq_len, eval_rows.key
+        )
+    return train, evals
+
+
+# ---------------------------------------------------------------------------------------------
+# Order and batches
+
+
+def _epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    seq = np.random.SeedSequence([_ORDER_SALT, seed & (2**63 - 1), 0, epoch])
+    return np.random.Generator(np.random.PCG64(seq)).permutation(n)
+
+
+class DataOrder:
+    """Which examples each micro-batch holds, resumable and shardable.
+
+    Each epoch is a permutation of range(n) that depends only on (seed, epoch). A global
+    micro-batch is the next batch_size * world_size entries of it; rank r takes its slice
+    [r*b, (r+1)*b). A tail shorter than a global micro-batch is skipped and the next epoch
+    begins, so every micro-batch is full and all ranks step together. The state is just
+    (epoch, position), position counted in permutation entries.
+    """
+
+    def __init__(self, n_examples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"bad batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        self.n = n_examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.global_batch = batch_size * world_size
+        if n_examples < self.global_batch:
+            per = f"training.batch_size={batch_size}" + (f" x {world_size} ranks" if world_size > 1 else "")
+            raise LisaftError(
+                f"data.train: the dataset is smaller than one batch: {n_examples} examples, "
+                f"{per} needs {self.global_batch}; lower training.batch_size or add data"
+            )
+        self.epoch = 0
+        self.position = 0
+        self._perm: np.ndarray | None = None
+        self._perm_epoch = -1
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            self._perm = _epoch_permutation(self.n, self.seed, self.epoch)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def next_indices(self) -> list[int]:
+        if self.position + self.global_batch > self.n:
+            self.epoch += 1
+            self.position = 0
+        lo = self.position + self.rank * self.batch_size
+        batch = self._permutation()[lo:lo + self.batch_size]
+        self.position += self.global_batch
+        return [int(i) for i in batch]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "n_examples": self.n}
+
+    def load_state_dict(self, d: dict) -> None:
+        n = d.get("n_examples", self.n)
+        if n != self.n:
+            raise LisaftError(
+                f"data.train: the checkpoint was taken with {n} training examples, the data now gives "
+                f"{self.n}; the data (or data.max_seq_len / data.packing) changed since the run started"
+            )
+        self.epoch = int(d["epoch"])
+        self.position = int(d["position"])
+
+
+def eval_index_batches(n_examples: int, batch_size: int) -> list[list[int]]:
+    """Eval batches in a fixed order, the last one possibly short: every example counts once."""
+    return [list(range(i, min(i + batch_size, n_examples))) for i in range(0, n_examples, batch_size)]
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row. Padding gets label -100 and attention_mask 0."""
+    width = max(len(ex["input_ids"]) for ex in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, ex in enumerate(examples):
+        k = len(ex["input_ids"])
+        input_ids[row, :k] = torch.tensor(ex["input_ids"], dtype=torch.long)
+        labels[row, :k] = torch.tensor(ex["labels"], dtype=torch.long)
+        attention_mask[row, :k] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
