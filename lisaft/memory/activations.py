@@ -1,0 +1,176 @@
+"""What autograd keeps for backward, per token, for the decoder families lisaft knows.
+
+Each term is a tensor that a transformers module saves for its backward (worked out from the
+modelling code and checked tensor by tensor with saved-tensor hooks, see
+tests/unit/test_memory_activations.py). Bytes are per token of the micro-batch; `dt` is the
+model dtype's size. Terms marked "weight grad only" exist only when the layer's weights train:
+autograd saves a linear layer's input only to form its weight gradient, so a frozen LISA layer
+above a trainable one keeps less than a trainable layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes that activations depend on, read from a transformers config."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+    rotary_dim: int
+    # Gemma-style RMSNorm computes in float32 and keeps a float32 normalised copy; Gemma-2
+    # has four norms per layer, two of them after the sublayers.
+    gemma_norm: bool = False
+    post_norms: int = 0
+    # Phi-3 (fused q|k|v projection, rotary on a concatenation) gets its attention output back
+    # in head-major layout, so o_proj keeps its own copy (a weight-gradient-only tensor).
+    attn_output_copy: bool = False
+    attn_softcap: bool = False
+    final_softcap: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def shape_from_config(config) -> Shape:
+    get = lambda *names, default=None: next(  # noqa: E731
+        (getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+    hidden = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head")
+    kv_heads = get("num_key_value_heads", default=heads)
+    head_dim = get("head_dim", default=hidden // heads)
+    partial = get("partial_rotary_factor", default=1.0)
+    model_type = getattr(config, "model_type", "")
+    gemma2 = model_type in ("gemma2", "gemma3_text")
+    return Shape(
+        hidden=hidden,
+        intermediate=get("intermediate_size", "n_inner", default=4 * hidden),
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        vocab=get("vocab_size"),
+        layers=get("num_hidden_layers", "n_layer"),
+        rotary_dim=int(head_dim * partial),
+        gemma_norm=model_type.startswith("gemma"),
+        post_norms=2 if gemma2 else 0,
+        attn_output_copy=model_type == "phi3",
+        attn_softcap=gemma2 and get("attn_logit_softcapping") is not None,
+        final_softcap=get("final_logit_softcapping") is not None,
+    )
+
+
+def _norm(shape: Shape, dt: int, trainable: bool) -> int:
+    # RMSNorm: the float32 input and rsqrt feed the input gradient; the normalised tensor
+    # (before the weight multiply) feeds the weight gradient only.
+    normalised = (FP32 if shape.gemma_norm else dt) * shape.hidden
+    return FP32 * shape.hidden + FP32 + (normalised if trainable else 0)
+
+
+def attention_scores_bytes(shape: Shape, dt: int, seq_len: int, attention: str) -> int:
+    """Per-token bytes of the s x s score matrix that eager attention keeps (one row per head).
+    SDPA and FlashAttention recompute scores in backward and keep one float32 log-sum-exp per
+    head instead."""
+    if attention != "eager":
+        return FP32 * shape.heads
+    per_score = FP32 + (dt if dt != FP32 else 0)  # float32 softmax, and its cast back to dt
+    if shape.attn_softcap:
+        per_score += dt  # tanh output of the logit soft-cap
+    return per_score * shape.heads * seq_len
+
+
+def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, trainable: bool) -> int:
+    """Saved-for-backward bytes per token of one decoder layer on the autograd graph."""
+    h, i, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
+    total = 2 * _norm(shape, dt, trainable)  # before attention and before the MLP
+    total += shape.post_norms * _norm(shape, dt, trainable)
+    if trainable:
+        total += 2 * dt * h  # the two norm outputs, inputs of q/k/v and of gate/up (weight grad only)
+    if attention == "eager":
+        # q, and k and v repeated to every head, enter the score matmuls; the attention output
+        # is re-laid out for o_proj, a copy kept for o_proj's weight gradient.
+        total += 3 * dt * q + (dt * q if trainable else 0)
+    else:
+        # q, k, v and the output, which is o_proj's input too where its layout allows. Phi-3's
+        # v is a view into the fused q|k|v projection, which so stays alive whole.
+        v_storage = (q + 2 * kv) if shape.attn_output_copy else kv
+        total += dt * (q + kv + v_storage + q)
+        if shape.attn_output_copy and trainable:
+            total += dt * q
+    total += attention_scores_bytes(shape, dt, seq_len, attention)
+    # MLP: gate output (activation input), activation output and up output (product inputs),
+    # and the product (down_proj input, weight grad only).
+    total += dt * i * (3 + (1 if trainable else 0))
+    return total
+
+
+def checkpointed_layer_bytes_per_token(shape: Shape, dt: int) -> int:
+    """Non-reentrant checkpointing keeps only each layer's input hidden state."""
+    return dt * shape.hidden
+
+
+@dataclass(frozen=True)
+class ActivationBreakdown:
+    layers: int  # bytes kept by all decoder layers on the graph
+    outside_layers: int  # embedding indices, rotary tables, final norm, head input
+    log_probs: int  # float32 log-softmax of the loss, kept for its backward
+    one_layer_full: int  # one trainable layer's full activations (checkpoint recompute)
+
+    @property
+    def saved(self) -> int:
+        """What saved-tensor hooks see at the end of the forward pass."""
+        return self.layers + self.outside_layers + self.log_probs
+
+
+def activations(
+    shape: Shape, dt: int, batch: int, seq_len: int, attention: str, checkpointing: bool,
+    trainable_layers: int, train_embeddings: bool, head_weight_trains: bool, final_norm_trains: bool,
+) -> ActivationBreakdown:
+    """Saved-for-backward bytes of one micro-batch.
+
+    Every layer is taken to be on the graph: true when the embeddings train; with frozen
+    embeddings it is the worst case (backward stops at the lowest trainable layer, which LISA
+    may sample at the bottom)."""
+    tokens = batch * seq_len
+    frozen_layers = shape.layers - trainable_layers
+    full = layer_bytes_per_token(shape, dt, seq_len, attention, True)
+    frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False)
+    if checkpointing:
+        layers = tokens * shape.layers * checkpointed_layer_bytes_per_token(shape, dt)
+    else:
+        layers = tokens * (trainable_layers * full + frozen_layers * frozen)
+    outside = INT64 * tokens if train_embeddings else 0  # token ids, for the embedding gradient
+    if not checkpointing:
+        outside += 2 * dt * seq_len * shape.rotary_dim  # cos and sin, shared by all layers
+    outside += tokens * _norm(shape, dt, final_norm_trains)
+    if shape.gemma_norm:
+        # Gemma's norm multiplies by (1 + weight) in float32: one such vector kept per norm.
+        outside += FP32 * shape.hidden * (shape.layers * (2 + shape.post_norms) + 1)
+    if head_weight_trains:
+        outside += tokens * dt * shape.hidden
+    # Log-softmax output, the shifted labels and the loss's float32 normaliser.
+    log_probs = tokens * (FP32 * shape.vocab + INT64) + FP32
+    if shape.final_softcap:
+        log_probs += tokens * dt * shape.vocab  # tanh output of the final soft-cap
+    return ActivationBreakdown(
+        layers=layers, outside_layers=outside, log_probs=log_probs,
+        one_layer_full=tokens * (full if trainable_layers else frozen),
+    )
+
+
+def loss_buffers_peak(shape: Shape, batch: int, seq_len: int) -> int:
+    """Float32 vocab x tokens buffers alive at the loss's backward: the saved log-probs, the
+    gradient the NLL loss writes, and the log-softmax input gradient (3 x 4 bytes)."""
+    return batch * seq_len * shape.vocab * 3 * FP32

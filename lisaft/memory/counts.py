@@ -1,0 +1,89 @@
+"""Exact parameter counts, from the model built on the meta device (no memory, no weights).
+
+The estimator needs more than a total: 8-bit optimizer state depends on each tensor's size
+(small tensors stay 32-bit, absmax is per 256-element block), paged state on which tensors are
+large enough to be paged, and LISA on which tensors belong to which layer.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from lisaft.errors import LisaftError
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Tensor sizes (element counts) per LISA group. A head tied to the input embedding is in
+    `embeddings` only, so the shared matrix counts once."""
+
+    layers: tuple[tuple[int, ...], ...]  # one tuple of tensor numels per decoder layer
+    embeddings: tuple[int, ...]
+    head: tuple[int, ...]
+    buffer_numel: int
+    buffer_bytes_fp32: int  # buffers kept in float32 whatever the model dtype (rotary inv_freq)
+    tied: bool
+
+    @property
+    def total(self) -> int:
+        return sum(map(sum, self.layers)) + sum(self.embeddings) + sum(self.head)
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.layers)
+
+    def layer_params(self, i: int) -> int:
+        return sum(self.layers[i])
+
+
+def build_meta_model(config):
+    """The model for `config` on the meta device: shapes without storage."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config)
+        except Exception as e:  # unsupported architectures raise ValueError/KeyError/TypeError
+            raise LisaftError(
+                f"cannot build model type {getattr(config, 'model_type', '?')!r} to count its "
+                f"parameters: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
+
+
+def _count(config) -> ParamCounts:
+    from lisaft.models import model_parts
+
+    model = build_meta_model(config)
+    parts = model_parts(model)
+    layers = tuple(tuple(p.numel() for p in layer.parameters()) for layer in parts.layers)
+    embeddings = tuple(p.numel() for p in parts.embeddings)
+    head = tuple(p.numel() for p in parts.head)
+    buffers = list(model.buffers())
+    out_emb = model.get_output_embeddings()
+    tied = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
+    return ParamCounts(
+        layers=layers, embeddings=embeddings, head=head,
+        buffer_numel=sum(b.numel() for b in buffers),
+        buffer_bytes_fp32=sum(b.numel() * 4 for b in buffers if b.dtype == torch.float32),
+        tied=tied,
+    )
+
+
+_CACHE: dict[str, ParamCounts] = {}
+
+
+def param_counts(config) -> ParamCounts:
+    """Counts for a transformers config; cached by the config's content."""
+    data = config.to_dict()
+    for key in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
+        data.pop(key, None)
+    key = json.dumps(data, sort_keys=True, default=str)
+    if key not in _CACHE:
+        _CACHE[key] = _count(config)
+    return _CACHE[key]

@@ -1,0 +1,272 @@
+"""The estimator's compute step: settings in, every component's bytes and the peak out.
+
+A training step's memory peaks at one of three moments, and the estimate is the largest:
+- loss backward: all activations are saved and the vocab x tokens loss buffers are at their
+  largest (gradients of earlier micro-batches are resident when accumulating);
+- layer backward: the head's gradient exists, and with checkpointing one layer is recomputed;
+- optimizer step: every gradient of the trainable set exists, plus the step's temporaries.
+Weights and optimizer state are resident throughout (state is kept between steps).
+docs/memory.md gives every formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from lisaft.memory.activations import Shape, activations, loss_buffers_peak, shape_from_config
+from lisaft.memory.counts import ParamCounts, param_counts
+from lisaft.memory.optimizer_state import state_bytes, step_temporaries
+
+GiB = 1024**3
+MiB = 1024**2
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# CUDA context, kernel images and library handles (cuBLAS, cuDNN) of a PyTorch process, as
+# nvidia-smi shows them once the first matmul ran with lazy module loading: typically 0.4-0.7
+# GiB on Ampere/Ada/Hopper with CUDA 12. Not seen by torch.cuda.memory_* counters.
+CUDA_CONTEXT_BYTES = 600 * MiB
+# The caching allocator reserves more than it hands out (block rounding, fragmentation between
+# steps whose tensors differ in size): reserved is commonly a few percent above allocated.
+ALLOCATOR_OVERHEAD = 0.05
+# Resident memory of a Python process that imported torch, transformers and bitsandbytes and
+# ran a first forward/backward (thread pools, oneDNN kernels): measured on Linux x86-64 with
+# torch 2.13 CPU, see docs/memory.md.
+CPU_PROCESS_BASELINE_BYTES = 420 * MiB
+
+COMPONENTS = (
+    "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient",
+    "allocator_overhead", "cuda_context", "process_baseline",
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the estimate depends on: the parsed recipe plus command-line flags."""
+
+    model_label: str
+    config: object  # transformers PretrainedConfig
+    dtype: str = "bfloat16"
+    attention: str = "sdpa"  # flash_attention_2 | sdpa | eager
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw_32bit"
+    in_backward: bool = False
+    lisa: bool = False
+    active_layers: int = 2
+    train_embeddings: bool = True
+    train_head: bool = True
+    state_policy: str = "discard"
+    batch_size: int = 1
+    seq_len: int = 1024
+    grad_accum_steps: int = 1
+    clipping: bool = True
+    device: str = "cuda"
+    budget_bytes: int = 24 * GiB
+
+    def with_(self, **changes) -> "Settings":
+        return replace(self, **changes)
+
+
+@dataclass
+class Estimate:
+    settings: Settings
+    total_params: int
+    trainable_params: int
+    components: dict[str, int]  # bytes at the peak moment; they sum to total_bytes
+    sizes: dict[str, int]  # each component's full size, whenever it peaks
+    phases: dict[str, int]
+    peak_phase: str
+    total_bytes: int
+    paged_state_bytes: int
+    paged_gpu_bytes: int
+    paged_host_bytes: int
+    resident_without_paged_bytes: int  # the peak when every paged byte is evicted to host
+    saved_activation_bytes: int  # what saved-tensor hooks measure at the end of forward
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.settings.budget_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Fits with everything resident on the device: nothing paged to host."""
+        return self.total_bytes <= self.budget_bytes
+
+    @property
+    def fits_with_paging(self) -> bool:
+        return self.resident_without_paged_bytes <= self.budget_bytes
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.sizes["weights"]
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.sizes["gradients"]
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return self.sizes["optimizer_states"]
+
+    def to_json(self) -> dict:
+        s = self.settings
+        return {
+            "total_bytes": self.total_bytes,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "fits_with_paging": self.fits_with_paging,
+            "components": dict(self.components),
+            "sizes": dict(self.sizes),
+            "peak_phase": self.peak_phase,
+            "phases": dict(self.phases),
+            "paged_state_bytes": self.paged_state_bytes,
+            "paged_gpu_bytes": self.paged_gpu_bytes,
+            "paged_host_bytes": self.paged_host_bytes,
+            "saved_activation_bytes": self.saved_activation_bytes,
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "settings": {
+                "model": s.model_label, "dtype": s.dtype, "attention": s.attention,
+                "gradient_checkpointing": s.gradient_checkpointing, "optimizer": s.optimizer,
+                "in_backward": s.in_backward, "lisa": s.lisa,
+                "active_layers": s.active_layers if s.lisa else None,
+                "train_embeddings": s.train_embeddings, "train_head": s.train_head,
+                "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
+                "grad_accum_steps": s.grad_accum_steps, "clipping": s.clipping, "device": s.device,
+            },
+            "notes": list(self.notes),
+        }
+
+
+def _trainable_numels(counts: ParamCounts, s: Settings) -> tuple[list[int], int]:
+    """Numels of the trainable tensors, and how many decoder layers train.
+
+    Under LISA the γ largest layers stand for the sampled set (all layers are alike in the
+    families lisaft knows, so this is exact there and an upper bound elsewhere)."""
+    if not s.lisa:
+        layers = list(range(counts.layer_count))
+    else:
+        gamma = min(s.active_layers, counts.layer_count)
+        layers = sorted(range(counts.layer_count), key=counts.layer_params, reverse=True)[:gamma]
+    numels = [n for i in layers for n in counts.layers[i]]
+    if not s.lisa or s.train_embeddings:
+        numels += counts.embeddings
+    if not s.lisa or s.train_head:
+        numels += counts.head
+    return numels, len(layers)
+
+
+def _state_numels(counts: ParamCounts, s: Settings, trainable: list[int]) -> list[int]:
+    """Tensors whose optimizer state is on the device. Under LISA's `keep` policy (and
+    offload_cpu when the device is the CPU, where host memory is the same memory) the moments
+    of every layer ever sampled stay: after enough intervals that is every layer."""
+    if s.lisa and (s.state_policy == "keep" or (s.state_policy == "offload_cpu" and s.device == "cpu")):
+        numels = [n for layer in counts.layers for n in layer]
+        if s.train_embeddings:
+            numels += counts.embeddings
+        if s.train_head:
+            numels += counts.head
+        return numels
+    return trainable
+
+
+def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None = None) -> Estimate:
+    counts = counts or param_counts(s.config)
+    shape = shape or shape_from_config(s.config)
+    dt = DTYPE_BYTES[s.dtype]
+    notes: list[str] = []
+
+    trainable, trainable_layers = _trainable_numels(counts, s)
+    trainable_params = sum(trainable)
+    weights = counts.total * dt + counts.buffer_bytes_fp32 + \
+        (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
+    grads_full = trainable_params * dt
+    state = state_bytes(s.optimizer, _state_numels(counts, s, trainable), dt, s.device)
+    largest = max(trainable) if trainable else 0
+
+    head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
+    act = activations(
+        shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
+        trainable_layers=trainable_layers,
+        train_embeddings=not s.lisa or s.train_embeddings,
+        head_weight_trains=head_weight_trains,
+        final_norm_trains=not s.lisa or s.train_head,
+    )
+    saved_no_logp = act.layers + act.outside_layers
+    loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len)
+    if shape.final_softcap:
+        loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
+    tokens = s.batch_size * s.seq_len
+    # Gradient of the hidden states flowing down, and of one layer's largest intermediates.
+    backward_temp = tokens * dt * (2 * shape.hidden + 2 * shape.intermediate)
+    head_grad = sum(counts.head) * dt if (not s.lisa or s.train_head) else 0
+    if counts.tied and head_weight_trains:
+        head_grad += sum(counts.embeddings[:1]) * dt
+
+    if s.in_backward:
+        # Each gradient is applied and freed as soon as it is complete: at most the largest
+        # tensor's gradient exists at a time, and there is no separate optimizer step.
+        grads_at_loss = 0
+        grads_in_layers = largest * dt
+        step_phase = None
+        notes.append("in_backward: no full gradient set is ever resident; clipping is off")
+    else:
+        grads_at_loss = grads_full if s.grad_accum_steps > 1 else 0
+        grads_in_layers = max(grads_at_loss, head_grad)
+        step_phase = grads_full
+    recompute = act.one_layer_full if s.gradient_checkpointing else 0
+    in_bwd_step = step_temporaries(s.optimizer, largest, dt, s.device) if s.in_backward else 0
+    step_temp = step_temporaries(s.optimizer, largest, dt, s.device)
+    if s.clipping and not s.in_backward:
+        step_temp += 8 * len(trainable)  # one float32 norm per tensor, and their stack
+
+    # (gradients, activations, logits_loss, transient) at each moment
+    phases = {
+        "loss_backward": (grads_at_loss, saved_no_logp, loss_peak, 0),
+        "layer_backward": (grads_in_layers, saved_no_logp, 0, recompute + backward_temp + in_bwd_step),
+    }
+    if step_phase is not None:
+        phases["optimizer_step"] = (step_phase, 0, 0, step_temp)
+
+    overhead_kind = "cuda_context" if s.device == "cuda" else "process_baseline"
+    fixed = CUDA_CONTEXT_BYTES if s.device == "cuda" else CPU_PROCESS_BASELINE_BYTES
+
+    def phase_bytes(parts, with_paged: bool) -> tuple[int, int]:
+        # The caching allocator's overhead applies to what it hands out; paged state is
+        # unified memory outside it, and the context is outside both.
+        allocated = weights + (state.total - state.paged) + sum(parts)
+        overhead = int(ALLOCATOR_OVERHEAD * allocated) if s.device == "cuda" else 0
+        return allocated + overhead + (state.paged if with_paged else 0) + fixed, overhead
+
+    totals = {name: phase_bytes(parts, True)[0] for name, parts in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    total = totals[peak_phase]
+    g, a, ll, t = phases[peak_phase]
+    components = {
+        "weights": weights, "gradients": g, "optimizer_states": state.total, "activations": a,
+        "logits_loss": ll, "transient": t,
+        "allocator_overhead": phase_bytes(phases[peak_phase], True)[1],
+        overhead_kind: fixed,
+    }
+
+    # With a paged optimizer the driver evicts paged state to host when the device is short, so
+    # the device must hold at least everything else; what is left over keeps paged state.
+    without_paged = max(phase_bytes(parts, False)[0] for parts in phases.values())
+    paged_gpu = max(0, min(state.paged, s.budget_bytes - without_paged))
+    paged_host = state.paged - paged_gpu
+    if s.device != "cuda" and s.optimizer.startswith("paged_"):
+        notes.append("paged optimizers run unpaged on CPU: their state is ordinary memory")
+    if s.lisa and s.state_policy == "keep":
+        notes.append("lisa.state_policy keep: moments of every layer ever sampled stay resident "
+                     "(counted as all layers)")
+    return Estimate(
+        settings=s, total_params=counts.total, trainable_params=trainable_params,
+        components=components,
+        sizes={"weights": weights, "gradients": grads_full, "optimizer_states": state.total,
+               "activations": saved_no_logp, "logits_loss": loss_peak,
+               "transient": max(step_temp, recompute + backward_temp + in_bwd_step)},
+        phases=totals, peak_phase=peak_phase, total_bytes=total,
+        paged_state_bytes=state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=paged_host,
+        resident_without_paged_bytes=without_paged, saved_activation_bytes=act.saved, notes=notes,
+    )

@@ -1,0 +1,81 @@
+"""Optimizer state bytes per parameter tensor, following the optimizers' own allocation rules.
+
+adamw_32bit is torch.optim.AdamW: two moments shaped and typed like the parameter (so bf16
+weights get bf16 moments, 4 B/param; float32 weights 8 B/param) and a float32 step counter per
+tensor. The bitsandbytes optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
+- 32-bit (PagedAdamW): two float32 moments, 8 B/param, whatever the weights' dtype.
+- 8-bit (AdamW8bit, PagedAdamW8bit): tensors under min_8bit_size = 4096 elements keep float32
+  moments (8 B/param); larger ones keep two uint8 moments (2 B/param) plus one float32 absmax
+  per 256-element block per moment, and share two 256-entry float32 quantization maps.
+- Paging (on CUDA only): a moment buffer is allocated in CUDA unified memory when its tensor has
+  at least 1e5 elements; smaller buffers and every absmax stay ordinary device allocations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
+
+MIN_8BIT_SIZE = 4096
+BLOCKSIZE = 256
+QMAP_BYTES = 2 * 256 * 4
+PAGED_MIN_NUMEL = 100_000
+
+
+def is_paged(optimizer: str) -> bool:
+    return optimizer.startswith("paged_")
+
+
+def is_8bit(optimizer: str) -> bool:
+    return optimizer.endswith("_8bit")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    total: int
+    paged: int  # the part in CUDA unified memory (0 off CUDA)
+
+
+def tensor_state(optimizer: str, numel: int, dt: int, device: str) -> StateBytes:
+    """State bytes for one parameter tensor of `numel` elements and dtype size `dt`."""
+    paging = is_paged(optimizer) and device == "cuda" and numel >= PAGED_MIN_NUMEL
+    if optimizer == "adamw_32bit":
+        return StateBytes(2 * numel * dt + 4, 0)
+    if is_8bit(optimizer) and numel >= MIN_8BIT_SIZE:
+        blocks = -(-numel // BLOCKSIZE)
+        moments = 2 * numel
+        return StateBytes(moments + 2 * 4 * blocks, moments if paging else 0)
+    moments = 2 * 4 * numel
+    return StateBytes(moments, moments if paging else 0)
+
+
+def state_bytes(optimizer: str, numels, dt: int, device: str) -> StateBytes:
+    """State for a set of parameter tensors, the shared quantization maps included once."""
+    total = paged = 0
+    quantized = False
+    for n in numels:
+        s = tensor_state(optimizer, n, dt, device)
+        total += s.total
+        paged += s.paged
+        quantized |= is_8bit(optimizer) and n >= MIN_8BIT_SIZE
+    if quantized:
+        total += QMAP_BYTES
+    return StateBytes(total, paged)
+
+
+def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str) -> int:
+    """Extra bytes while the optimizer step runs.
+
+    On CUDA every optimizer updates in place in fused kernels (torch AdamW fused=True, the
+    bitsandbytes kernels). On CPU, bitsandbytes' reference implementation
+    (bitsandbytes/backends/cpu/ops.py) works one tensor at a time in float32: 32-bit holds
+    the float32 gradient, sqrt and denominator and the update (12 B/elem); 8-bit holds both
+    dequantized moments, the float32 gradient, sqrt and denominator (20 B/elem); either adds a
+    float32 copy of a non-float32 parameter. So the largest trainable tensor sets the peak."""
+    if device == "cuda" or optimizer == "adamw_32bit":
+        return 0
+    per_elem = 20 if is_8bit(optimizer) else 12
+    if dt != 4:
+        per_elem += 4
+    return largest_numel * per_elem
