@@ -185,7 +185,8 @@ def save_checkpoint(
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / step_dir_name(state.step)
-    tmp = root / f".tmp-{step_dir_name(state.step)}-{os.getpid()}"
+    # No pid in the name: every rank must find the same folder for its RNG file.
+    tmp = root / f".tmp-{step_dir_name(state.step)}"
     rank = dist.rank()
     if dist.is_main():
         root.mkdir(parents=True, exist_ok=True)
@@ -243,7 +244,7 @@ def _pause_for_tests(tmp: Path) -> None:
     """The crash-safety test kills the process here, with every file written but no marker yet:
     the worst moment. Inert unless the variable is set."""
     spec = os.environ.get("LISAFT_TEST_PAUSE_BEFORE_MARKER")  # "STEP:SECONDS"
-    if spec and tmp.name.startswith(f".tmp-{step_dir_name(int(spec.split(':')[0]))}-"):
+    if spec and tmp.name == f".tmp-{step_dir_name(int(spec.split(':')[0]))}":
         (tmp.parent / "PAUSED").write_text(tmp.name)
         import time
 

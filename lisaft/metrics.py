@@ -80,7 +80,7 @@ class Display:
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool = True):
         self.enabled = enabled and dist.is_main()
-        self.console = Console(highlight=False)
+        self.console = Console(highlight=False, soft_wrap=True)
         self.live = self.enabled and self.console.is_terminal
         self.total = total_steps
         self.start_step = start_step
