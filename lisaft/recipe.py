@@ -228,12 +228,13 @@ def _resolve_paths(data: dict, base: Path) -> None:
         if p.is_absolute():
             continue
         candidate = base / p
-        # A hub id ("org/name") stays as it is unless a folder of that name sits beside the recipe.
-        if key in ("name_or_path", "tokenizer") and not candidate.exists() and not value.startswith("."):
+        # A hub id ("name" or "org/name") stays as it is unless something of that name sits beside
+        # the recipe; a value that can only be a path ("./x", "a/b/c", "x.jsonl") is resolved
+        # even when missing, so the error names the full path.
+        if key in ("name_or_path", "tokenizer", "train", "eval") and not candidate.exists() \
+                and not value.startswith(".") \
+                and value.count("/") <= 1 and not (section == "data" and p.suffix):
             continue
-        if section == "data" and not candidate.exists() and not value.startswith(".") and "/" in value \
-                and not Path(value).suffix:
-            continue  # hub dataset name
         sec[key] = str(candidate.resolve())
 
 

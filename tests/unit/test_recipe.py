@@ -115,3 +115,8 @@ def test_recipe_reference_doc_matches_schema():
 
     doc = Path(__file__).parents[2] / "docs" / "recipes.md"
     assert doc.read_text() == reference_markdown(), "regenerate: python -m lisaft.recipe > docs/recipes.md"
+
+
+def test_hub_dataset_names_are_not_turned_into_paths(tmp_path):
+    r = load_recipe(write(tmp_path, {**BASE, "data": {"train": "imdb", "eval": "org/set"}}))
+    assert r.data.train == "imdb" and r.data.eval == "org/set"
