@@ -29,10 +29,13 @@ CUDA_CONTEXT_BYTES = 600 * MiB
 # The caching allocator reserves more than it hands out (block rounding, fragmentation between
 # steps whose tensors differ in size): reserved is commonly a few percent above allocated.
 ALLOCATOR_OVERHEAD = 0.05
-# Resident memory of a Python process that imported torch, transformers and bitsandbytes and
-# ran a first forward/backward (thread pools, oneDNN kernels): measured on Linux x86-64 with
-# torch 2.13 CPU, see docs/memory.md.
-CPU_PROCESS_BASELINE_BYTES = 420 * MiB
+# Resident memory of the Python process itself on CPU: torch and transformers imported and a
+# first forward/backward run (thread pools, oneDNN kernels), measured as the peak RSS of the
+# tiny configuration of benchmarks/memory_accuracy.py (whose own tensors are ~3 MiB) on Linux
+# x86-64, torch 2.13 CPU, transformers 5. Importing bitsandbytes adds 44 MiB, datasets 83 MiB.
+CPU_PROCESS_BASELINE_BYTES = 356 * MiB
+BITSANDBYTES_IMPORT_BYTES = 44 * MiB
+DATASETS_IMPORT_BYTES = 83 * MiB
 
 COMPONENTS = (
     "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient",
@@ -62,6 +65,7 @@ class Settings:
     clipping: bool = True
     device: str = "cuda"
     budget_bytes: int = 24 * GiB
+    datasets_imported: bool = False  # on CPU, the process baseline includes `datasets`
 
     def with_(self, **changes) -> "Settings":
         return replace(self, **changes)
@@ -230,7 +234,11 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         phases["optimizer_step"] = (step_phase, 0, 0, step_temp)
 
     overhead_kind = "cuda_context" if s.device == "cuda" else "process_baseline"
-    fixed = CUDA_CONTEXT_BYTES if s.device == "cuda" else CPU_PROCESS_BASELINE_BYTES
+    if s.device == "cuda":
+        fixed = CUDA_CONTEXT_BYTES
+    else:
+        fixed = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0)
+        fixed += DATASETS_IMPORT_BYTES if s.datasets_imported else 0
 
     def phase_bytes(parts, with_paged: bool) -> tuple[int, int]:
         # The caching allocator's overhead applies to what it hands out; paged state is

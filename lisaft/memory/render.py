@@ -1,0 +1,161 @@
+"""Rendering estimates: rich tables for people, a JSON object for scripts."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from lisaft.memory.advice import Change
+from lisaft.memory.estimate import Estimate
+
+_DESCRIPTIONS = {
+    "weights": "all parameters and buffers, model dtype",
+    "gradients": "trainable set, model dtype",
+    "optimizer_states": "moments (+ absmax, qmaps, step) of the trainable set",
+    "activations": "saved for backward by layers, norms, head input",
+    "logits_loss": "float32 log-probs + their gradients, vocab x tokens",
+    "transient": "step temporaries, checkpoint recompute, backward buffers",
+    "allocator_overhead": "caching allocator reserve (5% of allocated)",
+    "cuda_context": "CUDA context, kernels, library handles",
+    "process_baseline": "Python + torch + transformers resident set",
+}
+
+PAGED_EXPLANATION = (
+    "Paged optimizers keep their large moment buffers in CUDA unified memory. The driver moves "
+    "those pages between GPU and host on demand: they stay on the GPU while there is room and "
+    "are evicted to host memory under pressure (then fetched back at each step, which is slow). "
+    "PyTorch's allocator does not see them: torch.cuda.max_memory_allocated/reserved leave them "
+    "out, nvidia-smi/NVML count whatever is resident. That is why paged 8-bit can show more GPU "
+    "memory than paged 32-bit: (1) in torch's counters, 8-bit's absmax and the state of small "
+    "tensors are ordinary allocations while almost all 32-bit state is invisible; (2) in nvidia-smi, "
+    "8-bit's state is a quarter the size, so it fits and stays resident, while 32-bit's is pushed "
+    "out to host and does not show, at the price of migrating it every step."
+)
+
+
+def human(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def settings_line(est: Estimate) -> str:
+    s = est.settings
+    lisa = f"LISA γ={s.active_layers} ({s.state_policy})" if s.lisa else "full fine-tuning"
+    return (
+        f"{s.model_label}: {est.total_params:,} params, {est.trainable_params:,} trainable; "
+        f"{lisa}; {s.optimizer}{' in backward' if s.in_backward else ''}; {s.dtype}; "
+        f"{s.attention}; checkpointing {'on' if s.gradient_checkpointing else 'off'}; "
+        f"batch {s.batch_size} x seq {s.seq_len}"
+        f"{f' x accum {s.grad_accum_steps}' if s.grad_accum_steps > 1 else ''}; device {s.device}"
+    )
+
+
+def components_table(est: Estimate) -> Table:
+    t = Table(title=f"Memory at the peak ({est.peak_phase.replace('_', ' ')})", title_justify="left")
+    t.add_column("component")
+    t.add_column("at peak", justify="right")
+    t.add_column("full size", justify="right")
+    t.add_column("what", style="dim")
+    for name, value in est.components.items():
+        t.add_row(name, human(value), human(est.sizes.get(name, value)), _DESCRIPTIONS.get(name, ""))
+    t.add_row("[bold]total[/]", f"[bold]{human(est.total_bytes)}[/]", "", f"budget {human(est.budget_bytes)}")
+    return t
+
+
+def verdict(est: Estimate) -> Text:
+    if est.fits:
+        return Text(f"Fits: {human(est.total_bytes)} of {human(est.budget_bytes)}, everything resident.",
+                    style="bold green")
+    if est.paged_state_bytes and est.fits_with_paging:
+        return Text(
+            f"Runs, but paged: {human(est.paged_host_bytes)} of optimizer state is paged to host "
+            f"memory each step (needs {human(est.total_bytes)} resident, budget {human(est.budget_bytes)}).",
+            style="bold yellow")
+    return Text(f"Does not fit: {human(est.total_bytes)} > {human(est.budget_bytes)}.", style="bold red")
+
+
+def paged_lines(est: Estimate) -> Text | None:
+    if not est.paged_state_bytes:
+        return None
+    return Text(
+        f"Paged optimizer state: {human(est.paged_state_bytes)}; stays on GPU: "
+        f"{human(est.paged_gpu_bytes)}; paged to host: {human(est.paged_host_bytes)}.\n"
+        + PAGED_EXPLANATION
+    )
+
+
+def advice_table(changes: list[Change]) -> Table:
+    t = Table(title="What brings it under", title_justify="left")
+    t.add_column("change")
+    t.add_column("why", style="dim")
+    t.add_column("total", justify="right")
+    t.add_column("fits")
+    for c in changes:
+        t.add_row(c.what, c.why, human(c.estimate.total_bytes), "yes" if c.estimate.fits else "no")
+    return t
+
+
+def grid_table(grid: dict, budget: int) -> Table:
+    columns = sorted({k[1] for k in grid}, key=lambda c: (c != "full", c))
+    t = Table(title=f"Optimizers side by side (budget {human(budget)})", title_justify="left")
+    t.add_column("optimizer")
+    for c in columns:
+        t.add_column(c, justify="right")
+    for opt in dict.fromkeys(k[0] for k in grid):
+        cells = []
+        for c in columns:
+            e = grid[(opt, c)]
+            mark = "[green]fits[/]" if e.fits else (
+                "[yellow]paged[/]" if e.paged_state_bytes and e.fits_with_paging else "[red]no[/]")
+            cells.append(f"{human(e.total_bytes)} {mark}")
+        t.add_row(opt, *cells)
+    return t
+
+
+def render(est: Estimate, changes: list[Change], grid: dict, max_seq: int, max_batch: int) -> Group:
+    parts: list = [Text(settings_line(est), style="bold"), components_table(est), verdict(est)]
+    paged = paged_lines(est)
+    if paged is not None:
+        parts.append(paged)
+    s = est.settings
+    parts.append(Text(
+        f"Largest sequence length that fits at batch {s.batch_size}: {max_seq or 'none'}; "
+        f"largest batch at seq {s.seq_len}: {max_batch or 'none'}."))
+    if changes:
+        parts.append(advice_table(changes))
+    parts.append(grid_table(grid, est.budget_bytes))
+    for note in est.notes:
+        parts.append(Text(f"note: {note}", style="dim"))
+    return Group(*parts)
+
+
+def _pct(est: int | None, meas: int | None) -> str:
+    if est is None or meas is None or meas == 0:
+        return "-"
+    return f"{(est - meas) / meas:+.1%}"
+
+
+def estimated_vs_measured_table(estimate: Estimate, measured: dict) -> Table:
+    """A row per quantity: estimated, measured, difference. `measured` holds weights_bytes,
+    grad_bytes, optimizer_state_bytes, activation_bytes, peak_bytes; any may be None."""
+    rows = [
+        ("weights", estimate.weights_bytes, measured.get("weights_bytes")),
+        ("gradients", estimate.grad_bytes, measured.get("grad_bytes")),
+        ("optimizer states", estimate.optimizer_state_bytes, measured.get("optimizer_state_bytes")),
+        ("activations (saved)", estimate.saved_activation_bytes, measured.get("activation_bytes")),
+        ("peak", estimate.total_bytes, measured.get("peak_bytes")),
+    ]
+    t = Table(title="Memory: estimated vs measured", title_justify="left")
+    t.add_column("")
+    t.add_column("estimated", justify="right")
+    t.add_column("measured", justify="right")
+    t.add_column("difference", justify="right")
+    for name, est, meas in rows:
+        t.add_row(name, human(est), human(meas), _pct(est, meas))
+    return t

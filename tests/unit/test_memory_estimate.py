@@ -1,0 +1,158 @@
+"""The estimator's arithmetic: hand-computed figures, exact parameter counts, monotonicity,
+paging, and the shipped 24 GiB recipe."""
+
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from lisaft.errors import LisaftError
+from lisaft.memory.catalogue import catalogue_names, resolve_model
+from lisaft.memory.command import parse_bytes, settings_from_recipe
+from lisaft.memory.counts import param_counts
+from lisaft.memory.estimate import (CPU_PROCESS_BASELINE_BYTES, GiB, MiB, Settings, compute)
+from lisaft.memory.optimizer_state import QMAP_BYTES, state_bytes, tensor_state
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _hand_config():
+    # h=8, i=16, 2 heads of 4, 1 kv head, 2 layers, vocab 32, untied.
+    return LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                       num_hidden_layers=2, vocab_size=32, max_position_embeddings=64,
+                       tie_word_embeddings=False)
+
+
+def test_hand_computed_tiny_config():
+    s = Settings(model_label="hand", config=_hand_config(), dtype="float32", attention="sdpa",
+                 optimizer="adamw_32bit", batch_size=1, seq_len=4, device="cpu", budget_bytes=GiB)
+    e = compute(s)
+    # per layer: q 64 + k 32 + v 32 + o 64 + gate/up/down 3*128 + two norms 16 = 592
+    # embeddings 256 + head 256 + final norm 8
+    assert e.total_params == 2 * 592 + 256 + 256 + 8 == 1704
+    # + the rotary tables inv_freq and original_inv_freq, 2 float32 each
+    assert e.weights_bytes == 1704 * 4 + 2 * 2 * 4
+    assert e.grad_bytes == 1704 * 4
+    # two float32 moments per parameter + a float32 step per tensor (9 per layer + 3)
+    assert e.optimizer_state_bytes == 2 * 4 * 1704 + 4 * 21
+    # per layer per token: norms 2*(4*8+4+4*8) + norm outputs 2*4*8 + q,k,v,out 4*(8+4+4+8)
+    # + log-sum-exp 4*2 + MLP 4*4*16 = 560; outside: ids 8*4, cos/sin 2*4*4*4, final norm
+    # 68*4, head input 32*4; loss: log-probs 4*(4*32+8) + 4
+    assert e.saved_activation_bytes == 560 * 2 * 4 + (32 + 128 + 272 + 128) + 548
+    # the optimizer step is the peak: weights + moments + every gradient + clipping norms
+    assert e.peak_phase == "optimizer_step"
+    assert e.total_bytes == 6832 + 13716 + 6816 + 8 * 21 + CPU_PROCESS_BASELINE_BYTES
+    assert sum(e.components.values()) == e.total_bytes
+
+
+def test_llama_31_8b_exact_parameter_count():
+    config, label = resolve_model("llama-3.1-8b")
+    assert label == "llama-3.1-8b"
+    assert param_counts(config).total == 8_030_261_248
+
+
+@pytest.mark.parametrize("name,count", [
+    ("llama-3.2-1b", 1_235_814_400), ("qwen2.5-0.5b", 494_032_768), ("mistral-7b-v0.3", 7_248_023_552),
+])
+def test_catalogue_counts_match_published(name, count):
+    assert param_counts(resolve_model(name)[0]).total == count
+
+
+def test_catalogue_has_the_promised_models():
+    assert {"llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-70b", "mistral-7b-v0.3",
+            "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2-9b", "phi-3-mini"} <= set(catalogue_names())
+
+
+def test_placeholder_paths_and_hub_ids_map_to_the_catalogue():
+    assert resolve_model("/path/to/Meta-Llama-3.1-8B")[1] == "llama-3.1-8b"
+    assert resolve_model("meta-llama/Llama-3.2-1B-Instruct")[1] == "llama-3.2-1b"
+
+
+def test_tied_embeddings_count_once():
+    counts = param_counts(resolve_model("llama-3.2-1b")[0])
+    assert counts.tied and sum(counts.head) == 2048  # only the final norm is left in the head
+
+
+def test_eight_bit_state_follows_bitsandbytes_layout():
+    # small tensors keep float32 moments
+    assert tensor_state("adamw_8bit", 4095, 2, "cpu").total == 8 * 4095
+    # uint8 moments + one float32 absmax per 256-element block, per moment
+    assert tensor_state("adamw_8bit", 5000, 2, "cpu").total == 2 * 5000 + 2 * 4 * 20
+    assert state_bytes("adamw_8bit", [5000, 100], 2, "cpu").total == 10160 + 800 + QMAP_BYTES
+    # paging on CUDA only, and only for tensors of at least 1e5 elements
+    assert tensor_state("paged_adamw_8bit", 200_000, 2, "cuda").paged == 400_000
+    assert tensor_state("paged_adamw_8bit", 50_000, 2, "cuda").paged == 0
+    assert tensor_state("paged_adamw_32bit", 200_000, 2, "cpu").paged == 0
+    # torch AdamW keeps moments in the parameter dtype; bitsandbytes 32-bit always float32
+    assert tensor_state("adamw_32bit", 1000, 2, "cuda").total == 4 * 1000 + 4
+    assert tensor_state("paged_adamw_32bit", 1000, 2, "cuda").total == 8 * 1000
+
+
+def _small(**kw):
+    base = dict(model_label="t", config=resolve_model("llama-3.2-1b")[0], seq_len=512, device="cuda")
+    base.update(kw)
+    return Settings(**base)
+
+
+@pytest.mark.parametrize("opt", ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"])
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_more_tokens_or_gamma_never_cost_less(opt, ckpt):
+    s = _small(optimizer=opt, gradient_checkpointing=ckpt)
+    by_seq = [compute(s.with_(seq_len=n)).total_bytes for n in (128, 256, 1024, 4096)]
+    by_batch = [compute(s.with_(batch_size=b)).total_bytes for b in (1, 2, 4)]
+    by_gamma = [compute(s.with_(lisa=True, active_layers=g)).total_bytes for g in (1, 2, 4, 8, 16)]
+    full = compute(s).total_bytes
+    assert by_seq == sorted(by_seq) and by_batch == sorted(by_batch) and by_gamma == sorted(by_gamma)
+    assert by_gamma[-1] <= full
+
+
+def test_more_layers_never_cost_less():
+    totals = []
+    for layers in (2, 4, 8):
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2, num_hidden_layers=layers, vocab_size=1000)
+        for lisa in (False, True):
+            totals.append((lisa, compute(Settings(model_label="t", config=cfg, lisa=lisa)).total_bytes))
+    for lisa in (False, True):
+        seq = [t for flag, t in totals if flag == lisa]
+        assert seq == sorted(seq)
+
+
+def test_checkpointing_eager_and_in_backward_help():
+    s = _small(seq_len=2048)
+    assert compute(s.with_(gradient_checkpointing=True)).sizes["activations"] < compute(s).sizes["activations"]
+    assert compute(s.with_(attention="eager")).total_bytes > compute(s).total_bytes
+    ib = compute(s.with_(in_backward=True, clipping=False))
+    assert "optimizer_step" not in ib.phases and ib.total_bytes <= compute(s).total_bytes
+
+
+def test_paged_state_split_under_budget():
+    config, _ = resolve_model("llama-3.1-8b")
+    e = compute(Settings(model_label="8b", config=config, optimizer="paged_adamw_32bit",
+                         gradient_checkpointing=True, in_backward=True, clipping=False))
+    assert e.paged_state_bytes > 50 * GiB
+    assert e.paged_gpu_bytes + e.paged_host_bytes == e.paged_state_bytes
+    assert not e.fits and e.paged_host_bytes > 0
+    # the same on CPU: nothing is paged
+    cpu = compute(Settings(model_label="8b", config=config, optimizer="paged_adamw_32bit", device="cpu"))
+    assert cpu.paged_state_bytes == 0
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * GiB
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("512 MiB") == 512 * MiB
+    assert parse_bytes("16G") == 16 * GiB
+    with pytest.raises(LisaftError, match="--budget"):
+        parse_bytes("lots")
+
+
+def test_shipped_24gb_recipe_fits_with_nothing_paged():
+    from lisaft.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml")
+    assert recipe.optimizer.name == "paged_adamw_8bit" and recipe.lisa.enabled
+    assert recipe.model.attention == "flash_attention_2" and recipe.model.gradient_checkpointing
+    e = compute(settings_from_recipe(recipe, device="cuda", budget_bytes=24 * GiB))
+    assert e.settings.model_label == "llama-3.1-8b"
+    assert e.fits and e.paged_host_bytes == 0

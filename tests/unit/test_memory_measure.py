@@ -1,0 +1,114 @@
+"""Estimated vs measured at tiny scale: saved-tensor activations, tensor bytes, peaks."""
+
+import io
+import warnings
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from lisaft.memory import estimated_vs_measured_table
+from lisaft.memory.estimate import Settings, compute
+from lisaft.memory.measure import (grad_bytes, optimizer_state_bytes, peak_memory, peak_rss_bytes,
+                                   saved_activations, tensor_bytes, weight_bytes)
+from lisaft.models import DTYPES, model_parts
+
+_BASE = dict(hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=3, vocab_size=96, max_position_embeddings=128)
+_FAMILY = {"llama": {}, "qwen2": {}, "gemma2": dict(head_dim=16, query_pre_attn_scalar=16),
+           "phi3": dict(pad_token_id=0)}
+
+
+def _model(model_type, dtype, attention, checkpointing, gamma):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **_BASE, **_FAMILY[model_type], tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attention)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    if gamma:
+        for i, layer in enumerate(model_parts(model).layers):
+            layer.requires_grad_(i == 1)
+    return config, model
+
+
+@pytest.mark.parametrize("model_type,dtype,attention,checkpointing,gamma", [
+    ("llama", "float32", "sdpa", False, 0),
+    ("llama", "bfloat16", "sdpa", False, 1),
+    ("llama", "float32", "eager", False, 0),
+    ("llama", "bfloat16", "sdpa", True, 0),
+    ("qwen2", "bfloat16", "eager", False, 1),
+    ("gemma2", "float32", "eager", False, 0),
+    ("phi3", "bfloat16", "sdpa", False, 1),
+])
+def test_activations_match_saved_tensor_meter(model_type, dtype, attention, checkpointing, gamma):
+    config, model = _model(model_type, dtype, attention, checkpointing, gamma)
+    batch, seq = 2, 20
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    with saved_activations(model) as meter:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    est = compute(Settings(model_label=model_type, config=config, dtype=dtype, attention=attention,
+                           gradient_checkpointing=checkpointing, lisa=bool(gamma), active_layers=gamma or 2,
+                           batch_size=batch, seq_len=seq, device="cpu"))
+    assert meter.bytes > 0
+    assert abs(est.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
+
+
+def test_meter_counts_views_once_and_skips_parameters():
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    with saved_activations() as meter:
+        meter.exclude = {w.untyped_storage().data_ptr()}
+        y = x * 2
+        z = (y[:2] * y[2:]).sum() + (y @ w).sum()
+    assert meter.bytes == 4 * 16 * 4  # y once, though saved through two views; w skipped
+    z.backward()
+
+
+@pytest.mark.parametrize("opt_name", ["adamw_32bit", "adamw_8bit"])
+def test_tensor_bytes_match_estimate(opt_name):
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.train()
+    if opt_name == "adamw_32bit":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    else:
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    measured = {"weights_bytes": weight_bytes(model), "grad_bytes": grad_bytes(model)}
+    opt.step()
+    measured["optimizer_state_bytes"] = optimizer_state_bytes(opt)
+    est = compute(Settings(model_label="t", config=config, dtype="float32", optimizer=opt_name, device="cpu"))
+    assert est.weights_bytes == measured["weights_bytes"]
+    assert est.grad_bytes == measured["grad_bytes"]
+    assert est.optimizer_state_bytes == measured["optimizer_state_bytes"]
+    measured.update(activation_bytes=None, peak_bytes=peak_rss_bytes())
+    text = _render(estimated_vs_measured_table(est, measured))
+    assert "optimizer states" in text and "+0.0%" in text
+
+
+def test_tensor_bytes_dedupes_shared_storage():
+    a = torch.zeros(10)
+    assert tensor_bytes([a, a[:5], a.view(2, 5)]) == 40
+
+
+def test_peaks_on_cpu():
+    p = peak_memory("cpu")
+    assert p.rss_bytes > 50 * 2**20
+    assert p.cuda_allocated_bytes is None and p.cuda_reserved_bytes is None
+
+
+def _render(table) -> str:
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(table)
+    return buf.getvalue()
