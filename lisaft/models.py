@@ -194,7 +194,10 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
     if section.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs, so no enable_input_require_grads
         # hack is needed and backward can stop at the lowest trainable layer.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     model.train()
