@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lisaft import optim
+from lisaft import dist, optim
 from lisaft.errors import LisaftError
 from lisaft.models import ModelParts
 from lisaft.recipe import LisaSection
@@ -100,11 +100,16 @@ class LisaController:
         # Offloaded to disk, per layer: (file, bytes of moments in it).
         self._disk: dict[int, tuple[Path, int]] = {}
         self.last_switch_s = 0.0
+        # Files a crashed run of this rank left behind are stale: a resume rewrites what it needs.
+        if self.offload_dir.is_dir():
+            for stale in self.offload_dir.glob(f"layer-*-rank{dist.rank()}.*"):
+                stale.unlink(missing_ok=True)
 
     # -- switching ------------------------------------------------------------------------------
 
     def activate_for_step(self, step: int) -> bool:
-        """Make the set of interval step // K trainable. True if the set changed."""
+        """Make the set of interval step // K trainable (step counts optimizer steps from 0).
+        True at each interval boundary, even when the new draw equals the old set."""
         if not self.enabled or self.sampler is None:
             if self._interval is None:
                 self._interval = 0
@@ -180,7 +185,8 @@ class LisaController:
             optim.import_state(self.optimizer, self._by_name[name], st)
 
     def _file(self, i: int) -> Path:
-        return self.offload_dir / f"layer-{i:04d}.pt"
+        # Each data-parallel rank offloads its own replica's moments, possibly into a shared folder.
+        return self.offload_dir / f"layer-{i:04d}-rank{dist.rank()}.pt"
 
     def _write(self, i: int, moved: dict) -> tuple[Path, int]:
         self.offload_dir.mkdir(parents=True, exist_ok=True)
@@ -232,9 +238,12 @@ class LisaController:
             st = optim.export_state(self.optimizer, p, remove=False)
             if st is not None:
                 states[name] = st
+        # On CPU a restored layer trains on the very tensors held here, so a checkpoint written
+        # later must not alias them; on CUDA they are copied to the device and stay untouched.
+        clone = self.device.type == "cpu"
         for moved in self._host.values():
             for name, st in moved.items():
-                states[name] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                states[name] = {k: v.clone() if clone and torch.is_tensor(v) else v for k, v in st.items()}
         for path, _ in self._disk.values():
             states.update(torch.load(path, map_location="cpu", weights_only=True))
         return {

@@ -109,7 +109,10 @@ def _fused_devices() -> set[str]:
         return {"cuda", "cpu"}
 
 
-def _factory(section: OptimizerSection, device: torch.device) -> Callable[[list[dict]], torch.optim.Optimizer]:
+MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def _factory(section: OptimizerSection, device: torch.device) -> MakeOptimizer:
     kw = dict(lr=section.lr, betas=tuple(section.betas), eps=section.eps, weight_decay=section.weight_decay)
     if section.name == "adamw_32bit":
         impl = {"fused": True} if device.type in _fused_devices() else {"foreach": True}
