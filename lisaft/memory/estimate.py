@@ -102,6 +102,12 @@ class Estimate:
         return self.resident_without_paged_bytes <= self.budget_bytes
 
     @property
+    def comparable_peak_bytes(self) -> int:
+        """The peak as a process can measure it: on CUDA torch.cuda.max_memory_reserved plus
+        paged optimizer state (the CUDA context is outside both); on CPU the peak RSS."""
+        return self.total_bytes - self.components.get("cuda_context", 0)
+
+    @property
     def weights_bytes(self) -> int:
         return self.sizes["weights"]
 

@@ -71,9 +71,11 @@ def saved_activations(model: nn.Module | None = None) -> Iterator[SavedTensorMet
         for module in model.modules():
             if getattr(module, "gradient_checkpointing", False) and getattr(module, "training", False):
                 def pre_hook(mod, args, kwargs):
+                    # The checkpoint keeps the input whenever the layer is on the graph: the
+                    # input needs a gradient, or the layer's own weights do.
                     hidden = args[0] if args else kwargs.get("hidden_states")
-                    if isinstance(hidden, torch.Tensor) and torch.is_grad_enabled() and \
-                            hidden.requires_grad:
+                    if isinstance(hidden, torch.Tensor) and torch.is_grad_enabled() and (
+                            hidden.requires_grad or any(p.requires_grad for p in mod.parameters())):
                         meter._add(hidden)
                 handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 

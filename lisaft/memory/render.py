@@ -143,13 +143,16 @@ def _pct(est: int | None, meas: int | None) -> str:
 
 def estimated_vs_measured_table(estimate: Estimate, measured: dict) -> Table:
     """A row per quantity: estimated, measured, difference. `measured` holds weights_bytes,
-    grad_bytes, optimizer_state_bytes, activation_bytes, peak_bytes; any may be None."""
+    grad_bytes, optimizer_state_bytes, activation_bytes, peak_bytes; any may be None.
+    peak_bytes is the process peak RSS on CPU; on CUDA torch.cuda.max_memory_reserved() plus the
+    paged optimizer state's bytes (the estimate's CUDA context is left out of this row)."""
     rows = [
         ("weights", estimate.weights_bytes, measured.get("weights_bytes")),
         ("gradients", estimate.grad_bytes, measured.get("grad_bytes")),
         ("optimizer states", estimate.optimizer_state_bytes, measured.get("optimizer_state_bytes")),
         ("activations (saved)", estimate.saved_activation_bytes, measured.get("activation_bytes")),
-        ("peak", estimate.total_bytes, measured.get("peak_bytes")),
+        ("peak (allocator reserved + paged state)" if estimate.settings.device == "cuda" else "peak (RSS)",
+         estimate.comparable_peak_bytes, measured.get("peak_bytes")),
     ]
     t = Table(title="Memory: estimated vs measured", title_justify="left")
     t.add_column("")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -42,11 +43,12 @@ def test_rich_output_has_verdict_advice_and_side_by_side():
     assert "Optimizers side by side" in result.stdout and "paged_adamw_8bit" in result.stdout
 
 
-def test_bad_model_name_is_one_line_exit_2():
-    result = _invoke("--model", "./no-such-model-folder")
+@pytest.mark.parametrize("name", ["./no-such-model-folder", "llama-9b"])
+def test_bad_model_name_is_one_line_exit_2(name):
+    result = _invoke("--model", name)  # hub lookups are offline in the tests (conftest)
     assert result.exit_code == 2
     text = result.output.strip()
-    assert "Traceback" not in text and "no-such-model-folder" in text
+    assert "Traceback" not in text and name.lstrip("./") in text
     assert len(text.splitlines()) == 1
 
 
