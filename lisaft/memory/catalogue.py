@@ -74,7 +74,8 @@ def resolve_model(ref: str, key: str = "--model"):
             raise LisaftError(f"{key}: {ref}: folder has no config.json")
         return load_json_config(path / "config.json", f"{key} {ref}"), path.name
     if path.is_file():
-        return load_json_config(path, f"{key} {ref}"), path.stem
+        label = path.resolve().parent.name if path.name == "config.json" else path.stem
+        return load_json_config(path, f"{key} {ref}"), label
     name = catalogue_match(ref)
     if name is not None:
         return load_json_config(CATALOGUE_DIR / f"{name}.json", f"catalogue {name}"), name
