@@ -48,6 +48,10 @@ class Session:
     order: object
     unit_by_param: dict = field(default_factory=dict)
     grad_bytes: int = 0       # gradient bytes before the last optimizer step
+    peak_grad_bytes: int = 0
+    peak_state_bytes: int = 0
+    activation_bytes: int | None = None   # saved for backward, measured on the first micro-batch
+    activation_seq_len: int = 0           # that micro-batch's padded length
     lr: float = 0.0           # learning rate of the last step
 
 
@@ -256,6 +260,11 @@ def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE, reduction="sum")
 
 
+def _forward_loss(model, batch: dict) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return _token_loss_sum(logits, batch["labels"])
+
+
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         torch.distributed.all_reduce(value)
@@ -335,14 +344,23 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
     loss_sum = 0.0
     for batch in micro:
         batch = {k: v.to(session.device, non_blocking=True) for k, v in batch.items()}
-        logits = session.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = _token_loss_sum(logits, batch["labels"])
-        del logits
+        if session.activation_bytes is None:
+            # Once per process: what the forward keeps for backward, for the estimate-vs-measured
+            # table at the end. The hooks only observe; the numbers are unchanged.
+            from lisaft.memory.measure import saved_activations
+
+            with saved_activations(session.model) as meter:
+                loss = _forward_loss(session.model, batch)
+            session.activation_bytes = meter.bytes
+            session.activation_seq_len = int(batch["input_ids"].shape[1])
+        else:
+            loss = _forward_loss(session.model, batch)
         (loss / loss_tokens).backward()
         loss_sum += loss.item()
     trainable = controller.trainable_parameters()
     _all_reduce_grads(trainable)
     session.grad_bytes = controller.grad_bytes()
+    session.peak_grad_bytes = max(session.peak_grad_bytes, session.grad_bytes)
     if t.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
     optimizer.step()
@@ -383,6 +401,7 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
             if state.step % t.log_every == 0 or state.step == t.max_steps:
                 elapsed = max(time.perf_counter() - window_t0, 1e-9)
                 dev_state, off_state = session.controller.state_bytes()
+                session.peak_state_bytes = max(session.peak_state_bytes, dev_state)
                 rec = {
                     "step": state.step,
                     "loss": window["loss_sum"] / window["steps"],
@@ -419,9 +438,50 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
                 return 128 + stop.signum if stop.signum else 3
 
     _save_final(session)
-    if dist.is_main():
+    if dist.is_main() and show:
+        _memory_report(session)
         display.print(f"done: {state.step} steps; model saved to {session.run_dir / 'final'}")
     return 0
+
+
+def _memory_report(session: Session) -> None:
+    """The run's own memory, measured, beside what `lisaft estimate-memory` predicts for it."""
+    from rich.console import Console
+
+    from lisaft.memory.command import estimate_for_recipe
+    from lisaft.memory.measure import peak_memory
+    from lisaft.memory.render import estimated_vs_measured_table
+
+    recipe = session.recipe
+    seq_len = session.activation_seq_len or recipe.data.max_seq_len
+    if seq_len != recipe.data.max_seq_len:
+        # Rows are padded to the longest in the batch, not to max_seq_len: compare like with like.
+        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_seq_len": seq_len})})
+    try:
+        estimate = estimate_for_recipe(recipe, device=session.device.type)
+    except LisaftError as e:  # e.g. an architecture the estimator does not model
+        print(f"memory estimate unavailable: {e}")
+        return
+    dev_state, _ = session.controller.state_bytes()
+    session.peak_state_bytes = max(session.peak_state_bytes, dev_state)
+    peak = peak_memory(session.device)
+    if session.device.type == "cuda":
+        # Paged optimizer state lives in unified memory, outside the allocator's counters.
+        paged = session.peak_state_bytes if "paged" in session.recipe.optimizer.name else 0
+        peak_bytes = peak.cuda_reserved_bytes + paged
+    else:
+        peak_bytes = peak.rss_bytes
+    measured = {
+        "weights_bytes": sum(p.numel() * p.element_size() for p in session.model.parameters()),
+        "grad_bytes": session.peak_grad_bytes,
+        "optimizer_state_bytes": session.peak_state_bytes,
+        "activation_bytes": session.activation_bytes,
+        "peak_bytes": peak_bytes,
+    }
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(estimated_vs_measured_table(estimate, measured))
+    console.print(f"(estimated for batches of {recipe.training.batch_size} x {seq_len} tokens, the shape "
+                  f"measured; data.max_seq_len is {session.recipe.data.max_seq_len})", markup=False)
 
 
 def _announce(session: Session, display: Display, state: TrainState) -> None:

@@ -26,6 +26,7 @@ def test_train_end_to_end_writes_the_run_directory(tiny_run):
     assert all(len(r["active_layers"]) == 2 for r in train)
     assert all(r["peak_memory_bytes"] > 0 and r["grad_bytes"] > 0 for r in train)
     assert (run / "recipe.yaml").is_file()
+    assert "Memory: estimated vs measured" in result.output and "optimizer states" in result.output
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
