@@ -19,11 +19,16 @@ runner = CliRunner()
 
 
 def losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+    records = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"duplicate or unordered steps in metrics.jsonl: {steps}"
+    return {r["step"]: r["loss"] for r in records}
 
 
 def evals(run: Path) -> dict[int, float]:
-    return {r["step"]: r["eval_loss"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r}
+    records = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
+    assert len({r["step"] for r in records}) == len(records), "duplicate eval records"
+    return {r["step"]: r["eval_loss"] for r in records}
 
 
 def final_weights(run: Path) -> dict:

@@ -54,3 +54,32 @@ def test_flash_attention_on_cpu_is_a_clear_error():
         resolve_attention("flash_attention_2", torch.device("cpu"), "bfloat16")
     assert resolve_attention("auto", torch.device("cpu"), "bfloat16") == "sdpa"
     assert resolve_attention("eager", torch.device("cpu"), "float32") == "eager"
+
+
+def test_unreachable_hub_id_is_one_clear_line(monkeypatch):
+    from lisaft.models import load_model
+    from lisaft.recipe import ModelSection
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(LisaftError) as e:
+        load_model(ModelSection(name_or_path="no-such-org/no-such-model", attention="sdpa"), torch.device("cpu"))
+    msg = str(e.value)
+    assert msg.startswith("model.name_or_path: 'no-such-org/no-such-model' is not a local folder")
+    assert "\n" not in msg
+    with pytest.raises(LisaftError, match="no such folder"):
+        load_model(ModelSection(name_or_path="./missing/model", attention="sdpa"), torch.device("cpu"))
+
+
+def test_random_init_from_config_and_local_folder_round_trip(tmp_path, tiny_llama_config):
+    from lisaft.models import load_model
+    from lisaft.recipe import ModelSection
+
+    tiny_llama_config.save_pretrained(tmp_path / "cfg")
+    model = load_model(ModelSection(config=str(tmp_path / "cfg"), tokenizer="t", dtype="bfloat16",
+                                    gradient_checkpointing=True, attention="eager"), torch.device("cpu"), seed=3)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    model.save_pretrained(tmp_path / "saved")
+    again = load_model(ModelSection(name_or_path=str(tmp_path / "saved"), dtype="bfloat16"), torch.device("cpu"))
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert a.equal(b), n

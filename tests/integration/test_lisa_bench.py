@@ -1,0 +1,67 @@
+"""benchmarks/lisa_bench.py --quick: the LISA benchmark's code path, on a tiny model, so it cannot
+rot; and the invariants that hold at any size."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LISAFT_RUNS = {"lisaft_full", "lisaft_lisa_discard", "lisaft_lisa_offload_cpu", "lisaft_lisa_offload_disk",
+               "lisaft_lisa_keep", "lisaft_lisa_discard_frozen_emb"}
+HF_RUNS = {"hf_full", "hf_lisa_lmflow"}
+
+
+def test_lisa_bench_quick(tmp_path):
+    out = tmp_path / "lisa_bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lisa_bench.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    s = summary["settings"]
+    assert summary["mode"] == "quick" and s["active_layers"] == 2
+    n_intervals = s["steps"] // s["interval"]
+    assert n_intervals >= 2
+
+    runs = {r["run"]: r for r in summary["runs"]}
+    assert set(runs) == LISAFT_RUNS | HF_RUNS
+    hf_available = importlib.util.find_spec("accelerate") is not None
+    for name, r in runs.items():
+        if name in HF_RUNS and not hf_available:
+            assert r["status"] == "skipped" and "accelerate" in r["note"]
+            continue
+        assert r["status"] == "ok", name
+        assert len(r["step_wall_s"]) == s["steps"]
+        assert r["tokens_per_step"] == s["batch_size"] * s["seq_len"]
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_mean"] > 0, name
+        assert [iv["interval"] for iv in r["intervals"]] == list(range(n_intervals)), name
+    if not hf_available:
+        assert any("accelerate" in n for n in summary["notes"])
+
+    def states(name):
+        return [iv["device_state_bytes"] for iv in runs[name]["intervals"]]
+
+    full = summary["full_ft_state_bytes"]
+    assert full == states("lisaft_full")[-1] > 0
+    # discard and offload_*: the device holds the current trainable set's state, never more.
+    for policy in ("discard", "offload_cpu", "offload_disk"):
+        st = states(f"lisaft_lisa_{policy}")
+        assert len(set(st)) == 1 and st[0] < full, (policy, st)
+        assert summary["targets"][f"state_constant_{policy}"] is True
+    assert all(iv["offloaded_state_bytes"] == 0 for iv in runs["lisaft_lisa_discard"]["intervals"])
+    assert runs["lisaft_lisa_offload_cpu"]["intervals"][-1]["offloaded_state_bytes"] > 0
+    assert runs["lisaft_lisa_offload_disk"]["intervals"][-1]["offloaded_state_bytes"] > 0
+    # keep, like LMFlow: state of every layer ever sampled stays, so it grows.
+    keep = states("lisaft_lisa_keep")
+    assert keep[-1] > keep[0] and keep == sorted(keep)
+    assert states("lisaft_lisa_discard_frozen_emb")[0] < states("lisaft_lisa_discard")[0]
+    if hf_available:
+        lmflow = states("hf_lisa_lmflow")
+        assert lmflow[-1] > lmflow[0] and lmflow == sorted(lmflow)
+        assert summary["targets"]["hf_lisa_lmflow_state_grows"] is True
+        # Same init, same batches, same optimizer and clipping: the Trainer's full fine-tuning
+        # holds exactly lisaft's optimizer state.
+        assert states("hf_full")[-1] == full
+        assert "speedup_discard_vs_hf_full" in summary["targets"]
+    assert "| lisaft_lisa_discard |" in proc.stdout
