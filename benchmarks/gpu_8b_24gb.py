@@ -126,7 +126,7 @@ def one_run(name: str, steps: int, tiny: bool, cap_gib: float, workdir: Path) ->
         config_path.write_text(json.dumps(TINY_CONFIG))
     else:
         config_path = CONFIG_8B
-    overrides = [f"model.name_or_path=null", f"model.config={config_path}", "model.tokenizer=unused",
+    overrides = ["model.name_or_path=null", f"model.config={config_path}", "model.tokenizer=unused",
                  f"training.output_dir={workdir / name}", f"training.max_steps={steps}",
                  f"training.device={'cuda' if cuda else 'cpu'}", *RUNS[name]]
     from lisaft.models import flash_attn_available

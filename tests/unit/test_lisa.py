@@ -6,11 +6,12 @@ loop is tested elsewhere."""
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import numpy as np
 import pytest
 import torch
+
+from _tiny import tiny as _tiny
 
 from lisaft import optim
 from lisaft.errors import LisaftError
@@ -24,29 +25,8 @@ NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 POLICIES = ["discard", "offload_cpu", "offload_disk", "keep"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_paging():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*runs unpaged.*")
-        yield
-
-
 def tiny(seed: int = 0, layers: int = 6):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
+    return _tiny(seed, layers)
 
 
 def setup(tmp_path, name="adamw_32bit", in_backward=False, layers=6, seed=0, model_seed=0, **lisa):

@@ -7,6 +7,8 @@ import warnings
 import pytest
 import torch
 
+from _tiny import tiny as _tiny
+
 from lisaft import optim
 from lisaft.optim import InBackwardOptimizer, build_optimizer, set_lr
 from lisaft.recipe import OptimizerSection
@@ -15,31 +17,8 @@ NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models run faster on one thread than on cores shared with other processes.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_paging():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*runs unpaged.*")
-        yield
-
-
 def tiny(seed: int = 0, layers: int = 4):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    # hidden 64: the projection matrices reach bitsandbytes' 4096-element threshold for 8-bit state.
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
+    return _tiny(seed, layers)
 
 
 def batch(step: int) -> torch.Tensor:
