@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from lisaft import checkpoint as ckpt_mod
 from lisaft import dist
@@ -252,17 +251,10 @@ def _write_atomic(path: Path, text: str) -> None:
 # the loop
 
 
-def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross entropy over response tokens, in float32."""
-    logits = logits[:, :-1].float()
-    targets = labels[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
-
-
 def _forward_loss(model, batch: dict) -> torch.Tensor:
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return _token_loss_sum(logits, batch["labels"])
+    from lisaft.loss import token_loss_sum
+
+    return token_loss_sum(model, batch)
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
@@ -295,6 +287,7 @@ def _all_reduce_grads(params: list) -> None:
 def evaluate(session: Session) -> dict:
     """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
     from lisaft.data import collate, eval_index_batches
+    from lisaft.loss import eval_sums
 
     examples = session.eval_examples
     t = session.recipe.training
@@ -308,12 +301,8 @@ def evaluate(session: Session) -> dict:
     for idx in batches:
         batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id)
         batch = {k: v.to(session.device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        targets = batch["labels"][:, 1:]
-        mask = targets != IGNORE
-        totals[0] += _token_loss_sum(logits, batch["labels"]).item()
-        totals[1] += mask.sum().item()
-        totals[2] += ((logits[:, :-1].argmax(-1) == targets) & mask).sum().item()
+        loss_sum, n_tokens, n_correct = eval_sums(model, batch)
+        totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
     model.train()
     totals = _all_reduce_sum(totals.to(session.device)).cpu()
     n = max(totals[1].item(), 1.0)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lisaft.loss import LOSS_CHUNK_ELEMENTS, PLAIN_HEAD_TYPES
+
 FP32 = 4
 INT64 = 8
 
@@ -37,6 +39,8 @@ class Shape:
     attn_output_copy: bool = False
     attn_softcap: bool = False
     final_softcap: bool = False
+    # logits = head(final hidden state): lisaft's loss may then run in chunks (lisaft/loss.py).
+    plain_head: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -69,7 +73,16 @@ def shape_from_config(config) -> Shape:
         attn_output_copy=model_type == "phi3",
         attn_softcap=gemma2 and get("attn_logit_softcapping") is not None,
         final_softcap=get("final_logit_softcapping") is not None,
+        plain_head=model_type in PLAIN_HEAD_TYPES,
     )
+
+
+def loss_chunk_tokens(shape: Shape, tokens: int) -> int | None:
+    """Positions per loss chunk when lisaft's loss runs chunked for `tokens` positions, else
+    None (the whole vocab x tokens logits exist at once)."""
+    if shape.plain_head and tokens * shape.vocab > LOSS_CHUNK_ELEMENTS:
+        return max(1, LOSS_CHUNK_ELEMENTS // shape.vocab)
+    return None
 
 
 def _norm(shape: Shape, dt: int, trainable: bool) -> int:
@@ -158,19 +171,29 @@ def activations(
     if shape.gemma_norm:
         # Gemma's norm multiplies by (1 + weight) in float32: one such vector kept per norm.
         outside += FP32 * shape.hidden * (shape.layers * (2 + shape.post_norms) + 1)
-    if head_weight_trains:
+    chunk = loss_chunk_tokens(shape, tokens)
+    if head_weight_trains or chunk:
+        # The head's input; a chunked loss holds it (flattened) for its recompute.
         outside += tokens * dt * shape.hidden
-    # Log-softmax output, the shifted labels and the loss's float32 normaliser.
-    log_probs = tokens * (FP32 * shape.vocab + INT64) + FP32
-    if shape.final_softcap:
-        log_probs += tokens * dt * shape.vocab  # tanh output of the final soft-cap
+    if chunk:
+        log_probs = 0  # recomputed chunk by chunk in backward: see loss_buffers_peak
+    else:
+        # Log-softmax output, the shifted labels and the loss's float32 normaliser.
+        log_probs = tokens * (FP32 * shape.vocab + INT64) + FP32
+        if shape.final_softcap:
+            log_probs += tokens * dt * shape.vocab  # tanh output of the final soft-cap
     return ActivationBreakdown(
         layers=layers, outside_layers=outside, log_probs=log_probs,
         one_layer_full=tokens * (full if trainable_layers else frozen),
     )
 
 
-def loss_buffers_peak(shape: Shape, batch: int, seq_len: int) -> int:
+def loss_buffers_peak(shape: Shape, batch: int, seq_len: int, dt: int = 2) -> int:
     """Float32 vocab x tokens buffers alive at the loss's backward: the saved log-probs, the
-    gradient the NLL loss writes, and the log-softmax input gradient (3 x 4 bytes)."""
-    return batch * seq_len * shape.vocab * 3 * FP32
+    gradient the NLL loss writes, and the log-softmax input gradient (3 x 4 bytes). A chunked
+    loss has them for one chunk only, plus that chunk's recomputed model-dtype logits (and its
+    soft-cap output)."""
+    chunk = loss_chunk_tokens(shape, batch * seq_len)
+    if chunk is None:
+        return batch * seq_len * shape.vocab * 3 * FP32
+    return chunk * shape.vocab * (3 * FP32 + dt * (2 if shape.final_softcap else 1))

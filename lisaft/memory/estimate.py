@@ -204,8 +204,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         final_norm_trains=not s.lisa or s.train_head,
     )
     saved_no_logp = act.layers + act.outside_layers
-    loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len)
-    if shape.final_softcap:
+    loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
+    if shape.final_softcap and act.log_probs:
         loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
     tokens = s.batch_size * s.seq_len
     # Gradient of the hidden states flowing down, and of one layer's largest intermediates.

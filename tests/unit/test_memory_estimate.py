@@ -156,3 +156,16 @@ def test_shipped_24gb_recipe_fits_with_nothing_paged():
     e = compute(settings_from_recipe(recipe, device="cuda", budget_bytes=24 * GiB))
     assert e.settings.model_label == "llama-3.1-8b"
     assert e.fits and e.paged_host_bytes == 0
+
+
+def test_loss_buffers_follow_the_chunked_loss():
+    config, _ = resolve_model("llama-3.1-8b")
+    s = Settings(model_label="llama-3.1-8b", config=config, dtype="bfloat16", lisa=True,
+                 optimizer="paged_adamw_8bit", gradient_checkpointing=True, seq_len=2048)
+    est = compute(s)
+    chunk = (1 << 24) // 128256
+    assert chunk == 130
+    # One chunk's recomputed bf16 logits and three float32 buffers, not 12 B x 2048 x 128256.
+    assert est.sizes["logits_loss"] == chunk * 128256 * (12 + 2)
+    small = compute(s.with_(seq_len=64))  # 64 x 128256 < 2^24: unchunked
+    assert small.sizes["logits_loss"] == 64 * 128256 * 12

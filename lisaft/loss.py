@@ -1,0 +1,106 @@
+"""Next-token loss without vocab x tokens float32 buffers for the whole sequence.
+
+The usual causal-LM loss materialises the logits of every position, upcasts them to float32 and
+keeps the log-softmax for backward: 12 bytes x tokens x vocabulary at the loss's backward, which
+for Llama-3's 128,256-entry vocabulary is 1.5 GiB per 1,024 tokens — at 2,048 tokens more than
+LISA's whole optimizer state. When that product exceeds LOSS_CHUNK_ELEMENTS, the head and the
+loss run over chunks of positions under non-reentrant activation checkpointing: only one chunk's
+logits exist at a time, in forward and again (recomputed) in backward, at the cost of one more
+head matmul per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+# Logits per chunk: 16.8M entries, 64 MiB in float32 (131 positions of a 128k vocabulary).
+LOSS_CHUNK_ELEMENTS = 1 << 24
+# Architectures whose logits are exactly head(final hidden state), possibly soft-capped.
+PLAIN_HEAD_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "gemma", "gemma2",
+                     "gpt2", "gpt_neox"}
+
+
+def _vocab(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def chunked(model, tokens: int) -> bool:
+    """Whether the loss for `tokens` positions runs in chunks on this model."""
+    cfg = model.config
+    return (tokens * _vocab(model) > LOSS_CHUNK_ELEMENTS
+            and getattr(cfg, "model_type", None) in PLAIN_HEAD_TYPES
+            and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+            and model.base_model is not model)
+
+
+def _softcap(model) -> float | None:
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+def _head_logits(hidden: torch.Tensor, head: torch.nn.Module, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _chunk_loss(hidden, targets, head, softcap):
+    logits = _head_logits(hidden, head, softcap).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+
+
+def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states of every position that predicts a token, flattened, and the targets."""
+    out = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    hidden = out.last_hidden_state[:, :-1]
+    return hidden.reshape(-1, hidden.size(-1)), batch["labels"][:, 1:].reshape(-1)
+
+
+def token_loss_sum(model, batch: dict) -> torch.Tensor:
+    """Sum of next-token cross entropy (float32) over the positions whose label is not -100."""
+    input_ids = batch["input_ids"]
+    if not chunked(model, input_ids.numel()):
+        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"]).logits
+        return logits_loss_sum(logits, batch["labels"])
+    hidden, targets = _positions(model, batch)
+    head, cap = model.get_output_embeddings(), _softcap(model)
+    step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
+    fn = functools.partial(_chunk_loss, head=head, softcap=cap)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.size(0), step):
+        total = total + checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
+    return total
+
+
+def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+@torch.no_grad()
+def eval_sums(model, batch: dict) -> tuple[float, int, int]:
+    """(loss sum, response tokens, argmax-correct response tokens) of one batch."""
+    if chunked(model, batch["input_ids"].numel()):
+        hidden, targets = _positions(model, batch)
+        head, cap = model.get_output_embeddings(), _softcap(model)
+        step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
+        # One chunk's logits at a time: each is reduced before the next is computed.
+        loss = correct = 0.0
+        for i in range(0, hidden.size(0), step):
+            logits = _head_logits(hidden[i:i + step], head, cap).float()
+            t = targets[i:i + step]
+            loss += F.cross_entropy(logits, t, ignore_index=IGNORE, reduction="sum").item()
+            correct += ((logits.argmax(-1) == t) & (t != IGNORE)).sum().item()
+        return loss, int((targets != IGNORE).sum()), int(correct)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    mask = targets != IGNORE
+    correct = ((logits[:, :-1].argmax(-1) == targets) & mask).sum().item()
+    return logits_loss_sum(logits, batch["labels"]).item(), int(mask.sum()), int(correct)
