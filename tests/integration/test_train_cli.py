@@ -101,3 +101,27 @@ def test_existing_run_is_refused_and_untouched(tiny_run):
     result = runner.invoke(app, ["train", str(recipe), "--overwrite", "--set", "training.max_steps=1"])
     assert result.exit_code == 0, result.output
     assert [r["step"] for r in read_metrics(metrics) if "loss" in r] == [1]
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+def test_chunked_loss_trains_like_the_plain_loss(tiny_run, monkeypatch, in_backward):
+    import torch
+
+    from lisaft import loss as loss_mod
+    from lisaft.trainer import train
+
+    extra = {"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}} if in_backward else {}
+    recipe = tiny_run(lisa={"enabled": False}, **{
+        "training": {"max_steps": 4, "eval_every": 2, **extra.get("training", {})},
+        "optimizer": {"name": "adamw_32bit", "lr": 3e-3, **extra.get("optimizer", {})}})
+    assert train(recipe, overrides=["training.output_dir=plain"], show=False) == 0
+    # About 9 positions per chunk: every micro-batch's loss runs in several checkpointed chunks,
+    # and the head's gradient must still be accumulated (and, in backward, applied) once.
+    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_ELEMENTS", 1000)
+    assert train(recipe, overrides=["training.output_dir=chunked"], show=False) == 0
+    a = read_metrics(tiny_run.dir / "plain" / "metrics.jsonl")
+    b = read_metrics(tiny_run.dir / "chunked" / "metrics.jsonl")
+    for key in ("loss", "eval_loss"):
+        x = torch.tensor([r[key] for r in a if key in r])
+        y = torch.tensor([r[key] for r in b if key in r])
+        assert len(x) and torch.allclose(x, y, rtol=1e-4), (key, x, y)
