@@ -378,6 +378,11 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
     window_t0 = time.perf_counter()
     with StopRequest() as stop, Display(t.max_steps, state.step, enabled=show) as display:
         _announce(session, display, state)
+        if state.step == 0 and session.eval_examples and t.eval_every:
+            # The untrained model's score: where the curve starts.
+            rec = {"step": 0, **evaluate(session)}
+            metrics.write(rec)
+            display.eval(rec)
         while state.step < t.max_steps:
             step = state.step
             loss, tokens = train_step(session, step)

@@ -49,7 +49,7 @@ def test_two_ranks_match_one_process_at_twice_the_batch_and_resume_exactly(tiny_
     for k in wa:
         assert torch.allclose(wa[k], wb[k], rtol=1e-3, atol=1e-4), k
     evals = [r for r in read_metrics(tiny_run.dir / "dp" / "metrics.jsonl") if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [2, 4]
+    assert [r["step"] for r in evals] == [0, 2, 4]
 
     # Stopped after 2 steps and resumed with two ranks: bit-identical to the uninterrupted run.
     cut = tiny_run("cut.yaml", **{**common, "training": {**common["training"], "batch_size": 2,

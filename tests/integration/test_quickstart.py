@@ -19,8 +19,8 @@ def test_quickstart_learns_at_reduced_steps(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     records = read_metrics(tmp_path / "qs" / "metrics.jsonl")
     acc = [r["eval_token_accuracy"] for r in records if "eval_token_accuracy" in r]
-    assert len(acc) == 2
+    assert len(acc) == 3
     # Chance is about 1 in 100 (the tokenizer has 110 tokens); the full 400 steps reach ~90%.
-    assert acc[0] > 0.2 and acc[1] > 0.4, acc
+    assert acc[0] < 0.1 and acc[1] > 0.2 and acc[2] > 0.4, acc
     layers = {tuple(r["active_layers"]) for r in records if "active_layers" in r}
     assert len(layers) > 1, "LISA must switch layers during the run"

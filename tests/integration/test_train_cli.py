@@ -21,7 +21,7 @@ def test_train_end_to_end_writes_the_run_directory(tiny_run):
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in train] == list(range(1, 9))
     assert TRAIN_FIELDS <= set(train[0])
-    assert [r["step"] for r in evals] == [4, 8]
+    assert [r["step"] for r in evals] == [0, 4, 8]
     assert 0.0 <= evals[-1]["eval_token_accuracy"] <= 1.0
     assert all(len(r["active_layers"]) == 2 for r in train)
     assert all(r["peak_memory_bytes"] > 0 and r["grad_bytes"] > 0 for r in train)
