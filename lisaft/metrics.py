@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +17,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     """CUDA allocator peak on GPU; the process's peak resident set on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    # ru_maxrss is in KiB on Linux and bytes on macOS.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    from lisaft.memory.measure import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def fmt_bytes(n: float | None) -> str:
