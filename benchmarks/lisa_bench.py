@@ -206,7 +206,7 @@ class HFRunner:
         from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
-        from lisaft.data import DataOrder
+        from lisaft.batches import DataOrder
 
         K, steps = s["interval"], s["steps"]
         # Same rows in the same order as lisaft's trainer draws them: step for step the same batches.

@@ -46,14 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
+from lisaft.batches import (  # noqa: F401 (DataOrder, collate, eval_index_batches re-exported)
+    _ORDER_SALT, IGNORE_INDEX, DataOrder, Example, collate, eval_index_batches)
 from lisaft.errors import LisaftError
 from lisaft.recipe import DataSection
 
-Example = dict  # {"input_ids": list[int], "labels": list[int]}
-
-IGNORE_INDEX = -100
 
 # The instruction template. Pieces, not one format string, so a tokenizer can hold each as a
 # single added token (the quickstart tokenizer does).
@@ -62,8 +60,6 @@ INPUT_HEADER = "\n\n### Input:\n"
 RESPONSE_HEADER = "\n\n### Response:\n"
 
 _FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-# Seeds the data order apart from the other consumers of training.seed (init, LISA sampling).
-_ORDER_SALT = 0x6C697361_64617461
 
 
 class DataWarning(UserWarning):
@@ -499,91 +495,4 @@ def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Exampl
             build_examples(eval_rows, section.format, tokenizer), section.max_seq_len, eval_rows.key
         )
     return train, evals
-
-
-# ---------------------------------------------------------------------------------------------
-# Order and batches
-
-
-def _epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    seq = np.random.SeedSequence([_ORDER_SALT, seed & (2**63 - 1), 0, epoch])
-    return np.random.Generator(np.random.PCG64(seq)).permutation(n)
-
-
-class DataOrder:
-    """Which examples each micro-batch holds, resumable and shardable.
-
-    Each epoch is a permutation of range(n) that depends only on (seed, epoch). A global
-    micro-batch is the next batch_size * world_size entries of it; rank r takes its slice
-    [r*b, (r+1)*b). A tail shorter than a global micro-batch is skipped and the next epoch
-    begins, so every micro-batch is full and all ranks step together. The state is just
-    (epoch, position), position counted in permutation entries.
-    """
-
-    def __init__(self, n_examples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
-        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"bad batch_size={batch_size}, rank={rank}, world_size={world_size}")
-        self.n = n_examples
-        self.batch_size = batch_size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.global_batch = batch_size * world_size
-        if n_examples < self.global_batch:
-            per = f"training.batch_size={batch_size}" + (f" x {world_size} ranks" if world_size > 1 else "")
-            raise LisaftError(
-                f"data.train: the dataset is smaller than one batch: {n_examples} examples, "
-                f"{per} needs {self.global_batch}; lower training.batch_size or add data"
-            )
-        self.epoch = 0
-        self.position = 0
-        self._perm: np.ndarray | None = None
-        self._perm_epoch = -1
-
-    def _permutation(self) -> np.ndarray:
-        if self._perm_epoch != self.epoch:
-            self._perm = _epoch_permutation(self.n, self.seed, self.epoch)
-            self._perm_epoch = self.epoch
-        return self._perm
-
-    def next_indices(self) -> list[int]:
-        if self.position + self.global_batch > self.n:
-            self.epoch += 1
-            self.position = 0
-        lo = self.position + self.rank * self.batch_size
-        batch = self._permutation()[lo:lo + self.batch_size]
-        self.position += self.global_batch
-        return [int(i) for i in batch]
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "n_examples": self.n}
-
-    def load_state_dict(self, d: dict) -> None:
-        n = d.get("n_examples", self.n)
-        if n != self.n:
-            raise LisaftError(
-                f"data.train: the checkpoint was taken with {n} training examples, the data now gives "
-                f"{self.n}; the data (or data.max_seq_len / data.packing) changed since the run started"
-            )
-        self.epoch = int(d["epoch"])
-        self.position = int(d["position"])
-
-
-def eval_index_batches(n_examples: int, batch_size: int) -> list[list[int]]:
-    """Eval batches in a fixed order, the last one possibly short: every example counts once."""
-    return [list(range(i, min(i + batch_size, n_examples))) for i in range(0, n_examples, batch_size)]
-
-
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row. Padding gets label -100 and attention_mask 0."""
-    width = max(len(ex["input_ids"]) for ex in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, ex in enumerate(examples):
-        k = len(ex["input_ids"])
-        input_ids[row, :k] = torch.tensor(ex["input_ids"], dtype=torch.long)
-        labels[row, :k] = torch.tensor(ex["labels"], dtype=torch.long)
-        attention_mask[row, :k] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 

@@ -95,7 +95,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     """Load tokenizer, data and model and build optimizer and LISA controller. Raises
     LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
     tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
-    from lisaft.data import DataOrder, load_splits
+    from lisaft.batches import DataOrder
+    from lisaft.data import load_splits
     from lisaft.lisa import LisaController
     from lisaft.models import decoder_layers_path, load_model, load_tokenizer, model_parts, resolve_device
     from lisaft.optim import build_optimizer
@@ -286,7 +287,7 @@ def _all_reduce_grads(params: list) -> None:
 @torch.no_grad()
 def evaluate(session: Session) -> dict:
     """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
-    from lisaft.data import collate, eval_index_batches
+    from lisaft.batches import collate, eval_index_batches
     from lisaft.loss import eval_sums
 
     examples = session.eval_examples
@@ -312,7 +313,7 @@ def evaluate(session: Session) -> dict:
 def train_step(session: Session, step: int) -> tuple[float, int]:
     """One optimizer step over grad_accum_steps micro-batches. Returns (mean token loss, global
     tokens processed)."""
-    from lisaft.data import collate
+    from lisaft.batches import collate
     from lisaft.optim import set_lr
 
     r, t = session.recipe, session.recipe.training
