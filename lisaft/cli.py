@@ -18,13 +18,13 @@ app = typer.Typer(
 )
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     from rich.console import Console
     from rich.markup import escape
 
     # soft_wrap: the message stays one line however narrow the terminal, so it can be grepped.
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -39,7 +39,7 @@ def train(
     try:
         code = run_train(recipe, overrides=set_ or [], overwrite=overwrite)
     except LisaftError as e:
-        _fail(str(e))
+        _fail(str(e), e.exit_code)
     raise typer.Exit(code)
 
 
@@ -55,7 +55,7 @@ def resume(
     try:
         code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [])
     except LisaftError as e:
-        _fail(str(e))
+        _fail(str(e), e.exit_code)
     raise typer.Exit(code)
 
 
@@ -92,7 +92,15 @@ def estimate_memory(
     raise typer.Exit(code or 0)
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    # A user reads "warning: ..." once; the file and line of the warn() call mean nothing to them.
+    print(f"warning: {message}", file=sys.stderr if file is None else file, flush=True)
+
+
 def main() -> None:
+    import warnings
+
+    warnings.showwarning = _one_line_warning
     try:
         app()
     except KeyboardInterrupt:

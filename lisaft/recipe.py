@@ -175,10 +175,11 @@ PATH_KEYS = (
     "training.seed", "training.batch_size", "training.grad_accum_steps",
     "training.max_grad_norm",
 )
-# Keys a resume may change; the change is reported.
+# Keys a resume may change; the change is reported. Gradient checkpointing recomputes the same
+# activations, so turning it on after an out-of-memory stop continues the same run.
 CADENCE_KEYS = (
     "training.max_steps", "training.log_every", "training.eval_every", "training.eval_batches",
-    "training.save_every", "training.keep_last", "training.device",
+    "training.save_every", "training.keep_last", "training.device", "model.gradient_checkpointing",
 )
 
 # Recipe fields holding paths that are resolved against the recipe file's folder.

@@ -20,7 +20,7 @@ import torch
 from lisaft import checkpoint as ckpt_mod
 from lisaft import dist
 from lisaft.checkpoint import TrainState
-from lisaft.errors import LisaftError
+from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics import Display, MetricsLog, peak_memory_bytes
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
 from lisaft.schedules import lr_at
@@ -386,7 +386,10 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
             display.eval(rec)
         while state.step < t.max_steps:
             step = state.step
-            loss, tokens = train_step(session, step)
+            try:
+                loss, tokens = train_step(session, step)
+            except torch.OutOfMemoryError:
+                raise _out_of_memory(session, step, base) from None
             changed |= {session.unit_by_param[id(p)] for p in session.controller.trainable_parameters()}
             state.step += 1
             state.tokens_seen += tokens
@@ -477,6 +480,23 @@ def _memory_report(session: Session) -> None:
     console.print(estimated_vs_measured_table(estimate, measured))
     console.print(f"(estimated for batches of {recipe.training.batch_size} x {seq_len} tokens, the shape "
                   f"measured; data.max_seq_len is {session.recipe.data.max_seq_len})", markup=False)
+
+
+def _out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:
+    """What a user needs after an OOM: where the run stands and what to change."""
+    recipe_file = session.run_dir / "recipe.yaml"
+    if base is None:
+        where = f"no checkpoint was written yet; start over with `lisaft train {recipe_file} --overwrite`"
+    elif not session.recipe.model.gradient_checkpointing:
+        where = (f"continue from {base.name} with checkpointing on: `lisaft resume {session.run_dir} "
+                 "--set model.gradient_checkpointing=true`")
+    else:
+        where = (f"the newest checkpoint is {base.name}; other changes alter the run: start over with "
+                 f"`lisaft train {recipe_file} --overwrite`")
+    return RunFailed(
+        f"out of memory in step {step + 1} on {session.device}; `lisaft estimate-memory {recipe_file}` "
+        f"shows where the memory goes and what brings it under (gradient checkpointing, paged_adamw_8bit, "
+        f"a smaller lisa.active_layers or data.max_seq_len); {where}")
 
 
 def _announce(session: Session, display: Display, state: TrainState) -> None:

@@ -181,3 +181,30 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_run_resumable(tiny_run):
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     assert losses(run) == losses(tiny_run.dir / "ref")
     assert_same_run(run, tiny_run.dir / "ref")
+
+
+def test_out_of_memory_says_what_to_do_and_resumes_with_checkpointing(tiny_run, monkeypatch):
+    import torch
+
+    import lisaft.trainer as trainer_mod
+
+    recipe = tiny_run(training={"max_steps": 6, "save_every": 2, "eval_every": 0})
+    real_step = trainer_mod.train_step
+
+    def step_or_oom(session, step):
+        if step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(session, step)
+
+    monkeypatch.setattr(trainer_mod, "train_step", step_or_oom)
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 1, result.output
+    out = result.output
+    assert "out of memory in step 4" in out and "lisaft estimate-memory" in out and "Traceback" not in out
+    assert "--set model.gradient_checkpointing=true" in out and "step-000002" in out
+    monkeypatch.setattr(trainer_mod, "train_step", real_step)
+    run = tiny_run.dir / "run"
+    result = runner.invoke(app, ["resume", str(run), "--set", "model.gradient_checkpointing=true"])
+    assert result.exit_code == 0, result.output
+    assert "model.gradient_checkpointing False -> True" in result.output
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
