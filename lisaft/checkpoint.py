@@ -4,6 +4,7 @@ A checkpoint is a folder RUN/checkpoints/step-NNNNNN/ that is complete or absent
 
     weights/<unit>.safetensors  one file per unit (embeddings, head, layer-00012, ...)
     optimizer.pt                optimizer state incl. LISA-offloaded moments, keyed by name
+                                (optimizer-rank<r>.pt per rank when the state is sharded)
     rng-rank<r>.pt              python, numpy, torch and CUDA generator states of each rank
     state.json                  TrainState: step, counters, data order, logging window
     recipe.json                 the resolved recipe it was trained with (resume compares it)
@@ -177,6 +178,7 @@ def save_checkpoint(
     base: Path | None,
     keep_last: int,
     extra_files: dict[str, str] | None = None,
+    optimizer_sharded: bool = False,
 ) -> Path:
     """Write a complete checkpoint for `state.step` and prune old ones afterwards.
 
@@ -208,8 +210,9 @@ def save_checkpoint(
             cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
             save_file(cpu, str(target), metadata={"unit": unit})
             written.append(target)
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        written.append(tmp / "optimizer.pt")
+        if not optimizer_sharded:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+            written.append(tmp / "optimizer.pt")
         (tmp / "aliases.json").write_text(json.dumps(aliases))
         for rel, text in (extra_files or {}).items():
             (tmp / rel).write_text(text)
@@ -220,6 +223,10 @@ def save_checkpoint(
     rng_file = tmp / f"rng-rank{rank}.pt"
     torch.save(_rng_state(), rng_file)
     _fsync_file(rng_file)
+    if optimizer_sharded:  # each rank holds only its share of the moments
+        shard_file = tmp / f"optimizer-rank{rank}.pt"
+        torch.save(optimizer_state, shard_file)
+        _fsync_file(shard_file)
     dist.barrier()
     if dist.is_main():
         _pause_for_tests(tmp)
@@ -276,7 +283,9 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, device: torch.device) ->
         raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
     state = TrainState(**json.loads((ckpt / "state.json").read_text()))
-    optimizer_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    shard = ckpt / f"optimizer-rank{dist.rank()}.pt"
+    optimizer_state = torch.load(shard if shard.is_file() else ckpt / "optimizer.pt", map_location="cpu",
+                                 weights_only=True)
     rng_file = ckpt / f"rng-rank{dist.rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))

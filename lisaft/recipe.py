@@ -131,6 +131,11 @@ class TrainingSection(_Section):
     keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
     output_dir: str = Field(..., description="Run directory; relative to the recipe file.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
+    shard_optimizer_state: bool = Field(
+        False,
+        description="Data parallel only: each rank keeps the moments of its share of the trainable "
+        "parameters and broadcasts their update (optimizer memory / ranks; same results).",
+    )
 
     @field_validator("max_grad_norm")
     @classmethod

@@ -46,6 +46,7 @@ class Session:
     eval_examples: list | None
     order: object
     unit_by_param: dict = field(default_factory=dict)
+    owner: dict | None = None  # id(param) -> rank that keeps its moments (sharded state)
     grad_bytes: int = 0       # gradient bytes before the last optimizer step
     peak_grad_bytes: int = 0
     peak_state_bytes: int = 0
@@ -124,8 +125,15 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
             unit_by_param[id(p)] = f"layer-{i:05d}"
     for p in model.parameters():
         unit_by_param.setdefault(id(p), "head" if id(p) in head_ids else "embeddings")
-    return Session(recipe, run_dir, device, tokenizer, model, parts, layers_path, optimizer, controller,
-                   train_examples, eval_examples, order, unit_by_param)
+    session = Session(recipe, run_dir, device, tokenizer, model, parts, layers_path, optimizer, controller,
+                      train_examples, eval_examples, order, unit_by_param)
+    if t.shard_optimizer_state and dist.world_size() > 1:
+        if recipe.optimizer.in_backward:
+            raise LisaftError("training.shard_optimizer_state needs optimizer.in_backward false")
+        # A fixed owner per parameter (its index modulo the world size): stable across LISA
+        # intervals, and embeddings and head land on different ranks.
+        session.owner = {id(p): i % dist.world_size() for i, p in enumerate(model.parameters())}
+    return session
 
 
 def _looks_like_run(path: Path) -> bool:
@@ -285,6 +293,20 @@ def _all_reduce_grads(params: list) -> None:
 
 
 @torch.no_grad()
+def _broadcast_from_owners(params: list, owner: dict) -> None:
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict = {}
+    for p in params:
+        groups.setdefault((owner[id(p)], p.dtype), []).append(p.data)
+    for (src, _), tensors in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        flat = _flatten_dense_tensors(tensors)
+        torch.distributed.broadcast(flat, src=src)
+        for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.copy_(new)
+
+
+@torch.no_grad()
 def evaluate(session: Session) -> dict:
     """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
     from lisaft.batches import collate, eval_index_batches
@@ -353,8 +375,16 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
     session.peak_grad_bytes = max(session.peak_grad_bytes, session.grad_bytes)
     if t.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
+    if session.owner is not None:
+        # Only the owner steps a parameter (others drop its gradient, so their optimizer neither
+        # updates it nor creates moments for it), then sends the result to every rank.
+        for p in trainable:
+            if session.owner[id(p)] != dist.rank():
+                p.grad = None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if session.owner is not None:
+        _broadcast_from_owners(trainable, session.owner)
     loss_total = _all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
     return loss_total / loss_tokens, int(counts[1].item())
 
@@ -364,6 +394,7 @@ def _save(session: Session, state: TrainState, base: Path | None, changed: set[s
     path = ckpt_mod.save_checkpoint(
         session.run_dir, state, session.model, session.layers_path, session.parts.head,
         session.controller.state_dict(), changed, base, session.recipe.training.keep_last,
+        optimizer_sharded=session.owner is not None,
         extra_files={"recipe.json": json.dumps(session.recipe.model_dump(mode="json"), indent=1)},
     )
     return path
