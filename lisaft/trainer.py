@@ -391,13 +391,19 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
 
 def _save(session: Session, state: TrainState, base: Path | None, changed: set[str] | None) -> Path:
     state.data = session.order.state_dict()
-    path = ckpt_mod.save_checkpoint(
-        session.run_dir, state, session.model, session.layers_path, session.parts.head,
-        session.controller.state_dict(), changed, base, session.recipe.training.keep_last,
-        optimizer_sharded=session.owner is not None,
-        extra_files={"recipe.json": json.dumps(session.recipe.model_dump(mode="json"), indent=1)},
-    )
-    return path
+    try:
+        return ckpt_mod.save_checkpoint(
+            session.run_dir, state, session.model, session.layers_path, session.parts.head,
+            session.controller.state_dict(), changed, base, session.recipe.training.keep_last,
+            optimizer_sharded=session.owner is not None,
+            extra_files={"recipe.json": json.dumps(session.recipe.model_dump(mode="json"), indent=1)},
+        )
+    except OSError as e:  # disk full, quota, permissions: the older checkpoints are untouched
+        ckpt_mod.remove_stale_temporaries(session.run_dir)
+        where = (f"the newest complete checkpoint is {base.name}; continue from it with "
+                 f"`lisaft resume {session.run_dir}`" if base is not None else "no checkpoint was completed")
+        raise RunFailed(f"could not write checkpoint {ckpt_mod.step_dir_name(state.step)} in "
+                        f"{session.run_dir}: {e.strerror or e}; {where} once the disk has room") from None
 
 
 def _run(session: Session, state: TrainState, base: Path | None, show: bool, stop_at: int | None) -> int:

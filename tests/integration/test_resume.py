@@ -208,3 +208,28 @@ def test_out_of_memory_says_what_to_do_and_resumes_with_checkpointing(tiny_run, 
     assert result.exit_code == 0, result.output
     assert "model.gradient_checkpointing False -> True" in result.output
     assert sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tiny_run, monkeypatch):
+    import errno
+
+    import lisaft.checkpoint as ckpt_mod
+
+    recipe = tiny_run(training={"max_steps": 6, "save_every": 2, "eval_every": 0})
+    real_save = ckpt_mod.save_file
+
+    def save_or_fail(tensors, path, metadata=None):
+        if "step-000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", save_or_fail)
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 1, result.output
+    assert "No space left on device" in result.output and "step-000002" in result.output
+    assert "lisaft resume" in result.output and "Traceback" not in result.output
+    run = tiny_run.dir / "run"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]
+    monkeypatch.setattr(ckpt_mod, "save_file", real_save)
+    assert runner.invoke(app, ["resume", str(run)]).exit_code == 0
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
