@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as torch_dist
 
 
@@ -40,8 +41,6 @@ def init_from_env() -> bool:
         return True
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
         return False
-    import torch
-
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
@@ -59,9 +58,50 @@ def any_rank(flag: bool) -> bool:
     ranks would part ways at the next collective."""
     if not is_initialized():
         return flag
-    import torch
-
     t = torch.tensor([1 if flag else 0], dtype=torch.int32,
                      device="cuda" if torch_dist.get_backend() == "nccl" else "cpu")
     torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+# Collectives of the training loop (no-ops in a single process).
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if is_initialized():
+        torch_dist.all_reduce(value)
+    return value
+
+
+def all_reduce_grads(params: list) -> None:
+    """Sum the trainable set's gradients over ranks. The loss is already divided by the global
+    token count, so a sum gives exactly the single-process gradient."""
+    if not is_initialized():
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        torch_dist.all_reduce(flat)
+        for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
+            g.copy_(reduced)
+
+
+@torch.no_grad()
+def broadcast_from_owners(params: list, owner: dict) -> None:
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict = {}
+    for p in params:
+        groups.setdefault((owner[id(p)], p.dtype), []).append(p.data)
+    for (src, _), tensors in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        flat = _flatten_dense_tensors(tensors)
+        torch_dist.broadcast(flat, src=src)
+        for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.copy_(new)

@@ -266,46 +266,6 @@ def _forward_loss(model, batch: dict) -> torch.Tensor:
     return token_loss_sum(model, batch)
 
 
-def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        torch.distributed.all_reduce(value)
-    return value
-
-
-def _all_reduce_grads(params: list) -> None:
-    """Sum the trainable set's gradients over ranks. The loss is already divided by the global
-    token count, so a sum gives exactly the single-process gradient."""
-    if not dist.is_initialized():
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    by_dtype: dict = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for group in by_dtype.values():
-        flat = _flatten_dense_tensors(group)
-        torch.distributed.all_reduce(flat)
-        for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
-            g.copy_(reduced)
-
-
-@torch.no_grad()
-def _broadcast_from_owners(params: list, owner: dict) -> None:
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    groups: dict = {}
-    for p in params:
-        groups.setdefault((owner[id(p)], p.dtype), []).append(p.data)
-    for (src, _), tensors in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        flat = _flatten_dense_tensors(tensors)
-        torch.distributed.broadcast(flat, src=src)
-        for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-            t.copy_(new)
-
-
 @torch.no_grad()
 def evaluate(session: Session) -> dict:
     """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
@@ -327,7 +287,7 @@ def evaluate(session: Session) -> dict:
         loss_sum, n_tokens, n_correct = eval_sums(model, batch)
         totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
     model.train()
-    totals = _all_reduce_sum(totals.to(session.device)).cpu()
+    totals = dist.all_reduce_sum(totals.to(session.device)).cpu()
     n = max(totals[1].item(), 1.0)
     return {"eval_loss": totals[0].item() / n, "eval_token_accuracy": totals[2].item() / n}
 
@@ -347,7 +307,7 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
         micro.append(collate([session.train_examples[i] for i in idx], session.tokenizer.pad_token_id))
     counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro),
                            sum(int(b["attention_mask"].sum()) for b in micro)], dtype=torch.float64)
-    counts = _all_reduce_sum(counts.to(session.device)).cpu()
+    counts = dist.all_reduce_sum(counts.to(session.device)).cpu()
     loss_tokens = max(counts[0].item(), 1.0)
     # The learning rate is set before backward: with optimizer.in_backward the update runs there.
     session.lr = lr_at(step, peak_lr=r.optimizer.lr, max_steps=t.max_steps, name=r.scheduler.name,
@@ -370,7 +330,7 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
         (loss / loss_tokens).backward()
         loss_sum += loss.item()
     trainable = controller.trainable_parameters()
-    _all_reduce_grads(trainable)
+    dist.all_reduce_grads(trainable)
     session.grad_bytes = controller.grad_bytes()
     session.peak_grad_bytes = max(session.peak_grad_bytes, session.grad_bytes)
     if t.max_grad_norm is not None:
@@ -384,8 +344,8 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if session.owner is not None:
-        _broadcast_from_owners(trainable, session.owner)
-    loss_total = _all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
+        dist.broadcast_from_owners(trainable, session.owner)
+    loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
     return loss_total / loss_tokens, int(counts[1].item())
 
 
