@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE = -100
+from lisaft.batches import IGNORE_INDEX as IGNORE
+
 # Logits per chunk: 16.8M entries, 64 MiB in float32 (131 positions of a 128k vocabulary).
 LOSS_CHUNK_ELEMENTS = 1 << 24
 # Architectures whose logits are exactly head(final hidden state), possibly soft-capped.

@@ -19,13 +19,13 @@ import torch
 
 from lisaft import checkpoint as ckpt_mod
 from lisaft import dist
+from lisaft.batches import IGNORE_INDEX as IGNORE
 from lisaft.checkpoint import TrainState
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics import Display, MetricsLog, peak_memory_bytes
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
 from lisaft.schedules import lr_at
 
-IGNORE = -100
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", ckpt_mod.CHECKPOINTS, "final")
 
 
