@@ -167,7 +167,7 @@ def one_run(name: str, steps: int, tiny: bool, cap_gib: float, workdir: Path) ->
                 result["steps_done"] = step + 1
                 result["last_loss"] = loss
                 result["tokens_per_step"] = tokens
-            dev_state, off_state = session.controller.state_bytes()
+            dev_state, off_state = session.optimizers.state_bytes()
             result["optimizer_state_bytes"] = dev_state
             result["offloaded_state_bytes"] = off_state
         except torch.OutOfMemoryError as e:

@@ -40,7 +40,7 @@ class ModelSection(_Section):
         None, description="Tokenizer folder or hub id. Default: name_or_path."
     )
     dtype: Dtype = Field(
-        "bfloat16", description="Dtype of weights, gradients and 32-bit optimizer moments."
+        "bfloat16", description="Dtype of weights and gradients (moments are float32 or 8-bit; float16 is refused)."
     )
     attention: Attention = Field(
         "auto",
@@ -54,6 +54,16 @@ class ModelSection(_Section):
         description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "
         "for architectures lisaft does not know.",
     )
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError(
+                "float16 weights would need loss scaling (small gradients underflow and Adam's "
+                "second moments with them); use bfloat16, which has float32's range"
+            )
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
@@ -89,6 +99,11 @@ class OptimizerSection(_Section):
         False,
         description="Step each parameter inside backward and free its gradient at once. "
         "Incompatible with grad_accum_steps > 1 and max_grad_norm.",
+    )
+    bf16_update: Literal["stochastic", "nearest"] = Field(
+        "stochastic",
+        description="How bfloat16 weights take an update: stochastic rounding (updates below half "
+        "a bf16 step still land on average) or round-to-nearest (drops them; for comparison).",
     )
 
     @field_validator("lr")
