@@ -198,7 +198,21 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if section.offload_activations:
+            offload_checkpoints(model, device, section.layers_path)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     model.train()
     return model
+
+
+def offload_checkpoints(model: nn.Module, device: torch.device, layers_path: str | None = None) -> None:
+    """model.offload_activations: each checkpointed decoder layer keeps its input in pinned host
+    memory instead of on the device (lisaft/offload.py)."""
+    from lisaft.offload import enable_offloaded_checkpoints
+
+    layers = model_parts(model, layers_path).layers
+    try:
+        enable_offloaded_checkpoints(layers, device)
+    except RuntimeError as e:
+        raise LisaftError(f"model.offload_activations: {e}") from None

@@ -134,6 +134,19 @@ def checkpointed_layer_bytes_per_token(shape: Shape, dt: int) -> int:
     return dt * shape.hidden
 
 
+# With offloaded checkpoints (lisaft/offload.py) the device holds the input of the layer being
+# recomputed and the one being fetched ahead of it; forward's copies to host free each input
+# as soon as its copy is done, so the same bound holds there.
+OFFLOAD_INFLIGHT_LAYERS = 2
+
+
+def offloaded_host_bytes(shape: Shape, dt: int, batch: int, seq_len: int) -> int:
+    """Pinned host memory of offloaded checkpoints: every layer's input. PyTorch's pinned-memory
+    cache rounds each block up to a power of two (CachingHostAllocator)."""
+    one = batch * seq_len * checkpointed_layer_bytes_per_token(shape, dt)
+    return shape.layers * (1 << (one - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class ActivationBreakdown:
     layers: int  # bytes kept by all decoder layers on the graph
@@ -150,6 +163,7 @@ class ActivationBreakdown:
 def activations(
     shape: Shape, dt: int, batch: int, seq_len: int, attention: str, checkpointing: bool,
     trainable_layers: int, train_embeddings: bool, head_weight_trains: bool, final_norm_trains: bool,
+    offload: bool = False,
 ) -> ActivationBreakdown:
     """Saved-for-backward bytes of one micro-batch.
 
@@ -161,7 +175,8 @@ def activations(
     full = layer_bytes_per_token(shape, dt, seq_len, attention, True)
     frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False)
     if checkpointing:
-        layers = tokens * shape.layers * checkpointed_layer_bytes_per_token(shape, dt)
+        resident = min(shape.layers, OFFLOAD_INFLIGHT_LAYERS) if offload else shape.layers
+        layers = tokens * resident * checkpointed_layer_bytes_per_token(shape, dt)
     else:
         layers = tokens * (trainable_layers * full + frozen_layers * frozen)
     outside = INT64 * tokens if train_embeddings else 0  # token ids, for the embedding gradient
