@@ -1,4 +1,5 @@
-"""Checkpointed decoder layers whose inputs wait in pinned host memory (model.offload_activations).
+"""Long-context memory: checkpointed decoder layers whose inputs wait in pinned host memory
+(model.offload_activations), and MLPs run in checkpointed chunks (model.mlp_chunk_tokens).
 
 Gradient checkpointing keeps one tensor per layer, its input hidden state: `T x hidden x dtype`
 bytes, 4 GiB for Llama-3.1-8B at 16,384 tokens. Here that input is copied to pinned host memory
@@ -16,9 +17,11 @@ path runs, for tests, but saves nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -139,3 +142,26 @@ def enable_offloaded_checkpoints(layers: nn.ModuleList, device: torch.device) ->
             raise RuntimeError(f"{type(layer).__name__} does not checkpoint: offloading needs gradient checkpointing")
         layer._gradient_checkpointing_func = lambda run, *a, _l=layer: offloaded_checkpoint(store, _l, run, *a)
     return store
+
+
+def _chunked_mlp(forward, chunk_tokens: int, x: torch.Tensor) -> torch.Tensor:
+    # Position-wise, so chunks along the sequence give the same function; each chunk is
+    # checkpointed, so in backward only one chunk's intermediates exist. The matmuls run on
+    # smaller shapes, so results may differ from the unchunked MLP in the last bits.
+    if x.dim() < 2 or x.shape[-2] <= chunk_tokens:
+        return forward(x)
+    parts = x.split(chunk_tokens, dim=-2)
+    if torch.is_grad_enabled():
+        outs = [checkpoint(forward, part, use_reentrant=False) for part in parts]
+    else:
+        outs = [forward(part) for part in parts]
+    return torch.cat(outs, dim=-2)
+
+
+def chunk_mlps(layers: nn.ModuleList, chunk_tokens: int) -> None:
+    """Run every decoder layer's `mlp` over `chunk_tokens` positions at a time."""
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise RuntimeError(f"{type(layer).__name__} has no `mlp` module to run in chunks")
+        mlp.forward = partial(_chunked_mlp, mlp.forward, chunk_tokens)

@@ -55,6 +55,12 @@ class ModelSection(_Section):
         "GPU, copied on a side stream that overlaps compute (long context). Needs "
         "gradient_checkpointing.",
     )
+    mlp_chunk_tokens: int | None = Field(
+        None, ge=1,
+        description="Run each layer's MLP over this many positions at a time, each chunk "
+        "checkpointed: its intermediates (4 x intermediate_size per token) exist for one chunk "
+        "only. For long context; costs one more MLP forward per step.",
+    )
     layers_path: str | None = Field(
         None,
         description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "

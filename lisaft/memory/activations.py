@@ -104,8 +104,12 @@ def attention_scores_bytes(shape: Shape, dt: int, seq_len: int, attention: str) 
     return per_score * shape.heads * seq_len
 
 
-def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, trainable: bool) -> int:
-    """Saved-for-backward bytes per token of one decoder layer on the autograd graph."""
+def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, trainable: bool,
+                          mlp_chunked: bool = False) -> int:
+    """Saved-for-backward bytes per token of one decoder layer on the autograd graph. With the
+    MLP run in checkpointed chunks (model.mlp_chunk_tokens) it keeps only its input, the norm
+    output (already counted when the layer trains); its intermediates are one chunk's, in
+    backward only (`mlp_chunk_bytes`)."""
     h, i, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
     total = 2 * _norm(shape, dt, trainable)  # before attention and before the MLP
     total += shape.post_norms * _norm(shape, dt, trainable)
@@ -123,10 +127,20 @@ def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, t
         if shape.attn_output_copy and trainable:
             total += dt * q
     total += attention_scores_bytes(shape, dt, seq_len, attention)
+    if mlp_chunked:
+        return total + (0 if trainable else dt * h)
     # MLP: gate output (activation input), activation output and up output (product inputs),
     # and the product (down_proj input, weight grad only).
     total += dt * i * (3 + (1 if trainable else 0))
     return total
+
+
+def mlp_chunk_bytes(shape: Shape, dt: int, tokens: int, chunk_tokens: int | None) -> int:
+    """One MLP chunk recomputed in backward: its four intermediates (as a trainable layer keeps
+    them) and their two gradients in flight."""
+    if not chunk_tokens:
+        return 0
+    return min(tokens, chunk_tokens) * dt * shape.intermediate * (4 + 2)
 
 
 def checkpointed_layer_bytes_per_token(shape: Shape, dt: int) -> int:
@@ -153,6 +167,7 @@ class ActivationBreakdown:
     outside_layers: int  # embedding indices, rotary tables, final norm, head input
     log_probs: int  # float32 log-softmax of the loss, kept for its backward
     one_layer_full: int  # one trainable layer's full activations (checkpoint recompute)
+    mlp_chunk: int = 0  # one MLP chunk's recompute in backward (model.mlp_chunk_tokens)
 
     @property
     def saved(self) -> int:
@@ -163,7 +178,7 @@ class ActivationBreakdown:
 def activations(
     shape: Shape, dt: int, batch: int, seq_len: int, attention: str, checkpointing: bool,
     trainable_layers: int, train_embeddings: bool, head_weight_trains: bool, final_norm_trains: bool,
-    offload: bool = False,
+    offload: bool = False, mlp_chunk_tokens: int | None = None,
 ) -> ActivationBreakdown:
     """Saved-for-backward bytes of one micro-batch.
 
@@ -172,8 +187,9 @@ def activations(
     may sample at the bottom)."""
     tokens = batch * seq_len
     frozen_layers = shape.layers - trainable_layers
-    full = layer_bytes_per_token(shape, dt, seq_len, attention, True)
-    frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False)
+    chunked = bool(mlp_chunk_tokens) and tokens > 0
+    full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked)
+    frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked)
     if checkpointing:
         resident = min(shape.layers, OFFLOAD_INFLIGHT_LAYERS) if offload else shape.layers
         layers = tokens * resident * checkpointed_layer_bytes_per_token(shape, dt)
@@ -200,6 +216,7 @@ def activations(
     return ActivationBreakdown(
         layers=layers, outside_layers=outside, log_probs=log_probs,
         one_layer_full=tokens * (full if trainable_layers else frozen),
+        mlp_chunk=mlp_chunk_bytes(shape, dt, tokens, mlp_chunk_tokens),
     )
 
 

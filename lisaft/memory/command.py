@@ -12,7 +12,7 @@ from lisaft.errors import LisaftError
 from lisaft.memory.advice import advice, largest_fitting, optimizer_grid
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
-from lisaft.memory.cuda_process import expandable_segments
+from lisaft.allocator import expandable_segments
 from lisaft.memory.estimate import DTYPE_BYTES, GiB, Estimate, Settings, compute
 from lisaft.memory.optimizer_state import OPTIMIZERS
 from lisaft.recipe import Recipe, load_recipe
@@ -57,6 +57,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         attention=_attention_for(recipe.model.attention, device, recipe.model.dtype),
         gradient_checkpointing=recipe.model.gradient_checkpointing,
         offload_activations=recipe.model.offload_activations,
+        mlp_chunk_tokens=recipe.model.mlp_chunk_tokens,
         optimizer=recipe.optimizer.name, in_backward=recipe.optimizer.in_backward,
         bf16_update=getattr(recipe.optimizer, "bf16_update", "stochastic"),
         expandable_segments=expandable_segments(),

@@ -1,4 +1,5 @@
-"""What a CUDA training process holds beyond its tensors, and the allocator setting lisaft picks.
+"""What a CUDA training process holds beyond its tensors (lisaft/allocator.py picks the
+allocator setting these depend on).
 
 Each term is a documented fact of PyTorch or CUDA, or a figure fitted to the NVML measurements
 listed in docs/memory.md (the GPU runs of issue 12), and says which:
@@ -33,8 +34,6 @@ not modelled: neither exists in a single-GPU run of the models lisaft trains.
 
 from __future__ import annotations
 
-import os
-
 MiB = 1024**2
 
 CUDA_CONTEXT_BYTES = 600 * MiB
@@ -44,29 +43,6 @@ MATMUL_THREADS = 2  # the forward's thread and autograd's backward thread
 RESERVE_DEFAULT = 0.09
 RESERVE_EXPANDABLE = 0.02
 MIN_RESERVE_BYTES = 2 * MiB + 20 * MiB
-
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
-EXPANDABLE = "expandable_segments:True"
-
-
-def configure_cuda_allocator(environ=os.environ) -> bool:
-    """Turn on expandable segments unless the user configured the allocator. Must run before
-    torch initialises CUDA (the allocator reads the variable once); returns whether lisaft set it."""
-    if environ.get(ALLOC_CONF) is not None or environ.get("PYTORCH_ALLOC_CONF") is not None:
-        return False
-    environ[ALLOC_CONF] = EXPANDABLE
-    return True
-
-
-def expandable_segments(environ=os.environ) -> bool:
-    """Whether this process's CUDA allocator uses expandable segments, as lisaft would set it:
-    on when the user set nothing, else as their setting says."""
-    conf = environ.get(ALLOC_CONF, environ.get("PYTORCH_ALLOC_CONF"))
-    if conf is None:
-        return True
-    options = {k.strip(): v.strip() for k, _, v in (o.partition(":") for o in conf.split(","))}
-    return options.get("expandable_segments", "False").lower() == "true"
-
 
 def allocator_overhead(allocated: int, expandable: bool) -> int:
     """Reserved minus allocated at the peak, for `allocated` bytes handed out."""

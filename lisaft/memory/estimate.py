@@ -51,6 +51,7 @@ class Settings:
     attention: str = "sdpa"  # flash_attention_2 | sdpa | eager
     gradient_checkpointing: bool = False
     offload_activations: bool = False  # checkpointed layer inputs kept in pinned host memory
+    mlp_chunk_tokens: int | None = None  # MLP run in checkpointed chunks of this many positions
     optimizer: str = "adamw_32bit"
     bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
     in_backward: bool = False
@@ -143,7 +144,8 @@ class Estimate:
             "settings": {
                 "model": s.model_label, "dtype": s.dtype, "attention": s.attention,
                 "gradient_checkpointing": s.gradient_checkpointing,
-                "offload_activations": s.offload_activations, "optimizer": s.optimizer,
+                "offload_activations": s.offload_activations,
+                "mlp_chunk_tokens": s.mlp_chunk_tokens, "optimizer": s.optimizer,
                 "bf16_update": s.bf16_update, "expandable_segments": s.expandable_segments,
                 "in_backward": s.in_backward, "lisa": s.lisa,
                 "active_layers": s.active_layers if s.lisa else None,
@@ -210,7 +212,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         train_embeddings=not s.lisa or s.train_embeddings,
         head_weight_trains=head_weight_trains,
         final_norm_trains=not s.lisa or s.train_head,
-        offload=offload,
+        offload=offload, mlp_chunk_tokens=s.mlp_chunk_tokens,
     )
     saved_no_logp = act.layers + act.outside_layers
     loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
@@ -218,7 +220,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
     tokens = s.batch_size * s.seq_len
     # Gradient of the hidden states flowing down, and of one layer's largest intermediates.
-    backward_temp = tokens * dt * (2 * shape.hidden + 2 * shape.intermediate)
+    # A chunked MLP's intermediate gradients are one chunk's, counted in act.mlp_chunk.
+    backward_temp = tokens * dt * 2 * (shape.hidden + (0 if s.mlp_chunk_tokens else shape.intermediate))
     head_grad = sum(counts.head) * dt if (not s.lisa or s.train_head) else 0
     if counts.tied and head_weight_trains:
         head_grad += sum(counts.embeddings[:1]) * dt
@@ -234,7 +237,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         grads_at_loss = grads_full if s.grad_accum_steps > 1 else 0
         grads_in_layers = max(grads_at_loss, head_grad)
         step_phase = grads_full
-    recompute = act.one_layer_full if s.gradient_checkpointing else 0
+    recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
     step_temp = step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update)
     in_bwd_step = step_temp if s.in_backward else 0
     if s.clipping and not s.in_backward:

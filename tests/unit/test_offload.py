@@ -89,3 +89,20 @@ def test_recipe_key_needs_checkpointing_and_load_model_applies_it(tiny_llama_con
     ids = torch.randint(0, 64, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_chunked_mlp_matches_and_composes_with_offload():
+    from lisaft.offload import chunk_mlps
+
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    ref_loss, ref = _loss_and_grads(_checkpointed(False), ids)
+    plain = _checkpointed(False)
+    chunk_mlps(plain.model.layers, 5)  # 24 positions: chunks of 5, 5, 5, 5, 4
+    loss, grads = _loss_and_grads(plain, ids)
+    torch.testing.assert_close(loss, ref_loss)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=1e-4, atol=1e-6)
+    both = _checkpointed(True)
+    chunk_mlps(both.model.layers, 5)
+    loss2, grads2 = _loss_and_grads(both, ids)
+    assert torch.equal(loss2, loss) and all(torch.equal(grads2[n], grads[n]) for n in grads)
