@@ -1,6 +1,8 @@
 """The estimator's CUDA-process terms and long-context switches: calibration against the NVML
 measurements of issue 12, allocator granularity, the chunked update, offloaded checkpoints."""
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,14 @@ def test_shipped_recipes_headroom_and_16k():
     e16 = compute(settings_from_recipe(long, budget_bytes=24 * GiB))
     assert e16.fits and e16.paged_host_bytes == 0
     assert e16.activation_host_bytes == 4 * GiB
+
+
+def test_cli_start_sets_the_allocator_before_any_command(monkeypatch):
+    from lisaft.cli import main
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lisaft", "--help"])
+    with pytest.raises(SystemExit):
+        main()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
