@@ -70,24 +70,25 @@ class Config:
     overrides: tuple = ()
     env: dict = field(default_factory=lambda: dict(EXPANDABLE))
     steps: int = 10
-    expected_s: float = 45.0  # wall time on an H200, start-up included, for the budget
+    expected_s: float = 30.0  # wall time on an H200, start-up included, for the budget
     gamma: int | None = None  # set for the estimator-error table's cells
     seq: int | None = None
 
 
 def _table_cell(gamma: int, seq: int, steps: int = 4) -> Config:
     return Config(f"table-g{gamma}-s{seq}", overrides=(f"lisa.active_layers={gamma}", f"data.max_seq_len={seq}"),
-                  steps=steps, expected_s=35.0 if seq < 8192 else 45.0, gamma=gamma, seq=seq)
+                  steps=steps, expected_s=25.0 if seq < 8192 else 35.0, gamma=gamma, seq=seq)
 
 
 CONFIGS = [
     Config("headroom", overrides=("model.offload_activations=true",), steps=12),
-    Config("long-16k", recipe=RECIPE_16K, steps=6, expected_s=75.0),
+    Config("long-16k", recipe=RECIPE_16K, steps=6, expected_s=50.0),
     Config("shipped-default-alloc", env=dict(DEFAULT_ALLOC), steps=12),
     Config("full-in-backward", overrides=("lisa.enabled=false", "optimizer.in_backward=true",
-                                          "training.max_grad_norm=null"), steps=8, expected_s=60.0),
+                                          "training.max_grad_norm=null"), steps=8, expected_s=40.0),
     _table_cell(2, 8192, steps=6),
-    Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6),
+    Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6,
+           expected_s=35.0),
     _table_cell(2, 2048, steps=10),
     *[_table_cell(g, s) for g, s in ((1, 512), (4, 2048), (1, 8192), (4, 8192), (2, 512), (4, 512), (1, 2048))],
 ]
@@ -175,7 +176,6 @@ def _train(session, steps: int, cuda: bool, result: dict) -> None:
 
     from lisaft.trainer import train_step
 
-    session.controller.activate_for_step(0)
     for step in range(steps):
         t0 = time.perf_counter()
         loss, tokens = train_step(session, step)
@@ -183,7 +183,9 @@ def _train(session, steps: int, cuda: bool, result: dict) -> None:
             torch.cuda.synchronize()
         result["step_times_s"].append(time.perf_counter() - t0)
         result.update(steps_done=step + 1, last_loss=loss, tokens_per_step=tokens)
-    result["optimizer_state_bytes"], result["offloaded_state_bytes"] = session.controller.state_bytes()
+    state_bytes = getattr(session.controller, "state_bytes", None)  # kept optional: the GPU time is scarce
+    if state_bytes is not None:
+        result["optimizer_state_bytes"], result["offloaded_state_bytes"] = state_bytes()
 
 
 def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:

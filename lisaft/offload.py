@@ -130,6 +130,11 @@ def offloaded_checkpoint(store: HostActivationStore, layer: nn.Module, run, hidd
         return out
 
     params = [p for p in layer.parameters() if p.requires_grad]
+    if not hidden.requires_grad and not params:
+        # Below every trainable part (LISA with frozen embeddings): backward never comes here.
+        with torch.no_grad():
+            out = first(hidden)
+        return (out, *extras) if extras else out
     out = _OffloadedLayer.apply(store, first, hidden, *params)
     return (out, *extras) if extras else out
 
