@@ -135,12 +135,17 @@ def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, t
     return total
 
 
-def mlp_chunk_bytes(shape: Shape, dt: int, tokens: int, chunk_tokens: int | None) -> int:
-    """One MLP chunk recomputed in backward: its four intermediates (as a trainable layer keeps
-    them) and their two gradients in flight."""
-    if not chunk_tokens:
+def mlp_chunked(seq_len: int, chunk_tokens: int | None) -> bool:
+    """Whether lisaft/offload.py splits the MLP: only sequences longer than one chunk."""
+    return bool(chunk_tokens) and seq_len > chunk_tokens
+
+
+def mlp_chunk_bytes(shape: Shape, dt: int, batch: int, seq_len: int, chunk_tokens: int | None) -> int:
+    """One MLP chunk (`chunk_tokens` positions of every row) recomputed in backward: its four
+    intermediates (as a trainable layer keeps them) and their two gradients in flight."""
+    if not mlp_chunked(seq_len, chunk_tokens):
         return 0
-    return min(tokens, chunk_tokens) * dt * shape.intermediate * (4 + 2)
+    return batch * chunk_tokens * dt * shape.intermediate * (4 + 2)
 
 
 def checkpointed_layer_bytes_per_token(shape: Shape, dt: int) -> int:
@@ -187,7 +192,7 @@ def activations(
     may sample at the bottom)."""
     tokens = batch * seq_len
     frozen_layers = shape.layers - trainable_layers
-    chunked = bool(mlp_chunk_tokens) and tokens > 0
+    chunked = mlp_chunked(seq_len, mlp_chunk_tokens)
     full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked)
     frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked)
     if checkpointing:
@@ -216,7 +221,7 @@ def activations(
     return ActivationBreakdown(
         layers=layers, outside_layers=outside, log_probs=log_probs,
         one_layer_full=tokens * (full if trainable_layers else frozen),
-        mlp_chunk=mlp_chunk_bytes(shape, dt, tokens, mlp_chunk_tokens),
+        mlp_chunk=mlp_chunk_bytes(shape, dt, batch, seq_len, mlp_chunk_tokens),
     )
 
 

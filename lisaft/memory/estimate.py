@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lisaft.memory.activations import (Shape, activations, loss_buffers_peak, offloaded_host_bytes,
-                                       shape_from_config)
+from lisaft.memory.activations import (Shape, activations, loss_buffers_peak, mlp_chunked,
+                                       offloaded_host_bytes, shape_from_config)
 from lisaft.memory.counts import ParamCounts, param_counts
 from lisaft.memory.cuda_process import (CUDA_CONTEXT_BYTES, CUDA_KERNELS_BYTES, allocator_overhead,
                                         cublas_workspace_bytes)
@@ -221,7 +221,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     tokens = s.batch_size * s.seq_len
     # Gradient of the hidden states flowing down, and of one layer's largest intermediates.
     # A chunked MLP's intermediate gradients are one chunk's, counted in act.mlp_chunk.
-    backward_temp = tokens * dt * 2 * (shape.hidden + (0 if s.mlp_chunk_tokens else shape.intermediate))
+    chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
+    backward_temp = tokens * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
     head_grad = sum(counts.head) * dt if (not s.lisa or s.train_head) else 0
     if counts.tied and head_weight_trains:
         head_grad += sum(counts.embeddings[:1]) * dt

@@ -137,3 +137,9 @@ def test_cli_start_sets_the_allocator_before_any_command(monkeypatch):
     with pytest.raises(SystemExit):
         main()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_mlp_chunks_only_when_the_sequence_is_longer_than_one():
+    s = settings_from_recipe(_recipe())  # 2048 tokens
+    assert compute(s.with_(mlp_chunk_tokens=2048)).total_bytes == compute(s).total_bytes
+    assert compute(s.with_(mlp_chunk_tokens=512)).phases["layer_backward"] < compute(s).phases["layer_backward"]
