@@ -104,6 +104,9 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _one_line_warning
+    from lisaft.allocator import configure_cuda_allocator
+
+    configure_cuda_allocator()  # before anything initialises CUDA
     try:
         app()
     except KeyboardInterrupt:

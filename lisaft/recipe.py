@@ -49,6 +49,18 @@ class ModelSection(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute layer activations in backward (non-reentrant)."
     )
+    offload_activations: bool = Field(
+        False,
+        description="Keep each checkpointed layer's input in pinned host memory instead of on the "
+        "GPU, copied on a side stream that overlaps compute (long context). Needs "
+        "gradient_checkpointing.",
+    )
+    mlp_chunk_tokens: int | None = Field(
+        None, ge=1,
+        description="Run each layer's MLP over this many positions at a time, each chunk "
+        "checkpointed: its intermediates (4 x intermediate_size per token) exist for one chunk "
+        "only. For long context; costs one more MLP forward per step.",
+    )
     layers_path: str | None = Field(
         None,
         description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "
@@ -71,6 +83,9 @@ class ModelSection(_Section):
             raise ValueError("set exactly one of model.name_or_path and model.config")
         if self.config is not None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required when model.config is used (random init)")
+        if self.offload_activations and not self.gradient_checkpointing:
+            raise ValueError("model.offload_activations offloads checkpointed layer inputs: "
+                             "set model.gradient_checkpointing: true as well")
         return self
 
 

@@ -22,7 +22,8 @@ from lisaft import dist
 from lisaft.batches import IGNORE_INDEX as IGNORE
 from lisaft.checkpoint import TrainState
 from lisaft.errors import LisaftError, RunFailed
-from lisaft.metrics import Display, MetricsLog, peak_memory_bytes
+from lisaft.memory.measure import memory_counters
+from lisaft.metrics import Display, MetricsLog
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
 from lisaft.schedules import Plan, lr_for
 
@@ -451,7 +452,7 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
                     "grad_bytes": session.grad_bytes,
                     "optimizer_state_bytes": dev_state,
                     "offloaded_state_bytes": off_state,
-                    "peak_memory_bytes": peak_memory_bytes(session.device),
+                    **memory_counters(session.device),
                 }
                 metrics.write(rec)
                 display.train(rec)

@@ -8,7 +8,8 @@ from lisaft.metrics import read_metrics
 
 runner = CliRunner()
 TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "active_layers", "trainable_params",
-                "grad_bytes", "optimizer_state_bytes", "offloaded_state_bytes", "peak_memory_bytes"}
+                "grad_bytes", "optimizer_state_bytes", "offloaded_state_bytes", "peak_memory_bytes",
+                "peak_memory_counter"}
 
 
 def test_train_end_to_end_writes_the_run_directory(tiny_run):
