@@ -32,12 +32,14 @@ def train(
     recipe: Path = typer.Argument(..., help="Recipe YAML."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a key: --set training.max_steps=100"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in output_dir."),
+    force: bool = typer.Option(False, "--force", help="With --overwrite: go on although output_dir "
+                               "holds files lisaft did not write (they are left alone)."),
 ) -> None:
     """Fine-tune as RECIPE says."""
     from lisaft.trainer import train as run_train
 
     try:
-        code = run_train(recipe, overrides=set_ or [], overwrite=overwrite)
+        code = run_train(recipe, overrides=set_ or [], overwrite=overwrite, force=force)
     except LisaftError as e:
         _fail(str(e), e.exit_code)
     raise typer.Exit(code)

@@ -24,9 +24,8 @@ from lisaft.checkpoint import TrainState
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics import Display, MetricsLog, peak_memory_bytes
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
+from lisaft.runfiles import check_output_dir, clean_write_failures, clear_run, make_run_dir, write_failed
 from lisaft.schedules import lr_at
-
-RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", ckpt_mod.CHECKPOINTS, "final")
 
 
 @dataclass
@@ -136,10 +135,6 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     return session
 
 
-def _looks_like_run(path: Path) -> bool:
-    return any((path / m).exists() for m in RUN_MARKERS)
-
-
 def _in_process_group(fn):
     """Run a command inside the torchrun process group when launched by torchrun."""
 
@@ -157,26 +152,18 @@ def _in_process_group(fn):
 
 @_in_process_group
 def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite: bool = False,
-          show: bool = True, _stop_at: int | None = None) -> int:
+          show: bool = True, _stop_at: int | None = None, force: bool = False) -> int:
     """`lisaft train`: returns the process exit code. `_stop_at` (tests) stops as a signal would
     after that many optimizer steps."""
     recipe = load_recipe(recipe_path, overrides or [])
     run_dir = Path(recipe.training.output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LisaftError(f"training.output_dir: {run_dir} is a file")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        if not _looks_like_run(run_dir):
-            raise LisaftError(f"training.output_dir: {run_dir} is not empty and holds no lisaft run; "
-                              "choose another folder")
-        if not overwrite:
-            raise LisaftError(f"training.output_dir: {run_dir} already holds a run; continue it with "
-                              f"`lisaft resume {run_dir}`, or pass --overwrite to start over")
+    check_output_dir(run_dir, overwrite, force)
     session = build_session(recipe, run_dir)
     dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
     if dist.is_main():
         if overwrite and run_dir.is_dir():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+            clear_run(run_dir)
+        make_run_dir(run_dir)
         _write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
     dist.barrier()
     session.controller.activate_for_step(0)
@@ -252,8 +239,11 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_failed(path.parent, e) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +356,7 @@ def _save(session: Session, state: TrainState, base: Path | None, changed: set[s
                         f"{session.run_dir}: {e.strerror or e}; {where} once the disk has room") from None
 
 
+@clean_write_failures
 def _run(session: Session, state: TrainState, base: Path | None, show: bool, stop_at: int | None) -> int:
     t = session.recipe.training
     metrics = MetricsLog(session.run_dir / "metrics.jsonl")
