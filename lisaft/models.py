@@ -233,7 +233,8 @@ def check_context_length(config, max_seq_len: int) -> None:
     limit = context_length(config)
     if limit is None or max_seq_len <= limit:
         return
-    scaling = config.get("rope_scaling") if isinstance(config, dict) else getattr(config, "rope_scaling", None)
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    scaling = get("rope_parameters") or get("rope_scaling")
     # transformers fills in {"rope_type": "default"} for an unscaled model.
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         warnings.warn(f"data.max_seq_len: {max_seq_len} is above the model's max_position_embeddings "

@@ -1,15 +1,14 @@
 """The run folder: write failures recognised whatever library raised them, output_dir checks,
 and --overwrite removing only what lisaft wrote."""
 
-import os
 import resource
 import signal
-import tempfile
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
+
+from _unprivileged import lisaft_error_as_unprivileged, open_dir
 
 from lisaft.errors import LisaftError
 from lisaft.runfiles import check_output_dir, clear_run, is_write_failure
@@ -59,51 +58,10 @@ def test_output_dir_under_a_file_and_a_file_as_output_dir(tmp_path):
         check_output_dir(tmp_path / "afile", overwrite=False, force=False)
 
 
-def _as_unprivileged(fn):
-    """Run fn where file modes apply: as is for a normal user, in a child that drops to `nobody`
-    when the tests run as root (root ignores modes). Returns the LisaftError message or None."""
-    if os.geteuid() != 0:
-        try:
-            fn()
-        except LisaftError as e:
-            return str(e)
-        return None
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        message = b""
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            fn()
-        except LisaftError as e:
-            message = str(e).encode()
-        except BaseException as e:
-            message = f"unexpected {type(e).__name__}: {e}".encode()
-        os.write(w, message)
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        message = f.read().decode()
-    os.waitpid(pid, 0)
-    return message or None
-
-
-def open_dir(tmp_path):
-    """A folder the unprivileged child can reach (pytest's tmp folders are private to root)."""
-    top = Path(tempfile.gettempdir())
-    for p in [tmp_path, *tmp_path.parents]:
-        if p == top or p == p.parent:
-            break
-        os.chmod(p, os.stat(p).st_mode | 0o005)
-    return tmp_path
-
-
 def test_output_dir_that_cannot_be_created(tmp_path):
     locked = open_dir(tmp_path) / "locked"
     locked.mkdir(mode=0o555)
-    message = _as_unprivileged(lambda: check_output_dir(locked / "run", overwrite=False, force=False))
+    message = lisaft_error_as_unprivileged(lambda: check_output_dir(locked / "run", overwrite=False, force=False))
     assert message and "cannot be created: no permission to write in" in message, message
 
 
