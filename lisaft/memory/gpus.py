@@ -1,0 +1,82 @@
+"""Memory budgets: byte sizes with explicit units, and the usable memory of common GPUs.
+
+GPU makers write "24 GB" for a card whose memory is 24 GiB of chips, of which the driver shows
+a little less. A budget is therefore never a bare number here: `24GB` means 24 x 10^9 bytes,
+`24GiB` 24 x 2^30 bytes (7.4% more), and `--gpu rtx-4090` the memory the driver reports for that
+card. The CUDA context that a process adds on top is a component of the estimate itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lisaft.errors import LisaftError
+
+MiB = 1024**2
+
+# K/M/G/T alone are binary, as in `free -g` and container memory limits.
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    usable_bytes: int
+    source: str
+
+
+# memory.total as `nvidia-smi --query-gpu=memory.total --format=csv` reports it for the card in
+# its default mode (MiB); torch.cuda.get_device_properties(0).total_memory is the same figure.
+# The datasheet capacity is given beside it. Figures as commonly reported for these cards, not
+# measured by lisaft.
+GPUS = {g.name: g for g in (
+    Gpu("rtx-3090", 24576 * MiB, "24 GB GDDR6X (24 GiB of chips); nvidia-smi memory.total 24576 MiB"),
+    Gpu("rtx-4090", 24564 * MiB, "24 GB GDDR6X; nvidia-smi memory.total 24564 MiB"),
+    Gpu("a6000", 49140 * MiB, "RTX A6000, 48 GB GDDR6, ECC off (default); nvidia-smi memory.total "
+        "49140 MiB (46068 MiB with ECC on)"),
+    Gpu("l4", 23034 * MiB, "24 GB GDDR6 with ECC on (default), which reserves 1/16; nvidia-smi "
+        "memory.total 23034 MiB"),
+    Gpu("a100-40gb", 40960 * MiB, "A100 SXM4 40 GB HBM2; nvidia-smi memory.total 40960 MiB "
+        "(the PCIe card reports 40536 MiB)"),
+    Gpu("a100-80gb", 81920 * MiB, "A100 SXM4 80 GB HBM2e; nvidia-smi memory.total 81920 MiB "
+        "(the PCIe card reports 81251 MiB)"),
+    Gpu("h100-80gb", 81559 * MiB, "H100 SXM5 80 GB HBM3; nvidia-smi memory.total 81559 MiB"),
+)}
+
+
+def gpu(name: str) -> Gpu:
+    found = GPUS.get(name.lower().replace("_", "-"))
+    if found is None:
+        raise LisaftError(f"--gpu: {name!r} is not in the catalogue; known: {', '.join(GPUS)}; or give "
+                          "--budget with a unit, e.g. 24GB or 24GiB")
+    return found
+
+
+def smallest_gpu(nbytes: int) -> Gpu | None:
+    return next((g for g in sorted(GPUS.values(), key=lambda g: g.usable_bytes) if g.usable_bytes >= nbytes), None)
+
+
+def parse_bytes(text: str, key: str = "--budget") -> int:
+    """'24GB' (10^9), '24GiB' or '24G' (2^30), '1.5 TiB', '512MB'. A bare number is refused:
+    bytes are never what was meant, and GB or GiB changes a 24 GB budget by 1.7 GB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    if not m:
+        raise LisaftError(f"{key}: {text!r} is not a size such as 24GB or 24GiB")
+    unit = m.group(2).lower()
+    if unit not in _UNITS:
+        n = m.group(1)
+        raise LisaftError(f"{key}: {text!r} needs a unit: {n}GB means {n} x 10^9 bytes (as GPU makers "
+                          f"write it), {n}GiB {n} x 2^30 bytes; or name a card with --gpu "
+                          f"({', '.join(GPUS)})")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise LisaftError(f"{key}: must be positive")
+    return value
+
+
+def explain_budget(nbytes: int, given: str) -> str:
+    """'24GB = 22.35 GiB' style line: both units, so neither reading is a surprise."""
+    return f"{given} = {nbytes / 1000**3:.2f} GB = {nbytes / 1024**3:.2f} GiB (1 GB = 10^9 bytes, 1 GiB = 2^30)"
