@@ -451,7 +451,10 @@ def _memory_report(session: Session) -> None:
     except LisaftError as e:  # e.g. an architecture the estimator does not model
         print(f"memory estimate unavailable: {e}")
         return
-    dev_state, _ = session.controller.state_bytes()
+    dev_state, off_state = session.controller.state_bytes()
+    if session.device.type == "cpu" and session.recipe.lisa.state_policy == "offload_cpu":
+        # Offloaded moments sit in the CPU device's own memory, where the estimate counts them.
+        dev_state += off_state
     session.peak_state_bytes = max(session.peak_state_bytes, dev_state)
     peak = peak_memory(session.device)
     if session.device.type == "cuda":

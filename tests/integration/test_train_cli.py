@@ -176,3 +176,13 @@ def test_max_steps_written_as_1e3_is_a_thousand(tiny_run):
     recipe = tiny_run()
     recipe.write_text(recipe.read_text().replace("max_steps: 8", "max_steps: 1e3"))
     assert load_recipe(recipe).training.max_steps == 1000
+
+
+def test_memory_table_compares_offloaded_state_like_with_like(tiny_run):
+    recipe = tiny_run(lisa={"state_policy": "offload_cpu", "interval_steps": 1},
+                      training={"max_steps": 12, "eval_every": 0, "device": "cpu"})
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "optimizer states" in line)
+    difference = row.split("│")[-2].strip()
+    assert abs(float(difference.rstrip("%"))) < 5, row
