@@ -49,7 +49,10 @@ def train(
 def resume(
     run_dir: Path = typer.Argument(..., help="Run directory of a stopped or crashed run."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Train to this step instead."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Change a cadence key (log/eval/save)."),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Change a key a resume may change: training.max_steps, training.log_every, "
+        "training.eval_every, training.eval_batches, training.save_every, training.keep_last, "
+        "training.device, model.gradient_checkpointing. Others alter the run and are refused."),
 ) -> None:
     """Continue RUN_DIR from its newest complete checkpoint, exactly."""
     from lisaft.trainer import resume as run_resume
