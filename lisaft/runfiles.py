@@ -32,9 +32,9 @@ _WRITE_WORDS = ("inline_container", "PytorchStreamWriter", "file write failed", 
 
 
 def is_write_failure(e: BaseException) -> bool:
-    if isinstance(e, OSError):
-        return e.errno in _WRITE_ERRNOS or e.errno is None
-    if type(e).__name__ == "SafetensorError" or isinstance(e, RuntimeError):
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno in _WRITE_ERRNOS
+    if isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "SafetensorError":
         return any(w in str(e) for w in _WRITE_WORDS)
     return False
 
