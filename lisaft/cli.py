@@ -81,7 +81,7 @@ def estimate_memory(
     budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget with a unit: 24GB (10^9 "
                                          "bytes) or 24GiB (2^30). Default 24GiB."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="Budget of a card: rtx-3090, rtx-4090, a6000, "
-                                      "l4, a100-40gb, a100-80gb, h100-80gb."),
+                                      "l4, a100-40gb, a100-80gb, h100-80gb, h200."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda|cpu (default: the recipe's, else cuda)"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: --set data.max_seq_len=4096"),
     json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON."),

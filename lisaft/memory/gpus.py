@@ -28,22 +28,30 @@ class Gpu:
     source: str
 
 
-# memory.total as `nvidia-smi --query-gpu=memory.total --format=csv` reports it for the card in
-# its default mode (MiB); torch.cuda.get_device_properties(0).total_memory is the same figure.
-# The datasheet capacity is given beside it. Figures as commonly reported for these cards, not
-# measured by lisaft.
+# The driver keeps part of the memory nvidia-smi calls memory.total for itself ("Reserved" in
+# `nvidia-smi -q -d MEMORY`); torch.cuda.get_device_properties(0).total_memory, what a process
+# can allocate, is memory.total minus that. Measured on an H200 (driver 580.159): memory.total
+# 143771 MiB, reserved 616 MiB, torch total_memory 143156 MiB. The same reserve is assumed for
+# the other cards, whose memory.total is as commonly reported for them (not measured by lisaft).
+DRIVER_RESERVE_BYTES = 616 * MiB
+
+
+def _card(name: str, total_mib: int, datasheet: str) -> Gpu:
+    return Gpu(name, total_mib * MiB - DRIVER_RESERVE_BYTES,
+               f"{datasheet}; nvidia-smi memory.total {total_mib} MiB as commonly reported, minus "
+               f"the driver's reserve (616 MiB, measured on an H200)")
+
+
 GPUS = {g.name: g for g in (
-    Gpu("rtx-3090", 24576 * MiB, "24 GB GDDR6X (24 GiB of chips); nvidia-smi memory.total 24576 MiB"),
-    Gpu("rtx-4090", 24564 * MiB, "24 GB GDDR6X; nvidia-smi memory.total 24564 MiB"),
-    Gpu("a6000", 49140 * MiB, "RTX A6000, 48 GB GDDR6, ECC off (default); nvidia-smi memory.total "
-        "49140 MiB (46068 MiB with ECC on)"),
-    Gpu("l4", 23034 * MiB, "24 GB GDDR6 with ECC on (default), which reserves 1/16; nvidia-smi "
-        "memory.total 23034 MiB"),
-    Gpu("a100-40gb", 40960 * MiB, "A100 SXM4 40 GB HBM2; nvidia-smi memory.total 40960 MiB "
-        "(the PCIe card reports 40536 MiB)"),
-    Gpu("a100-80gb", 81920 * MiB, "A100 SXM4 80 GB HBM2e; nvidia-smi memory.total 81920 MiB "
-        "(the PCIe card reports 81251 MiB)"),
-    Gpu("h100-80gb", 81559 * MiB, "H100 SXM5 80 GB HBM3; nvidia-smi memory.total 81559 MiB"),
+    _card("rtx-3090", 24576, "RTX 3090, 24 GB GDDR6X"),
+    _card("rtx-4090", 24564, "RTX 4090, 24 GB GDDR6X"),
+    _card("a6000", 49140, "RTX A6000, 48 GB GDDR6, ECC off (its default; 46068 MiB with ECC on)"),
+    _card("l4", 23034, "L4, 24 GB GDDR6 with ECC on (its default), which reserves 1/16"),
+    _card("a100-40gb", 40960, "A100 SXM4 40 GB HBM2 (the PCIe card reports 40536 MiB)"),
+    _card("a100-80gb", 81920, "A100 SXM4 80 GB HBM2e (the PCIe card reports 81251 MiB)"),
+    _card("h100-80gb", 81559, "H100 SXM5 80 GB HBM3"),
+    Gpu("h200", 143156 * MiB, "H200, 141 GB HBM3e; torch total_memory 143156 MiB, measured by lisaft "
+        "(nvidia-smi memory.total 143771 MiB, driver reserve 616 MiB, driver 580.159)"),
 )}
 
 

@@ -39,3 +39,10 @@ def test_resume_help_names_every_key_a_resume_may_change():
     text = " ".join(result.output.split())
     missing = [k for k in CADENCE_KEYS if k not in text]
     assert not missing, missing
+
+
+def test_gpu_table_in_docs_is_the_catalogue():
+    from lisaft.memory.gpus import GPUS
+
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| \d+ MiB \| (\d+) MiB", (REPO / "docs" / "memory.md").read_text(), re.M)
+    assert {name: int(usable) * 2**20 for name, usable in rows} == {g.name: g.usable_bytes for g in GPUS.values()}

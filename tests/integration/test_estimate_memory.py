@@ -110,7 +110,7 @@ def test_budget_needs_a_unit_and_both_units_are_explained():
 
 def test_gpu_picks_a_catalogued_budget_with_its_source():
     out = json.loads(_invoke("--model", "llama-3.2-1b", "--gpu", "rtx-4090", "--json").stdout)
-    assert out["budget_bytes"] == 24564 * 2**20 and out["budget"]["given"] == "--gpu rtx-4090"
+    assert out["budget_bytes"] == (24564 - 616) * 2**20 and out["budget"]["given"] == "--gpu rtx-4090"
     assert "nvidia-smi" in out["budget"]["source"]
     assert "a100-80gb" in _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--gpu", "rtx-9090"))
     assert "give one" in _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--gpu", "l4", "--budget", "24GB"))
