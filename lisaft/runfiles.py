@@ -116,6 +116,8 @@ def _nearest_existing(path: Path) -> Path:
 def check_output_dir(run_dir: Path, overwrite: bool, force: bool) -> None:
     """Refuse, before anything is loaded or written, an output_dir the run cannot use."""
     key = "training.output_dir"
+    if force and not overwrite:
+        raise LisaftError("--force only goes with --overwrite (start over although other files are there)")
     if run_dir.exists() and not run_dir.is_dir():
         raise LisaftError(f"{key}: {run_dir} is a file; choose a folder")
     if not run_dir.exists():

@@ -78,5 +78,7 @@ def test_overwrite_removes_only_lisaft_files_and_refuses_others_without_force(tm
     with pytest.raises(LisaftError, match=r"did not write \(notes.txt\).*--force"):
         check_output_dir(run, overwrite=True, force=False)
     check_output_dir(run, overwrite=True, force=True)
+    with pytest.raises(LisaftError, match="--force only goes with --overwrite"):
+        check_output_dir(run, overwrite=False, force=True)
     clear_run(run)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
