@@ -98,7 +98,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     from lisaft.batches import DataOrder, steps_for_epochs
     from lisaft.data import load_splits
     from lisaft.lisa import LisaController
-    from lisaft.models import check_context_length, decoder_layers_path, load_model, load_tokenizer, model_parts, resolve_device
+    from lisaft.models import (check_context_length, decoder_layers_path, load_model, load_tokenizer,
+                               model_parts, resolve_device)
     from lisaft.optim import build_optimizer
 
     t = recipe.training
@@ -111,7 +112,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     if train_examples is None:
         train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
     if t.max_steps is None:  # training.epochs: the run's length follows from the train set
-        t.max_steps = steps_for_epochs(t.epochs, len(train_examples), t.batch_size * t.grad_accum_steps * dist.world_size())
+        t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
+                                       t.batch_size * t.grad_accum_steps * dist.world_size())
     model = load_model(recipe.model, device, seed=t.seed)
     check_context_length(model.config, recipe.data.max_seq_len)
     layers_path = decoder_layers_path(model, recipe.model.layers_path)
