@@ -19,8 +19,9 @@ from lisaft.errors import LisaftError, RunFailed
 
 CHECKPOINTS = "checkpoints"
 # Everything lisaft may write into a run folder, and nothing else: --overwrite removes these.
+# A new kind of output (a logging backend's folder) must be added here.
 RUN_ENTRIES = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final", "lisa_offload", "tensorboard",
-               "wandb", "plots", ".final.tmp", ".recipe.yaml.tmp")
+               ".final.tmp", ".recipe.yaml.tmp", "metrics.jsonl.tmp")
 # The entries that show a folder holds a lisaft run.
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final")
 
@@ -60,7 +61,8 @@ def remove_temporaries(run_dir: Path) -> list[str]:
     if tmp.exists():
         partial.append("the final model")
         shutil.rmtree(tmp, ignore_errors=True)
-    (run_dir / ".recipe.yaml.tmp").unlink(missing_ok=True)
+    for name in (".recipe.yaml.tmp", "metrics.jsonl.tmp"):
+        (run_dir / name).unlink(missing_ok=True)
     return partial
 
 
