@@ -161,7 +161,7 @@ def estimate_memory_command(recipe: Path | None = None, model: str | None = None
                             seq_len: int | None = None, gradient_checkpointing: bool | None = None,
                             attention: str | None = None, dtype: str | None = None,
                             in_backward: bool | None = None, budget: str = "24GiB",
-                            device: str = "cuda", json_out: bool = False) -> int:
+                            device: str = "cuda", json_out: bool = False, explain: bool = False) -> int:
     s = build_settings(recipe, model, optimizer, lisa_layers, no_lisa, batch_size, seq_len,
                        gradient_checkpointing, attention, dtype, in_backward, budget, device)
     est = compute(s)
@@ -189,5 +189,5 @@ def estimate_memory_command(recipe: Path | None = None, model: str | None = None
 
     from lisaft.memory.render import render
 
-    Console().print(render(est, changes, grid, max_seq, max_batch))
+    Console().print(render(est, changes, grid, max_seq, max_batch, explain))
     return 0
