@@ -45,7 +45,7 @@ class RunData:
         records = read_records(self.dir)
         self.train = [r for r in records if "loss" in r]
         self.eval = [r for r in records if "eval_loss" in r]
-        self.estimate_bytes, self.estimate_note = _estimate(self.dir)
+        self.estimate_bytes, self.estimate_note, self.layer_count = _estimate(self.dir)
 
     def series(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
         pairs = [(r["step"], r[key]) for r in (self.train if records is None else records)
@@ -53,18 +53,20 @@ class RunData:
         return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _estimate(run_dir: Path) -> tuple[int | None, str]:
+def _estimate(run_dir: Path) -> tuple[int | None, str, int | None]:
     """The estimator's peak for the run's recipe, at data.max_seq_len (an upper bound: batches
-    are padded only to their longest row)."""
+    are padded only to their longest row), and the model's layer count."""
     from lisaft.memory.command import estimate_for_recipe
+    from lisaft.memory.counts import param_counts
     from lisaft.recipe import load_recipe
 
     try:
         recipe = load_recipe(run_dir / "recipe.yaml", resolve_paths=False)
         est = estimate_for_recipe(recipe, device=recipe.training.device)
     except LisaftError as e:
-        return None, f"no estimate: {e}"
-    return est.comparable_peak_bytes, f"estimate ({est.settings.device}, seq {recipe.data.max_seq_len})"
+        return None, f"no estimate: {e}", None
+    note = f"estimate ({est.settings.device}, seq {recipe.data.max_seq_len})"
+    return est.comparable_peak_bytes, note, param_counts(est.settings.config).layer_count
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:
@@ -111,7 +113,8 @@ def _figure(plt, runs: list[RunData]):
         loss.plot(*run.series("eval_loss", run.eval), "o--", color=color, markersize=3, label=f"{run.label} eval")
         acc.plot(*run.series("eval_token_accuracy", run.eval), "o-", color=color, markersize=3, label=run.label)
         lr.plot(*run.series("lr"), color=color, label=run.label)
-        gnorm.plot(*run.series("grad_norm"), color=color, label=run.label)
+        if run.series("grad_norm")[0]:
+            gnorm.plot(*run.series("grad_norm"), color=color, label=run.label)
         speed.plot(*run.series("tokens_per_s"), color=color, label=run.label)
         steps, values = run.series("peak_memory_bytes")
         mem.plot(steps, [v / 2**20 for v in values], color=color, label=f"{run.label} measured peak")
@@ -126,6 +129,7 @@ def _figure(plt, runs: list[RunData]):
         ax.tick_params(labelsize=7)
         if ax.lines:
             ax.legend(fontsize=7)
+    mem.set_ylim(bottom=0)
     if not gnorm.lines:
         gnorm.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=gnorm.transAxes)
     for j, run in enumerate(rasters):
@@ -138,13 +142,16 @@ def _raster(ax, run: RunData) -> None:
     import numpy as np
 
     records = [r for r in run.train if r.get("active_layers") is not None]
-    n_layers = max(max(r["active_layers"], default=0) for r in records) + 1
+    n_layers = max([run.layer_count or 0] + [i + 1 for r in records for i in r["active_layers"]])
     cells = np.zeros((n_layers, len(records)))
     for col, r in enumerate(records):
         cells[r["active_layers"], col] = 1
     steps = [r["step"] for r in records]
+    # A record covers the log_every steps up to its own.
+    first = steps[0] - (steps[1] - steps[0] if len(steps) > 1 else 1)
     ax.imshow(cells, aspect="auto", origin="lower", cmap="Greys", interpolation="nearest",
-              extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, n_layers - 0.5))
+              extent=(first, steps[-1], -0.5, n_layers - 0.5), vmin=0, vmax=1)
+    ax.set_yticks(range(n_layers))
     ax.set_title(f"{run.label}: active LISA layers", fontsize=10)
     ax.set_xlabel("step", fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
