@@ -111,9 +111,9 @@ class _WandB:
         self.run = wandb.init(
             project=recipe.logging.wandb_project, name=run_dir.name, id=run_id, resume="allow",
             dir=str(run_dir / LOGS), mode=recipe.logging.wandb_mode,
-            config=flatten(recipe.model_dump(mode="json")),
             settings=wandb.Settings(silent=not verbose, console="off"),
         )
+        # A resume may change cadence keys (max_steps, eval_every, ...): the config follows.
         self.run.config.update(flatten(recipe.model_dump(mode="json")), allow_val_change=True)
         self._save_state()
 
