@@ -83,13 +83,19 @@ def _layers(layers: list[int] | None, room: int) -> str:
 
 
 def train_line(rec: dict, total: int, width: int = 80) -> str:
-    """One train record in at most `width` columns: step, loss, lr, tok/s, memory, layers."""
-    head = (f"step {rec['step']}/{total}  loss {rec['loss']:.4f}  lr {rec['lr']:.1e}  "
-            f"{_count(rec['tokens_per_s'])} tok/s  mem {fmt_bytes(rec['peak_memory_bytes'])}")
-    if rec.get("grad_norm") is not None:
-        head = head.replace("  mem", f"  gn {rec['grad_norm']:.2f}  mem", 1)
-    room = width - len(head) - len("  layers ")
-    return head + "  layers " + _layers(rec.get("active_layers"), room) if room >= 4 else head
+    """One train record in at most `width` columns: step, loss, lr, tok/s, memory, layers.
+    Fields are spaced by two, or by one when that makes the layers fit; a layer list that still
+    does not fit is cut."""
+    fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.1e}",
+              f"{_count(rec['tokens_per_s'])} tok/s", f"mem {fmt_bytes(rec['peak_memory_bytes'])}"]
+    layers = "all" if rec.get("active_layers") is None else ",".join(map(str, rec["active_layers"]))
+    # Spacing is chosen for the widest step counter, so it does not change as the run goes on.
+    widest = len(str(total)) - len(str(rec["step"]))
+    for sep in ("  ", " "):
+        head = sep.join(fields) + sep + "layers "
+        if len(head) + widest + len(layers) <= width:
+            break
+    return head + _layers(rec.get("active_layers"), width - len(head))
 
 
 def eval_line(rec: dict) -> str:
