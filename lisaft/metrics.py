@@ -77,8 +77,7 @@ def _count(n: float) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else f"{n:.0f}"
 
 
-def _layers(layers: list[int] | None, room: int) -> str:
-    text = "all" if layers is None else ",".join(map(str, layers))
+def _cut(text: str, room: int) -> str:
     return text if len(text) <= room else text[: max(room - 1, 1)] + "…"
 
 
@@ -95,7 +94,7 @@ def train_line(rec: dict, total: int, width: int = 80) -> str:
         head = sep.join(fields) + sep + "layers "
         if len(head) + widest + len(layers) <= width:
             break
-    return head + _layers(rec.get("active_layers"), width - len(head))
+    return head + _cut(layers, width - len(head))
 
 
 def eval_line(rec: dict) -> str:
