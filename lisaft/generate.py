@@ -93,8 +93,8 @@ def generate_command(path: Path, prompt: str | None = None, input_text: str | No
                      input_file: Path | None = None, fmt: str | None = None, limit: int | None = None,
                      max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                      seed: int = 0, json_out: bool = False) -> int:
-    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
-        raise LisaftError("--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens >= 1")
+    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or (limit is not None and limit < 1):
+        raise LisaftError("--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens and --limit >= 1")
     target = resolve_target(path, fmt)
     rows = read_prompts(prompt, input_text, input_file, target.format, limit)
     model, tokenizer = _load(target.model_dir)
