@@ -9,13 +9,39 @@ from typing import List, Optional
 import typer
 
 from lisaft.errors import LisaftError
+from lisaft.recipe import CADENCE_KEYS
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain help: it wraps to the terminal (80 columns and less) and shows a flag as a flag.
+    rich_markup_mode=None,
     help="Fine-tune causal language models on one GPU: LISA, lean optimizers, exact resume.",
 )
+# Flags take no value; an empty metavar keeps help from showing one.
+FLAG = {"metavar": ""}
+SET_HELP = "Override a recipe key: --set training.max_steps=100 (repeatable)."
+
+
+def _version(value: bool) -> None:
+    if value:
+        from lisaft import __version__
+
+        typer.echo(f"lisaft {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Show other libraries' warnings "
+                                 "and progress bars too.", **FLAG),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit.", **FLAG),
+) -> None:
+    from lisaft import noise
+
+    noise.configure(show_everything=verbose)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -29,11 +55,12 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def train(
-    recipe: Path = typer.Argument(..., help="Recipe YAML."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a key: --set training.max_steps=100"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in output_dir."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe YAML."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in output_dir.",
+                                   **FLAG),
     force: bool = typer.Option(False, "--force", help="With --overwrite: go on although output_dir "
-                               "holds files lisaft did not write (they are left alone)."),
+                               "holds files lisaft did not write (they are left alone).", **FLAG),
 ) -> None:
     """Fine-tune as RECIPE says."""
     from lisaft.trainer import train as run_train
@@ -47,17 +74,17 @@ def train(
 
 @app.command()
 def resume(
-    run_dir: Path = typer.Argument(..., help="Run directory of a stopped or crashed run."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="Run directory of a stopped or crashed run."),
     max_steps: Optional[int] = typer.Option(
-        None, "--max-steps", help="Train to this step instead; the LR stays on its saved curve."),
+        None, "--max-steps", metavar="N", help="Train to step N instead; the LR stays on its saved curve."),
     reschedule: bool = typer.Option(
-        False, "--reschedule", help="Re-plan the LR decay from the current step to --max-steps."),
+        False, "--reschedule", help="Re-plan the LR decay from the current step to --max-steps.", **FLAG),
     set_: Optional[List[str]] = typer.Option(
-        None, "--set", help="Change a key a resume may change: training.max_steps, training.log_every, "
-        "training.eval_every, training.eval_batches, training.save_every, training.keep_last, "
-        "training.device, model.gradient_checkpointing. Others alter the run and are refused."),
+        None, "--set", metavar="KEY=VALUE",
+        help=f"Change a key a resume may change: {', '.join(CADENCE_KEYS)}. Others alter the run "
+        "and are refused."),
 ) -> None:
-    """Continue RUN_DIR from its newest complete checkpoint, exactly."""
+    """Continue a run from its newest complete checkpoint, exactly."""
     from lisaft.trainer import resume as run_resume
 
     try:
@@ -69,25 +96,38 @@ def resume(
 
 @app.command("estimate-memory")
 def estimate_memory(
-    recipe: Optional[Path] = typer.Argument(None, help="Recipe YAML to start from (flags override it)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Catalogue name (llama-3.1-8b), folder or hub id."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw_32bit|adamw_8bit|paged_adamw_32bit|paged_adamw_8bit"),
-    lisa_layers: Optional[int] = typer.Option(None, "--lisa-layers", help="LISA with this many active layers (γ)."),
-    no_lisa: bool = typer.Option(False, "--no-lisa", help="Full fine-tuning."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
+    recipe: Optional[Path] = typer.Argument(None, metavar="RECIPE",
+                                            help="Recipe YAML to start from (flags override it)."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="NAME",
+                                        help="Catalogue name (llama-3.1-8b), folder or hub id."),
+    optimizer: Optional[str] = typer.Option(
+        None, "--optimizer", metavar="NAME",
+        help="adamw_32bit, adamw_8bit, paged_adamw_32bit or paged_adamw_8bit."),
+    lisa_layers: Optional[int] = typer.Option(None, "--lisa-layers", metavar="N",
+                                              help="LISA with N active layers (γ)."),
+    no_lisa: bool = typer.Option(False, "--no-lisa", help="Full fine-tuning.", **FLAG),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", metavar="N",
+                                             help="Sequences per micro-batch."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", metavar="N", help="Tokens per sequence."),
     gradient_checkpointing: Optional[bool] = typer.Option(
-        None, "--gradient-checkpointing/--no-gradient-checkpointing"),
-    attention: Optional[str] = typer.Option(None, "--attention", help="flash_attention_2|sdpa|eager"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16|float16|float32"),
-    in_backward: Optional[bool] = typer.Option(None, "--in-backward/--no-in-backward"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget with a unit: 24GB (10^9 "
-                                         "bytes) or 24GiB (2^30). Default 24GiB."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="Budget of a card: rtx-3090, rtx-4090, a6000, "
-                                      "l4, a100-40gb, a100-80gb, h100-80gb, h200."),
-    device: Optional[str] = typer.Option(None, "--device", help="cuda|cpu (default: the recipe's, else cuda)"),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: --set data.max_seq_len=4096"),
-    json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON."),
+        None, "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="Recompute layer activations in backward (or not)."),
+    attention: Optional[str] = typer.Option(None, "--attention", metavar="KIND",
+                                            help="flash_attention_2, sdpa or eager."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE",
+                                        help="bfloat16 or float32."),
+    in_backward: Optional[bool] = typer.Option(
+        None, "--in-backward/--no-in-backward",
+        help="Step each parameter inside backward, freeing its gradient at once (or not)."),
+    budget: Optional[str] = typer.Option(None, "--budget", metavar="SIZE", help="Memory budget with a unit: "
+                                         "24GB (10^9 bytes) or 24GiB (2^30). Default 24GiB."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", metavar="NAME", help="Budget of a card: rtx-3090, "
+                                      "rtx-4090, a6000, l4, a100-40gb, a100-80gb, h100-80gb, h200."),
+    device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE",
+                                         help="cuda or cpu (default: the recipe's, else cuda)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON.", **FLAG),
+    explain: bool = typer.Option(False, "--explain", help="Explain paged optimizer memory.", **FLAG),
 ) -> None:
     """Will it fit, where does the memory go, what to change."""
     from lisaft.memory.command import estimate_memory_command
@@ -98,11 +138,59 @@ def estimate_memory(
             no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
             gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
             in_backward=in_backward, budget=budget, gpu=gpu, device=device, overrides=set_ or [],
-            json_out=json_out,
+            json_out=json_out, explain=explain,
         )
     except LisaftError as e:
         _fail(str(e))
     raise typer.Exit(code or 0)
+
+
+@app.command()
+def plot(
+    runs: List[Path] = typer.Argument(..., metavar="RUN...", help="Run directories (several are overlaid)."),
+    out: Optional[Path] = typer.Option(None, "--out", metavar="FILE",
+                                       help="PNG to write. Default: RUN/plot.png, or ./plot.png for several runs."),
+) -> None:
+    """Plot runs: loss, eval, lr, grad norm, speed, memory, LISA layers."""
+    from lisaft.plot import plot_command
+
+    try:
+        code = plot_command(runs, out)
+    except LisaftError as e:
+        _fail(str(e), e.exit_code)
+    raise typer.Exit(code)
+
+
+@app.command()
+def generate(
+    path: Path = typer.Argument(..., metavar="RUN_OR_MODEL_DIR",
+                                help="A run (uses RUN/final and RUN/recipe.yaml) or a model folder."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", metavar="TEXT",
+                                         help="The instruction, user message or text to continue."),
+    input_text: Optional[str] = typer.Option(None, "--input", metavar="TEXT",
+                                             help="The `input` field of an instruction prompt."),
+    input_file: Optional[Path] = typer.Option(
+        None, "--input-file", metavar="FILE",
+        help="Rows in the run's data format (jsonl, ...); answers given are compared."),
+    limit: Optional[int] = typer.Option(None, "--limit", metavar="N", help="Only the first N rows of --input-file."),
+    fmt: Optional[str] = typer.Option(None, "--format", metavar="FORMAT",
+                                      help="instruction, chat or text. Default: the run's data.format."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", metavar="N", help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, "--temperature", metavar="T", help="0: greedy; above 0: sample."),
+    top_p: float = typer.Option(1.0, "--top-p", metavar="P", help="Nucleus sampling mass (with --temperature)."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed for sampling."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per prompt.", **FLAG),
+) -> None:
+    """Try a model with the prompt format its run trained on."""
+    from lisaft.generate import generate_command
+
+    try:
+        code = generate_command(path, prompt=prompt, input_text=input_text, input_file=input_file, fmt=fmt,
+                                limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, seed=seed, json_out=json_out)
+    except LisaftError as e:
+        _fail(str(e), e.exit_code)
+    raise typer.Exit(code)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -124,6 +124,12 @@ class _Tokens:
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
 
+def prompt_prefix(tokenizer) -> list[int]:
+    """What every text and instruction example starts with (typically BOS): a prompt for
+    generation must start the same way."""
+    return _Tokens(tokenizer).prefix
+
+
 def _text_examples(rows: Rows, tokens: _Tokens) -> list[Example]:
     eos = tokens.need_eos(rows.key)
     texts = [_field(rows, i, "text") for i in range(len(rows.rows))]

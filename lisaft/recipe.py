@@ -261,6 +261,22 @@ class TrainingSection(_Section):
         return v
 
 
+LoggingBackend = Literal["jsonl", "tensorboard", "wandb"]
+
+
+class LoggingSection(_Section):
+    backends: list[LoggingBackend] = Field(
+        ["jsonl"],
+        description="Where records go: jsonl (RUN/metrics.jsonl, always on), tensorboard "
+        "(RUN/logs/tensorboard), wandb (RUN/logs/wandb). See docs/logging.md.",
+    )
+    wandb_project: str = Field("lisaft", description="W&B project the run is logged under.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: write locally, upload later with `wandb sync`; online: "
+        "stream to the W&B server (needs `wandb login`).",
+    )
+
+
 class Recipe(_Section):
     model: ModelSection
     data: DataSection
@@ -268,6 +284,7 @@ class Recipe(_Section):
     scheduler: SchedulerSection = SchedulerSection()
     lisa: LisaSection = LisaSection()
     training: TrainingSection
+    logging: LoggingSection = LoggingSection()
 
     @model_validator(mode="after")
     def _combinations(self) -> "Recipe":
@@ -301,6 +318,7 @@ PATH_KEYS = (
 CADENCE_KEYS = (
     "training.max_steps", "training.log_every", "training.eval_every", "training.eval_batches",
     "training.save_every", "training.keep_last", "training.device", "model.gradient_checkpointing",
+    "logging.backends", "logging.wandb_project", "logging.wandb_mode",
 )
 
 # Recipe fields holding paths that are resolved against the recipe file's folder.

@@ -20,7 +20,7 @@ from lisaft.errors import LisaftError, RunFailed
 CHECKPOINTS = "checkpoints"
 # Everything lisaft may write into a run folder, and nothing else: --overwrite removes these.
 # A new kind of output (a logging backend's folder) must be added here.
-RUN_ENTRIES = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final", "lisa_offload", "tensorboard",
+RUN_ENTRIES = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final", "lisa_offload", "logs", "plot.png",
                ".final.tmp", ".recipe.yaml.tmp", "metrics.jsonl.tmp")
 # The entries that show a folder holds a lisaft run.
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final")

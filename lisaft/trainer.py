@@ -22,6 +22,7 @@ from lisaft import dist
 from lisaft.batches import IGNORE_INDEX as IGNORE
 from lisaft.checkpoint import TrainState
 from lisaft.errors import LisaftError, RunFailed
+from lisaft.loggers import RunLog, check_backends
 from lisaft.memory.measure import memory_counters
 from lisaft.metrics import Display, MetricsLog
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
@@ -154,6 +155,7 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
     """`lisaft train`: returns the process exit code. `_stop_at` (tests) stops as a signal would
     after that many optimizer steps."""
     recipe = load_recipe(recipe_path, overrides or [])
+    check_backends(recipe.logging)
     run_dir = Path(recipe.training.output_dir)
     check_output_dir(run_dir, overwrite, force)
     session = build_session(recipe, run_dir)
@@ -189,6 +191,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     # The run lives where it is now, even if the folder was moved since.
     overrides.append(f"training.output_dir={run_dir}")
     recipe = load_recipe(recipe_file, overrides)
+    check_backends(recipe.logging)
     warn = lambda m: print(f"warning: {m}", flush=True)  # noqa: E731
     candidates = ckpt_mod.complete_checkpoints(run_dir, warn=warn)
     if not candidates:
@@ -401,13 +404,13 @@ def _save(session: Session, state: TrainState, base: Path | None, changed: set[s
 @clean_write_failures
 def _run(session: Session, state: TrainState, base: Path | None, show: bool, stop_at: int | None) -> int:
     t = session.recipe.training
-    metrics = MetricsLog(session.run_dir / "metrics.jsonl")
     changed: set[str] = set()
     if dist.is_main():
         ckpt_mod.remove_stale_temporaries(session.run_dir)
     window = state.window or {"loss_sum": 0.0, "steps": 0, "tokens": 0}
     window_t0 = time.perf_counter()
-    with StopRequest() as stop, Display(t.max_steps, state.step, enabled=show) as display:
+    with StopRequest() as stop, Display(t.max_steps, state.step, enabled=show) as display, \
+            RunLog(session.run_dir, session.recipe, state.step) as metrics:
         _announce(session, display, state)
         if state.step == 0 and session.eval_examples and t.eval_every:
             # The untrained model's score: where the curve starts.
@@ -467,14 +470,14 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
                               f"Continue with: lisaft resume {session.run_dir}")
                 return 128 + stop.signum if stop.signum else 3
 
-    _save_final(session)
-    if dist.is_main() and show:
-        _memory_report(session)
-        display.print(f"done: {state.step} steps; model saved to {session.run_dir / 'final'}")
+        _save_final(session)
+        if dist.is_main() and show:
+            _memory_report(session, metrics)
+            display.print(f"done: {state.step} steps; model saved to {session.run_dir / 'final'}")
     return 0
 
 
-def _memory_report(session: Session) -> None:
+def _memory_report(session: Session, metrics: RunLog) -> None:
     """The run's own memory, measured, beside what `lisaft estimate-memory` predicts for it."""
     from rich.console import Console
 
@@ -511,6 +514,7 @@ def _memory_report(session: Session) -> None:
         "activation_bytes": session.activation_bytes,
         "peak_bytes": peak_bytes,
     }
+    metrics.memory(estimate, measured)
     console = Console(highlight=False, soft_wrap=True)
     console.print(estimated_vs_measured_table(estimate, measured))
     console.print(f"(estimated for batches of {recipe.training.batch_size} x {seq_len} tokens, the shape "

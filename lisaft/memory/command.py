@@ -241,7 +241,8 @@ def estimate_memory_command(recipe: Path | None = None, model: str | None = None
                             attention: str | None = None, dtype: str | None = None,
                             in_backward: bool | None = None, budget: str | None = None,
                             gpu: str | None = None, device: str | None = None,
-                            overrides: list[str] | None = None, json_out: bool = False) -> int:
+                            overrides: list[str] | None = None, json_out: bool = False,
+                            explain: bool = False) -> int:
     b = parse_budget(budget, gpu)
     s = build_settings(recipe, model, optimizer, lisa_layers, no_lisa, batch_size, seq_len,
                        gradient_checkpointing, attention, dtype, in_backward, b.bytes, device, overrides)
@@ -253,5 +254,5 @@ def estimate_memory_command(recipe: Path | None = None, model: str | None = None
 
     from lisaft.memory.render import render
 
-    Console().print(render(report))
+    Console().print(render(report, explain))
     return 0

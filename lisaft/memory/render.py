@@ -82,14 +82,16 @@ def verdict(est: Estimate) -> Text:
     return Text(f"Does not fit: {human(est.total_bytes)} > {human(est.budget_bytes)}.", style="bold red")
 
 
-def paged_lines(est: Estimate) -> Text | None:
+def paged_lines(est: Estimate, explain: bool = False) -> Text | None:
+    """One line on paged state; the explanation of paging when asked, or when pages do move to
+    host (then the user's measurements will disagree with torch's counters)."""
     if not est.paged_state_bytes:
         return None
-    return Text(
-        f"Paged optimizer state: {human(est.paged_state_bytes)}; stays on GPU: "
-        f"{human(est.paged_gpu_bytes)}; paged to host: {human(est.paged_host_bytes)}.\n"
-        + PAGED_EXPLANATION
-    )
+    line = (f"Paged optimizer state: {human(est.paged_state_bytes)}; stays on GPU: "
+            f"{human(est.paged_gpu_bytes)}; paged to host: {human(est.paged_host_bytes)}.")
+    if explain or est.paged_host_bytes:
+        return Text(line + "\n" + PAGED_EXPLANATION)
+    return Text(line + " (--explain: how paged memory is counted)")
 
 
 def advice_table(changes: list[Change]) -> Table:
@@ -148,12 +150,12 @@ def _largest_line(report) -> Text:
                 f"largest batch at seq {s.seq_len}: {batch}.")
 
 
-def render(report) -> Group:
+def render(report, explain: bool = False) -> Group:
     """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
     est = report.estimate
     parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}"),
                    components_table(est), verdict(est)]
-    paged = paged_lines(est)
+    paged = paged_lines(est, explain)
     if paged is not None:
         parts.append(paged)
     if est.activation_host_bytes:
@@ -176,12 +178,12 @@ def _pct(est: int | None, meas: int | None) -> str:
     return f"{(est - meas) / meas:+.1%}"
 
 
-def estimated_vs_measured_table(estimate: Estimate, measured: dict) -> Table:
-    """A row per quantity: estimated, measured, difference. `measured` holds weights_bytes,
-    grad_bytes, optimizer_state_bytes, activation_bytes, peak_bytes; any may be None.
-    peak_bytes is the process peak RSS on CPU; on CUDA torch.cuda.max_memory_reserved() plus the
-    paged optimizer state's bytes (the estimate's CUDA context is left out of this row)."""
-    rows = [
+def estimated_vs_measured_rows(estimate: Estimate, measured: dict) -> list[tuple[str, int | None, int | None]]:
+    """(quantity, estimated, measured) per row. `measured` holds weights_bytes, grad_bytes,
+    optimizer_state_bytes, activation_bytes, peak_bytes; any may be None. peak_bytes is the
+    process peak RSS on CPU; on CUDA torch.cuda.max_memory_reserved() plus the paged optimizer
+    state's bytes (the estimate's CUDA context is left out of this row)."""
+    return [
         ("weights", estimate.weights_bytes, measured.get("weights_bytes")),
         ("gradients", estimate.grad_bytes, measured.get("grad_bytes")),
         ("optimizer states", estimate.optimizer_state_bytes, measured.get("optimizer_state_bytes")),
@@ -189,11 +191,15 @@ def estimated_vs_measured_table(estimate: Estimate, measured: dict) -> Table:
         ("peak (allocator reserved + paged state)" if estimate.settings.device == "cuda" else "peak (RSS)",
          estimate.comparable_peak_bytes, measured.get("peak_bytes")),
     ]
+
+
+def estimated_vs_measured_table(estimate: Estimate, measured: dict) -> Table:
+    """A row per quantity: estimated, measured, difference (see estimated_vs_measured_rows)."""
     t = Table(title="Memory: estimated vs measured", title_justify="left")
     t.add_column("")
     t.add_column("estimated", justify="right")
     t.add_column("measured", justify="right")
     t.add_column("difference", justify="right")
-    for name, est, meas in rows:
+    for name, est, meas in estimated_vs_measured_rows(estimate, measured):
         t.add_row(name, human(est), human(meas), _pct(est, meas))
     return t

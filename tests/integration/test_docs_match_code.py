@@ -4,7 +4,6 @@ may change."""
 import re
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from lisaft.cli import app

@@ -67,7 +67,7 @@ def test_output_dir_that_cannot_be_created(tmp_path):
 
 def test_overwrite_removes_only_lisaft_files_and_refuses_others_without_force(tmp_path):
     run = tmp_path / "run"
-    for d in ("checkpoints/step-000004", "final", "lisa_offload/rank-0", "tensorboard"):
+    for d in ("checkpoints/step-000004", "final", "lisa_offload/rank-0", "logs/tensorboard"):
         (run / d).mkdir(parents=True)
     (run / "recipe.yaml").write_text("x")
     (run / "metrics.jsonl").write_text("{}")

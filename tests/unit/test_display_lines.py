@@ -1,0 +1,27 @@
+"""Progress lines fit 80 columns whatever the run's size."""
+
+import pytest
+
+from lisaft.metrics import eval_line, train_line
+
+RECORD = {"step": 7, "loss": 1.23456, "lr": 1e-5, "tokens_per_s": 12345.6, "peak_memory_bytes": 21.5 * 2**30,
+          "active_layers": [3, 17], "grad_norm": 0.5}
+
+
+@pytest.mark.parametrize("total, layers", [(400, [0, 1]), (100000, [3, 17]), (1000, list(range(0, 32, 3))),
+                                           (1000, None)])
+def test_train_line_fits_80_columns(total, layers):
+    line = train_line({**RECORD, "active_layers": layers}, total)
+    assert len(line) <= 80, line
+    assert line.startswith(f"step 7/{total}") and "loss 1.2346" in line and "tok/s" in line
+    assert "layers " + ("all" if layers is None else "3" if layers[0] == 3 else "0") in line
+
+
+def test_a_long_layer_list_is_cut_not_wrapped():
+    line = train_line({**RECORD, "active_layers": list(range(32))}, 1000)
+    assert len(line) == 80 and line.endswith("…")
+
+
+def test_eval_line():
+    assert eval_line({"step": 50, "eval_loss": 0.97, "eval_token_accuracy": 0.654}) == \
+        "eval step 50  loss 0.9700  token accuracy 65.4%"
