@@ -61,13 +61,13 @@ TOKENIZER = REPO / "recipes" / "quickstart" / "tokenizer"
 SETTINGS = {
     "full": dict(layers=6, hidden=128, intermediate=384, pretrain_steps=1200, pretrain_batch_size=32,
                  pretrain_lr=3e-3, pretrain_warmup_steps=50, new_train_rows=3000, eval_rows=200,
-                 steps=300, batch_size=16, interval_steps=20, warmup_steps=20, eval_every=30,
-                 curve_examples=100, final_examples=200, max_seq_len=64,
+                 steps=200, batch_size=16, interval_steps=20, warmup_steps=20, eval_every=25,
+                 curve_examples=60, final_examples=200, max_seq_len=64,
                  lrs=[3e-4, 1e-3, 3e-3], seeds=[0, 1, 2], precision_lr=1e-5),
-    "quick": dict(layers=4, hidden=64, intermediate=192, pretrain_steps=150, pretrain_batch_size=32,
-                  pretrain_lr=3e-3, pretrain_warmup_steps=10, new_train_rows=600, eval_rows=60,
-                  steps=30, batch_size=16, interval_steps=5, warmup_steps=3, eval_every=10,
-                  curve_examples=40, final_examples=60, max_seq_len=64,
+    "quick": dict(layers=4, hidden=64, intermediate=192, pretrain_steps=60, pretrain_batch_size=32,
+                  pretrain_lr=3e-3, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=30,
+                  steps=20, batch_size=16, interval_steps=5, warmup_steps=2, eval_every=10,
+                  curve_examples=24, final_examples=30, max_seq_len=64,
                   lrs=[3e-3], seeds=[0], precision_lr=1e-5),
 }
 NEEDS = {"lora_r8": "peft", "lora_r16": "peft", "badam": "badam"}
@@ -125,44 +125,97 @@ def pretrain(work: Path, s: dict) -> dict:
     data.tokenizer.save_pretrained(str(target))
     with torch.no_grad():
         base = scores(session.model, data, s["final_examples"], generate=True)
-    return {"steps": s["pretrain_steps"], "train_s": train_s, "last_loss": loss, "scores": base}
+    record = {"steps": s["pretrain_steps"], "train_s": train_s, "last_loss": loss, "scores": base}
+    (target / "pretraining.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
-def jobs_for(s: dict, work: Path, threads: int, precision: bool) -> list[dict]:
-    from benchmarks.learning.arms import ARMS, PRECISION_ARMS
+def reuse_pretrained(work: Path, source: Path, s: dict) -> dict:
+    """A folder an earlier run of the same settings pre-trained (pre-training is deterministic on
+    CPU, so this skips minutes without changing the model)."""
+    from transformers import AutoModelForCausalLM
 
+    from benchmarks.learning.arms import load_data, scores
+
+    if source.resolve() != (work / "pretrained").resolve():
+        shutil.rmtree(work / "pretrained", ignore_errors=True)
+        shutil.copytree(source, work / "pretrained")
+    info = source / "pretraining.json"
+    record = json.loads(info.read_text()) if info.is_file() else {"steps": s["pretrain_steps"]}
+    data = load_data(str(work / "data"), str(TOKENIZER), s["max_seq_len"])
+    model = AutoModelForCausalLM.from_pretrained(str(source), attn_implementation="sdpa")
+    record["scores"] = scores(model, data, s["final_examples"], generate=True)
+    return {**record, "reused_from_earlier_run": True}
+
+
+def jobs_for(s: dict, work: Path, threads: int, arms: dict[str, list[float]], seeds: list[int]) -> list[dict]:
+    """A run per arm, per lr listed for it, per seed."""
     common = {"settings": s, "pretrained": str(work / "pretrained"), "tokenizer": str(work / "pretrained"),
               "data_dir": str(work / "data"), "threads": threads}
-    jobs = [{**common, "arm": arm, "lr": lr, "seed": seed}
-            for seed in s["seeds"] for lr in s["lrs"] for arm in ARMS
-            if importlib.util.find_spec(NEEDS.get(arm, "torch")) is not None]
-    if precision:
-        jobs += [{**common, "arm": arm, "lr": s["precision_lr"], "seed": s["seeds"][0], "precision": True}
-                 for arm in PRECISION_ARMS]
-    return jobs
+    return [{**common, "arm": arm, "lr": lr, "seed": seed} for seed in seeds for arm, lrs in arms.items()
+            for lr in lrs]
 
 
-def run_all(jobs: list[dict], workers: int) -> list[dict]:
+def precision_jobs(s: dict, work: Path, threads: int) -> list[dict]:
+    from benchmarks.learning.arms import PRECISION_ARMS
+
+    jobs = jobs_for(s, work, threads, {arm: [s["precision_lr"]] for arm in PRECISION_ARMS}, s["seeds"][:1])
+    return [{**j, "precision": True} for j in jobs]
+
+
+def sweep_then_seeds(s: dict, work: Path, threads: int, workers: int, resume: bool, run: bool) -> list[dict]:
+    """The lr grid on the first seed; the other seeds at each arm's best lr on it."""
+    from benchmarks.learning.arms import ARMS
+    from benchmarks.learning.report import best_lr
+
+    arms = [a for a in ARMS if importlib.util.find_spec(NEEDS.get(a, "torch")) is not None]
+    log = work / "runs.jsonl"
+    sweep = run_all(jobs_for(s, work, threads, {a: s["lrs"] for a in arms}, s["seeds"][:1]), workers, log, resume,
+                    run)
+    best = {a: [best_lr(rs)] for a in arms if (rs := [r for r in sweep if r["arm"] == a])}
+    return sweep + run_all(jobs_for(s, work, threads, best, s["seeds"][1:]), workers, log, True, run)
+
+
+def _key(job: dict) -> str:
+    return json.dumps([job["arm"], job["lr"], job["seed"], bool(job.get("precision")), job["settings"]])
+
+
+def run_all(jobs: list[dict], workers: int, log: Path, resume: bool, run: bool = True) -> list[dict]:
+    """Every job's run record; each is also appended to `log` as it finishes, so that --resume
+    after a crash reruns only the jobs that have no record there. run=False: only the recorded."""
     from benchmarks.learning.arms import run_job
+
+    done = {}
+    if resume and log.is_file():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line)
+            done[rec["key"]] = rec["run"]
+    elif log.exists():
+        log.unlink()  # a fresh run
+    todo = [j for j in jobs if _key(j) not in done] if run else []
+    print(f"{len(jobs) - len(todo)} runs taken from {log}, {len(todo)} to run", flush=True)
 
     def show(r: dict, k: int) -> None:
         f = r["final"]
-        print(f"[{k}/{len(jobs)}] {r['arm']:<16} lr {r['lr']:<7g} seed {r['seed']}  "
+        print(f"[{k}/{len(todo)}] {r['arm']:<16} lr {r['lr']:<7g} seed {r['seed']}  "
               f"B acc {100 * f['new_token_accuracy']:5.1f} EM {100 * f['new_exact_match']:5.1f}  "
               f"A acc {100 * f['old_token_accuracy']:5.1f} EM {100 * f['old_exact_match']:5.1f}  "
               f"{r['tokens_per_s']:.0f} tok/s", flush=True)
 
-    results = []
+    def record(job: dict, r: dict, k: int) -> None:
+        done[_key(job)] = {**r, "precision": bool(job.get("precision"))}
+        with log.open("a") as f:
+            f.write(json.dumps({"key": _key(job), "run": done[_key(job)]}) + "\n")
+        show(r, k)
+
     if workers <= 1:
-        for job in jobs:
-            results.append({**run_job(job), "precision": bool(job.get("precision"))})
-            show(results[-1], len(results))
-        return results
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for job, r in zip(jobs, pool.map(run_job, jobs)):
-            results.append({**r, "precision": bool(job.get("precision"))})
-            show(results[-1], len(results))
-    return results
+        for k, job in enumerate(todo, 1):
+            record(job, run_job(job), k)
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for k, (job, r) in enumerate(zip(todo, pool.map(run_job, todo)), 1):
+                record(job, r, k)
+    return [done[_key(j)] for j in jobs if _key(j) in done]
 
 
 def environment(threads: int, workers: int) -> dict:
@@ -188,7 +241,7 @@ def summarise(mode: str, s: dict, pre: dict, runs: list[dict], precision_note: s
     for name in ARMS:
         rs = [r for r in runs if r["arm"] == name and not r["precision"]]
         if rs:
-            arms[name] = {"status": "ok", **report.summarise_arm(rs, s["lrs"], baseline)}
+            arms[name] = {"status": "ok", **report.summarise_arm(rs, s, baseline)}
         else:
             note = f"{NEEDS[name]} is not installed (pip install 'lisaft[bench]')"
             arms[name] = {"status": "skipped", "note": note}
@@ -217,6 +270,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
     ap.add_argument("--steps", type=int, help="override the fine-tuning steps")
     ap.add_argument("--lrs", type=float, nargs="+", help="override the learning-rate grid")
+    ap.add_argument("--resume", action="store_true", help="keep the runs an interrupted run of the same "
+                    "settings recorded in OUT/work/runs.jsonl (use with --pretrained OUT/work/pretrained)")
+    ap.add_argument("--report-only", action="store_true", help="summarise what OUT/work/runs.jsonl holds, "
+                    "running nothing (with --pretrained OUT/work/pretrained)")
+    ap.add_argument("--pretrained", type=Path, help="reuse the pre-trained folder of an earlier run with the same "
+                    "settings (its work/pretrained) instead of pre-training again")
     args = ap.parse_args()
     mode = "quick" if args.quick else "full"
     s = dict(SETTINGS[mode])
@@ -228,12 +287,14 @@ def main() -> None:
         s["lrs"] = args.lrs
     out = args.out or REPO / "benchmarks" / "results" / ("learning-quick" if args.quick else "learning")
     workers = args.workers or (1 if args.quick else 2)
-    threads = 1 if workers > 1 else max(1, min(2, os.cpu_count() or 1))
+    # One thread per run: on a shared machine a second thread mostly spins waiting for the first.
+    threads = 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     from transformers.utils import logging as hf_logging
 
+    from benchmarks.learning import report
     from lisaft.recipe import OptimizerSection
 
     torch.set_num_threads(threads)
@@ -241,26 +302,29 @@ def main() -> None:
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work / "data", ignore_errors=True)
     write_families(work / "data", s)
-    pre = pretrain(work, s)
-    print(f"pre-trained on A in {pre['train_s']:.0f} s: A exact match {100 * pre['scores']['old_exact_match']:.1f}%, "
+    pre = reuse_pretrained(work, args.pretrained, s) if args.pretrained else pretrain(work, s)
+    print(f"pre-trained model: A exact match {100 * pre['scores']['old_exact_match']:.1f}%, "
           f"B token acc {100 * pre['scores']['new_token_accuracy']:.1f}%", flush=True)
     precision_note = None if "bf16_update" in OptimizerSection.model_fields else (
         "this lisaft has no recipe key optimizer.bf16_update (it arrives with issue 10)")
-    runs = run_all(jobs_for(s, work, threads, precision_note is None), workers)
+    run = not args.report_only
+    runs = sweep_then_seeds(s, work, threads, workers, args.resume or args.report_only, run)
+    if precision_note is None:
+        runs += run_all(precision_jobs(s, work, threads), workers, work / "runs.jsonl", True, run)
     summary = summarise(mode, s, pre, runs, precision_note, environment(threads, workers))
     summary["wall_s"] = time.perf_counter() - t0
-    table = __import__("benchmarks.learning.report", fromlist=["markdown"]).markdown(summary)
+    table = report.markdown(summary)
     if importlib.util.find_spec("matplotlib") is not None:
-        from benchmarks.learning.report import plots
-
-        summary["plots"] = plots(summary, out)
+        summary["plots"] = report.plots(summary, out)
     else:
         summary["notes"].append("plots skipped: matplotlib is not installed (pip install 'lisaft[bench]')")
     (out / "learning.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "learning.md").write_text(table)
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work / "data", ignore_errors=True)
+    if args.quick:
+        shutil.rmtree(work, ignore_errors=True)
     print(table)
     print(f"wrote {out} in {summary['wall_s']:.0f} s")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 MEASURES = ("new_token_accuracy", "new_exact_match", "old_token_accuracy", "old_exact_match",
             "new_loss", "old_loss")
-# Which lr is best for an arm: the mean final new-task token accuracy over seeds.
+# Which lr is best for an arm: the final new-task token accuracy of the sweep seed.
 SELECT_BY = "new_token_accuracy"
 
 
@@ -28,16 +28,21 @@ def _mean_curve(runs: list[dict], baseline: dict) -> list[dict]:
     return out
 
 
-def summarise_arm(runs: list[dict], lrs: list[float], baseline: dict) -> dict:
-    by_lr = {lr: [r for r in runs if r["lr"] == lr] for lr in lrs}
-    by_lr = {lr: rs for lr, rs in by_lr.items() if rs}
-    sweep = {str(lr): statistics.fmean(r["final"][SELECT_BY] for r in rs) for lr, rs in by_lr.items()}
-    best = max(by_lr, key=lambda lr: sweep[str(lr)])
-    rs = by_lr[best]
+def best_lr(sweep_runs: list[dict]) -> float:
+    """The lr of the sweep (one run per lr, on the first seed) with the best final SELECT_BY."""
+    return max(sweep_runs, key=lambda r: r["final"][SELECT_BY])["lr"]
+
+
+def summarise_arm(runs: list[dict], s: dict, baseline: dict) -> dict:
+    """Runs of one arm: the lr sweep on the first seed, then every seed at the best lr."""
+    sweep_runs = [r for r in runs if r["seed"] == s["seeds"][0]]
+    best, lrs = best_lr(sweep_runs), s["lrs"]
+    rs = [r for r in runs if r["lr"] == best]
     out = {
         "best_lr": best,
         "best_lr_at_grid_edge": len(lrs) > 1 and best in (min(lrs), max(lrs)),
-        "sweep_new_token_accuracy": sweep,
+        "sweep_new_token_accuracy": {str(r["lr"]): r["final"][SELECT_BY] for r in sweep_runs},
+        "sweep_old_token_accuracy": {str(r["lr"]): r["final"]["old_token_accuracy"] for r in sweep_runs},
         "seeds": [r["seed"] for r in rs],
         **{m: _mean_sd([r["final"][m] for r in rs]) for m in MEASURES},
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
@@ -82,8 +87,9 @@ def markdown(summary: dict) -> str:
     s = summary["settings"]
     lines = [
         f"Learning benchmark ({summary['mode']} mode): fine-tuning on task family B after pre-training on A; "
-        f"{s['steps']} steps x {s['batch_size']} examples, seeds {s['seeds']}, lr grid {s['lrs']} "
-        f"(best per arm by mean final B token accuracy). Accuracies in %, mean ± sample sd over seeds.",
+        f"{s['steps']} steps x {s['batch_size']} examples; lr grid {s['lrs']} swept on seed {s['seeds'][0]}, "
+        f"best lr per arm (by final B token accuracy) rerun on seeds {s['seeds'][1:]}. "
+        f"Accuracies in %, mean ± sample sd over seeds {s['seeds']}.",
         "",
         f"Pre-trained model before fine-tuning: B token acc {100 * summary['baseline']['new_token_accuracy']:.1f}, "
         f"A token acc {100 * summary['baseline']['old_token_accuracy']:.1f}, "
