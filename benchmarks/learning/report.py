@@ -125,6 +125,27 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tradeoff(plt, arms: dict, path: Path) -> str:
+    """Every lr of the sweep as a point (new-task accuracy, retention): which arm gives up least
+    of A for what it learns of B, whatever lr the table picked."""
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for name, a in arms.items():
+        lrs = list(a["sweep_new_token_accuracy"])
+        x = [100 * a["sweep_new_token_accuracy"][lr] for lr in lrs]
+        y = [100 * a["sweep_old_token_accuracy"][lr] for lr in lrs]
+        ax.plot(x, y, marker="o", label=name)
+        for xi, yi, lr in zip(x, y, lrs):
+            ax.annotate(f"{float(lr):g}", (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel="new task (B) token accuracy (%)", ylabel="old task (A) token accuracy (%)",
+           title="learning vs forgetting, every lr of the sweep (first seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
 def plots(summary: dict, out_dir: Path) -> list[str]:
     """Accuracy on B and on A against steps (best lr per arm, mean over seeds) and memory bars."""
     import matplotlib
@@ -149,6 +170,7 @@ def plots(summary: dict, out_dir: Path) -> list[str]:
         plt.close(fig)
         written.append(fname)
 
+    written.append(_tradeoff(plt, arms, out_dir / "tradeoff.png"))
     names = list(arms)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
     bottom = [0.0] * len(names)
