@@ -232,6 +232,13 @@ def environment(threads: int, workers: int) -> dict:
             "threads_per_run": threads, "workers": workers, "platform": platform.platform()}
 
 
+def precision_section(s: dict, runs: list[dict], note: str | None) -> dict:
+    if note:
+        return {"status": "skipped", "note": note}
+    return {"status": "ok", "lr": s["precision_lr"], "seed": s["seeds"][0], "base_arm": "lisa_g2",
+            "runs": {r["arm"]: {"final": r["final"], "curve": r["curve"]} for r in runs if r["precision"]}}
+
+
 def summarise(mode: str, s: dict, pre: dict, runs: list[dict], precision_note: str | None, env: dict) -> dict:
     from benchmarks.learning import report
     from benchmarks.learning.arms import ARMS
@@ -246,12 +253,9 @@ def summarise(mode: str, s: dict, pre: dict, runs: list[dict], precision_note: s
             note = f"{NEEDS[name]} is not installed (pip install 'lisaft[bench]')"
             arms[name] = {"status": "skipped", "note": note}
             notes.append(f"{name} skipped: {note}")
+    precision = precision_section(s, runs, precision_note)
     if precision_note:
-        precision = {"status": "skipped", "note": precision_note}
         notes.append(f"precision arm skipped: {precision_note}")
-    else:
-        precision = {"status": "ok", "lr": s["precision_lr"], "seed": s["seeds"][0], "base_arm": "lisa_g2",
-                     "runs": {r["arm"]: {"final": r["final"], "curve": r["curve"]} for r in runs if r["precision"]}}
     learned = {n: a["new_token_accuracy"]["mean"] > baseline["new_token_accuracy"]
                for n, a in arms.items() if a["status"] == "ok"}
     return {"benchmark": "learning", "mode": mode, "settings": s, "environment": env, "pretraining": pre,
@@ -262,7 +266,12 @@ def summarise(mode: str, s: dict, pre: dict, runs: list[dict], precision_note: s
             "precision": precision, "notes": notes, "runs": [r for r in runs if not r["precision"]]}
 
 
-def main() -> None:
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 lr, tiny model: about a minute")
     ap.add_argument("--out", type=Path, help="results folder")
@@ -274,18 +283,43 @@ def main() -> None:
                     "settings recorded in OUT/work/runs.jsonl (use with --pretrained OUT/work/pretrained)")
     ap.add_argument("--report-only", action="store_true", help="summarise what OUT/work/runs.jsonl holds, "
                     "running nothing (with --pretrained OUT/work/pretrained)")
+    ap.add_argument("--precision-only", action="store_true", help="run only the precision arm and add it to "
+                    "OUT/learning.json, keeping everything else there")
     ap.add_argument("--pretrained", type=Path, help="reuse the pre-trained folder of an earlier run with the same "
                     "settings (its work/pretrained) instead of pre-training again")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def settings(args: argparse.Namespace, out: Path) -> dict:
+    if args.precision_only:
+        return json.loads((out / "learning.json").read_text())["settings"]
+    s = dict(SETTINGS["quick" if args.quick else "full"])
+    for key in ("seeds", "steps", "lrs"):
+        if getattr(args, key):
+            s[key] = getattr(args, key)
+    return s
+
+
+def write(summary: dict, out: Path) -> str:
+    from benchmarks.learning import report
+
+    table = report.markdown(summary)
+    if importlib.util.find_spec("matplotlib") is not None:
+        summary["plots"] = report.plots(summary, out)
+    elif not any(n.startswith("plots skipped") for n in summary["notes"]):
+        summary["notes"].append("plots skipped: matplotlib is not installed (pip install 'lisaft[bench]')")
+    (out / "learning.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "learning.md").write_text(table)
+    return table
+
+
+def main() -> None:
+    args = parse_args()
     mode = "quick" if args.quick else "full"
-    s = dict(SETTINGS[mode])
-    if args.seeds:
-        s["seeds"] = args.seeds
-    if args.steps:
-        s["steps"] = args.steps
-    if args.lrs:
-        s["lrs"] = args.lrs
     out = args.out or REPO / "benchmarks" / "results" / ("learning-quick" if args.quick else "learning")
+    if args.precision_only and not (out / "learning.json").is_file():
+        _fail(f"--precision-only adds to {out / 'learning.json'}, which does not exist; run the benchmark first")
+    s = settings(args, out)
     workers = args.workers or (1 if args.quick else 2)
     # One thread per run: on a shared machine a second thread mostly spins waiting for the first.
     threads = 1
@@ -294,39 +328,38 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.learning import report
     from lisaft.recipe import OptimizerSection
 
     torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
+    precision_note = None if "bf16_update" in OptimizerSection.model_fields else (
+        "this lisaft has no recipe key optimizer.bf16_update (it arrives with issue 10)")
+    if args.precision_only and precision_note:
+        _fail(f"--precision-only: {precision_note}")
     t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     shutil.rmtree(work / "data", ignore_errors=True)
     write_families(work / "data", s)
     pre = reuse_pretrained(work, args.pretrained, s) if args.pretrained else pretrain(work, s)
     print(f"pre-trained model: A exact match {100 * pre['scores']['old_exact_match']:.1f}%, "
           f"B token acc {100 * pre['scores']['new_token_accuracy']:.1f}%", flush=True)
-    precision_note = None if "bf16_update" in OptimizerSection.model_fields else (
-        "this lisaft has no recipe key optimizer.bf16_update (it arrives with issue 10)")
-    run = not args.report_only
-    runs = sweep_then_seeds(s, work, threads, workers, args.resume or args.report_only, run)
-    if precision_note is None:
-        runs += run_all(precision_jobs(s, work, threads), workers, work / "runs.jsonl", True, run)
-    summary = summarise(mode, s, pre, runs, precision_note, environment(threads, workers))
-    summary["wall_s"] = time.perf_counter() - t0
-    table = report.markdown(summary)
-    if importlib.util.find_spec("matplotlib") is not None:
-        summary["plots"] = report.plots(summary, out)
+    log, run = work / "runs.jsonl", not args.report_only
+    if args.precision_only:
+        summary = json.loads((out / "learning.json").read_text())
+        summary["precision"] = precision_section(s, run_all(precision_jobs(s, work, threads), workers, log, True), None)
+        summary["notes"] = [n for n in summary["notes"] if not n.startswith("precision arm skipped")]
     else:
-        summary["notes"].append("plots skipped: matplotlib is not installed (pip install 'lisaft[bench]')")
-    (out / "learning.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "learning.md").write_text(table)
+        runs = sweep_then_seeds(s, work, threads, workers, args.resume or args.report_only, run)
+        if precision_note is None:
+            runs += run_all(precision_jobs(s, work, threads), workers, log, True, run)
+        summary = summarise(mode, s, pre, runs, precision_note, environment(threads, workers))
+        summary["wall_s"] = time.perf_counter() - t0
+    table = write(summary, out)
     shutil.rmtree(work / "data", ignore_errors=True)
     if args.quick:
         shutil.rmtree(work, ignore_errors=True)
     print(table)
-    print(f"wrote {out} in {summary['wall_s']:.0f} s")
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":
