@@ -108,7 +108,10 @@ class LisaftArm:
         return train_step(self.session, step)
 
     def memory(self) -> dict:
-        resident, offloaded = self.session.controller.state_bytes()
+        # Issue 10 moves the state accounting from the LISA controller to the per-unit optimizers
+        # (session.optimizers); either is lisaft's own count of resident and offloaded moments.
+        holder = getattr(self.session, "optimizers", None) or self.session.controller
+        resident, offloaded = holder.state_bytes()
         return {"optimizer_state_bytes": resident + offloaded, "grad_bytes": self.session.grad_bytes,
                 "master_copy_bytes": 0}
 
@@ -167,9 +170,8 @@ class LoopArm:
         return torch.optim.AdamW(params, lr=self.peak_lr, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
 
     def memory(self) -> dict:
-        state = self.optimizer.state
-        return {"optimizer_state_bytes": tensor_bytes(v for st in state.values() for v in st.values()),
-                "grad_bytes": self.grad_bytes, "master_copy_bytes": 0}
+        return {"optimizer_state_bytes": moment_bytes(self.optimizer.state), "grad_bytes": self.grad_bytes,
+                "master_copy_bytes": 0}
 
     def trainable_params(self) -> int:
         return sum(p.numel() for p in self._trainable())
@@ -221,9 +223,14 @@ class BadamArm(LoopArm):
 
     def memory(self) -> dict:
         opt = self.optimizer
-        state = opt.base_optimizer.state
-        return {"optimizer_state_bytes": tensor_bytes(v for st in state.values() for v in st.values()),
+        return {"optimizer_state_bytes": moment_bytes(opt.base_optimizer.state),
                 "grad_bytes": self.grad_bytes, "master_copy_bytes": tensor_bytes(opt.param_idx2hp.values())}
+
+
+def moment_bytes(state: dict) -> int:
+    """Bytes of the moments in a torch optimizer's state. Its per-tensor float32 step counters are
+    left out, as lisaft keeps the step count as a number: both count the same thing."""
+    return tensor_bytes(v for st in state.values() for k, v in st.items() if k != "step")
 
 
 def _make_arm(job: dict, spec: dict, data: Data, run_dir: Path):
