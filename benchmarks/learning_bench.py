@@ -63,7 +63,7 @@ SETTINGS = {
                  pretrain_lr=3e-3, pretrain_warmup_steps=50, new_train_rows=3000, eval_rows=200,
                  steps=200, batch_size=16, interval_steps=20, warmup_steps=20, eval_every=25,
                  curve_examples=60, final_examples=200, max_seq_len=64,
-                 lrs=[3e-4, 1e-3, 3e-3], seeds=[0, 1, 2], precision_lr=1e-5),
+                 lrs=[3e-4, 1e-3, 3e-3], seeds=[0, 1, 2], sweep_all_seeds=True, precision_lr=1e-5),
     "quick": dict(layers=4, hidden=64, intermediate=192, pretrain_steps=60, pretrain_batch_size=32,
                   pretrain_lr=3e-3, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=30,
                   steps=20, batch_size=16, interval_steps=5, warmup_steps=2, eval_every=10,
@@ -164,20 +164,23 @@ def precision_jobs(s: dict, work: Path, threads: int) -> list[dict]:
 
 
 def sweep_then_seeds(s: dict, work: Path, threads: int, workers: int, resume: bool, run: bool) -> list[dict]:
-    """The lr grid on the first seed; the other seeds at each arm's best lr on it."""
+    """The lr grid on the sweep seeds; any other seed at each arm's best lr on them."""
     from benchmarks.learning.arms import ARMS
-    from benchmarks.learning.report import best_lr
+    from benchmarks.learning.report import best_lr, sweep_seeds
 
     arms = [a for a in ARMS if importlib.util.find_spec(NEEDS.get(a, "torch")) is not None]
     log = work / "runs.jsonl"
-    sweep = run_all(jobs_for(s, work, threads, {a: s["lrs"] for a in arms}, s["seeds"][:1]), workers, log, resume,
-                    run)
+    seeds = sweep_seeds(s)
+    sweep = run_all(jobs_for(s, work, threads, {a: s["lrs"] for a in arms}, seeds), workers, log, resume, run)
     best = {a: [best_lr(rs)] for a in arms if (rs := [r for r in sweep if r["arm"] == a])}
-    return sweep + run_all(jobs_for(s, work, threads, best, s["seeds"][1:]), workers, log, True, run)
+    rest = [seed for seed in s["seeds"] if seed not in seeds]
+    return sweep + run_all(jobs_for(s, work, threads, best, rest), workers, log, True, run)
 
 
 def _key(job: dict) -> str:
-    return json.dumps([job["arm"], job["lr"], job["seed"], bool(job.get("precision")), job["settings"]])
+    # What a run depends on; how the seeds were split between sweep and reruns is not part of it.
+    s = {k: v for k, v in job["settings"].items() if k != "sweep_all_seeds"}
+    return json.dumps([job["arm"], job["lr"], job["seed"], bool(job.get("precision")), s])
 
 
 def run_all(jobs: list[dict], workers: int, log: Path, resume: bool, run: bool = True) -> list[dict]:
@@ -279,6 +282,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
     ap.add_argument("--steps", type=int, help="override the fine-tuning steps")
     ap.add_argument("--lrs", type=float, nargs="+", help="override the learning-rate grid")
+    ap.add_argument("--sweep-on-first-seed", action="store_true", help="run the lr grid on the first seed only "
+                    "and the other seeds at each arm's best lr there (40 runs instead of 72)")
     ap.add_argument("--resume", action="store_true", help="keep the runs an interrupted run of the same "
                     "settings recorded in OUT/work/runs.jsonl (use with --pretrained OUT/work/pretrained)")
     ap.add_argument("--report-only", action="store_true", help="summarise what OUT/work/runs.jsonl holds, "
@@ -297,6 +302,8 @@ def settings(args: argparse.Namespace, out: Path) -> dict:
     for key in ("seeds", "steps", "lrs"):
         if getattr(args, key):
             s[key] = getattr(args, key)
+    if args.sweep_on_first_seed:
+        s["sweep_all_seeds"] = False
     return s
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 MEASURES = ("new_token_accuracy", "new_exact_match", "old_token_accuracy", "old_exact_match",
             "new_loss", "old_loss")
-# Which lr is best for an arm: the final new-task token accuracy of the sweep seed.
+# Which lr is best for an arm: the mean final new-task token accuracy over the sweep seeds.
 SELECT_BY = "new_token_accuracy"
 
 
@@ -28,21 +28,34 @@ def _mean_curve(runs: list[dict], baseline: dict) -> list[dict]:
     return out
 
 
+def sweep_seeds(s: dict) -> list[int]:
+    """The seeds that run every lr of the grid: all, or (to save time) only the first, the
+    others then running at the best lr alone."""
+    return s["seeds"] if s.get("sweep_all_seeds") else s["seeds"][:1]
+
+
+def sweep_means(sweep_runs: list[dict], measure: str) -> dict[float, float]:
+    lrs = sorted({r["lr"] for r in sweep_runs})
+    return {lr: statistics.fmean(r["final"][measure] for r in sweep_runs if r["lr"] == lr) for lr in lrs}
+
+
 def best_lr(sweep_runs: list[dict]) -> float:
-    """The lr of the sweep (one run per lr, on the first seed) with the best final SELECT_BY."""
-    return max(sweep_runs, key=lambda r: r["final"][SELECT_BY])["lr"]
+    """The lr whose runs on the sweep seeds have the best mean final SELECT_BY."""
+    means = sweep_means(sweep_runs, SELECT_BY)
+    return max(means, key=means.get)
 
 
 def summarise_arm(runs: list[dict], s: dict, baseline: dict) -> dict:
-    """Runs of one arm: the lr sweep on the first seed, then every seed at the best lr."""
-    sweep_runs = [r for r in runs if r["seed"] == s["seeds"][0]]
+    """Runs of one arm: the lr sweep on the sweep seeds, and every seed at the best lr."""
+    sweep_runs = [r for r in runs if r["seed"] in sweep_seeds(s)]
     best, lrs = best_lr(sweep_runs), s["lrs"]
     rs = [r for r in runs if r["lr"] == best]
     out = {
         "best_lr": best,
         "best_lr_at_grid_edge": len(lrs) > 1 and best in (min(lrs), max(lrs)),
-        "sweep_new_token_accuracy": {str(r["lr"]): r["final"][SELECT_BY] for r in sweep_runs},
-        "sweep_old_token_accuracy": {str(r["lr"]): r["final"]["old_token_accuracy"] for r in sweep_runs},
+        "sweep_seeds": sweep_seeds(s),
+        "sweep_new_token_accuracy": {str(lr): v for lr, v in sweep_means(sweep_runs, SELECT_BY).items()},
+        "sweep_old_token_accuracy": {str(lr): v for lr, v in sweep_means(sweep_runs, "old_token_accuracy").items()},
         "seeds": [r["seed"] for r in rs],
         **{m: _mean_sd([r["final"][m] for r in rs]) for m in MEASURES},
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
@@ -87,9 +100,10 @@ def markdown(summary: dict) -> str:
     s = summary["settings"]
     lines = [
         f"Learning benchmark ({summary['mode']} mode): fine-tuning on task family B after pre-training on A; "
-        f"{s['steps']} steps x {s['batch_size']} examples; lr grid {s['lrs']} swept on seed {s['seeds'][0]}, "
-        f"best lr per arm (by final B token accuracy) rerun on seeds {s['seeds'][1:]}. "
-        f"Accuracies in %, mean ± sample sd over seeds {s['seeds']}.",
+        f"{s['steps']} steps x {s['batch_size']} examples; lr grid {s['lrs']} on seeds {sweep_seeds(s)}, "
+        f"best lr per arm by mean final B token accuracy over them"
+        + (f", then rerun on seeds {s['seeds'][1:]}" if not s.get("sweep_all_seeds") and len(s["seeds"]) > 1 else "")
+        + f". Accuracies in %, mean ± sample sd over seeds {s['seeds']}.",
         "",
         f"Pre-trained model before fine-tuning: B token acc {100 * summary['baseline']['new_token_accuracy']:.1f}, "
         f"A token acc {100 * summary['baseline']['old_token_accuracy']:.1f}, "
@@ -125,7 +139,7 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tradeoff(plt, arms: dict, path: Path) -> str:
+def _tradeoff(plt, arms: dict, path: Path, summary_seeds: list[int]) -> str:
     """Every lr of the sweep as a point (new-task accuracy, retention): which arm gives up least
     of A for what it learns of B, whatever lr the table picked."""
     fig, ax = plt.subplots(figsize=(7, 4.8))
@@ -137,7 +151,7 @@ def _tradeoff(plt, arms: dict, path: Path) -> str:
         for xi, yi, lr in zip(x, y, lrs):
             ax.annotate(f"{float(lr):g}", (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set(xlabel="new task (B) token accuracy (%)", ylabel="old task (A) token accuracy (%)",
-           title="learning vs forgetting, every lr of the sweep (first seed)")
+           title=f"learning vs forgetting, every lr (mean over seeds {summary_seeds})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -170,7 +184,7 @@ def plots(summary: dict, out_dir: Path) -> list[str]:
         plt.close(fig)
         written.append(fname)
 
-    written.append(_tradeoff(plt, arms, out_dir / "tradeoff.png"))
+    written.append(_tradeoff(plt, arms, out_dir / "tradeoff.png", sweep_seeds(summary["settings"])))
     names = list(arms)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
     bottom = [0.0] * len(names)
