@@ -1,30 +1,37 @@
-"""Llama-3.1-8B fine-tuned under a 24 GiB cap, measured: benchmarks/gpu_8b_24gb.py.
+"""The GPU suite: Llama-3.1-8B under a 24 GiB cap, measured against the estimator.
 
-Two configurations, each in a fresh subprocess under the same cap, trained by lisaft's own
-trainer (`build_session` + `train_step`) on synthetic token batches:
+Each configuration runs in a fresh subprocess capped at 24 GiB of PyTorch allocations
+(torch.cuda.set_per_process_memory_fraction), trained by lisaft's own trainer (`build_session` +
+`train_step`) on synthetic token rows, with the model built from the shipped Llama-3.1-8B config
+with random bf16 weights directly on the GPU (nothing downloaded, nothing on the CPU first).
+Most important first, so a time budget (--budget-s) cuts the least important:
 
-  lisa      recipes/llama3.1-8b-lisa-24gb.yaml as shipped: LISA γ=2, paged AdamW 8-bit,
-            gradient checkpointing, bf16
-  full      full fine-tuning with paged AdamW 8-bit and optimizer.in_backward (torchtune's
-            single-device 8B setup), same sequence length and batch, for as long as it survives
+  headroom            recipes/llama3.1-8b-lisa-24gb.yaml as lisaft runs it now (expandable
+                      segments) with model.offload_activations
+  long-16k            recipes/llama3.1-8b-lisa-16k-24gb.yaml (16,384 tokens, offloaded
+                      checkpoints, chunked MLP)
+  shipped-default-alloc  the 24 GiB recipe with PyTorch's default allocator: the baseline the
+                      estimator's 9% reserve and kernel-image term were fitted to
+  full-in-backward    full fine-tuning, paged AdamW 8-bit stepped in backward, no clipping
+  table-g2-s8192 / offload-8k   plain against offloaded checkpoints at 8,192 tokens (tokens/s)
+  table-gG-sS         the estimator-error table, γ in {1, 2, 4} x seq in {512, 2048, 8192}
+                      (table-g2-s2048 is the recipe as shipped)
 
-The model is built from the shipped Llama-3.1-8B config with random bf16 weights directly on the
-GPU (nothing downloaded). For each run it records the PyTorch allocator's peak allocated and
-reserved bytes, the device's used memory read through NVML (which also sees bitsandbytes' paged
-state in unified memory, invisible to PyTorch's counters), step time, tokens/s, and the
-estimator's prediction for the same settings.
+For each it records NVML-used (polled every 20 ms: the only counter that sees the CUDA context,
+kernel images and paged optimizer state), the allocator's peak allocated and reserved bytes,
+tokens/s, the estimate for the same settings and its error, and what NVML saw beyond reserved +
+paged state + the bare context (the estimator's `cuda_kernels` term). JSON is rewritten after
+every configuration, so a run cut short keeps what it measured; a markdown copy of the tables
+goes beside it for docs/memory.md.
 
-    python benchmarks/gpu_8b_24gb.py                 # on a CUDA machine
-    python benchmarks/gpu_8b_24gb.py --tiny          # same code path, CPU, scaled-down shape
-
-Needs torch, transformers, bitsandbytes, pydantic, pyyaml (not datasets: the batches are
-synthetic) and, on GPU, nvidia-ml-py for the NVML figures.
+    python benchmarks/gpu_8b_24gb.py --budget-s 420      # on a CUDA machine
+    python benchmarks/gpu_8b_24gb.py --tiny              # same code path, CPU, tiny shapes (tested)
+    benchmarks/gpu_run.sh                                # carried wheels + the suite, results in $OUT
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -32,29 +39,60 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
+RECIPE_16K = REPO / "recipes" / "llama3.1-8b-lisa-16k-24gb.yaml"
 CONFIG_8B = REPO / "lisaft" / "memory" / "catalogue" / "llama-3.1-8b.json"
 GiB = 1024**3
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+DEFAULT_ALLOC = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
 
-# The tiny mode keeps every switch of the real run (LISA, paged 8-bit, checkpointing, in_backward)
-# but shrinks the model and sequence so it runs on a laptop CPU in seconds.
+# Every switch of the real runs, on a model and sequences a laptop CPU trains in seconds.
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
+TINY_SEQ = {512: 32, 2048: 64, 8192: 96, 16384: 128}
+TINY_MLP_CHUNK = 32
 
-RUNS = {
-    "lisa": [],
-    "full": ["lisa.enabled=false", "optimizer.in_backward=true", "training.max_grad_norm=null",
-             "training.grad_accum_steps=1"],
-}
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    recipe: Path = RECIPE
+    overrides: tuple = ()
+    env: dict = field(default_factory=lambda: dict(EXPANDABLE))
+    steps: int = 10
+    expected_s: float = 30.0  # wall time on an H200, start-up included, for the budget
+    gamma: int | None = None  # set for the estimator-error table's cells
+    seq: int | None = None
+
+
+def _table_cell(gamma: int, seq: int, steps: int = 4) -> Config:
+    return Config(f"table-g{gamma}-s{seq}", overrides=(f"lisa.active_layers={gamma}", f"data.max_seq_len={seq}"),
+                  steps=steps, expected_s=25.0 if seq < 8192 else 35.0, gamma=gamma, seq=seq)
+
+
+CONFIGS = [
+    Config("headroom", overrides=("model.offload_activations=true",), steps=12),
+    Config("long-16k", recipe=RECIPE_16K, steps=6, expected_s=50.0),
+    Config("shipped-default-alloc", env=dict(DEFAULT_ALLOC), steps=12),
+    Config("full-in-backward", overrides=("lisa.enabled=false", "optimizer.in_backward=true",
+                                          "training.max_grad_norm=null"), steps=8, expected_s=40.0),
+    _table_cell(2, 8192, steps=6),
+    Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6,
+           expected_s=35.0),
+    _table_cell(2, 2048, steps=10),
+    *[_table_cell(g, s) for g, s in ((1, 512), (4, 2048), (1, 8192), (4, 8192), (2, 512), (4, 512), (1, 2048))],
+]
+BY_NAME = {c.name: c for c in CONFIGS}
 
 
 class _PadOnly:
@@ -64,44 +102,39 @@ class _PadOnly:
 
 
 class NvmlPeak:
-    """Polls the device's used memory through NVML in a thread: the only counter that includes
-    the CUDA context and paged optimizer state resident on the GPU."""
+    """Polls the device's NVML-used memory in a thread (torch maps the device index to NVML's)."""
 
-    def __init__(self, index: int = 0, interval_s: float = 0.02):
+    def __init__(self, interval_s: float = 0.02):
+        import torch
+
         self.peak = None
-        self.baseline = None
-        self._stop = threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self.baseline = self.used()
-        except Exception:  # no NVML (CPU, or nvidia-ml-py missing): figures stay null
-            self._nvml = None
         self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._ok = torch.cuda.is_available() and self._read() is not None
 
-    def used(self) -> int:
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+    @staticmethod
+    def _read() -> int | None:
+        from lisaft.memory.measure import nvml_used_bytes
+
+        return nvml_used_bytes("cuda:0")
 
     def __enter__(self):
-        if self._nvml is not None:
-            self.peak = self.used()
+        if self._ok:
+            self.peak = self._read()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
         return self
 
     def _poll(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.used())
+            self.peak = max(self.peak, self._read())
             time.sleep(self.interval_s)
 
     def __exit__(self, *exc):
         self._stop.set()
-        if self._nvml is not None:
+        if self._ok:
             self._thread.join()
-            self.peak = max(self.peak, self.used())
+            self.peak = max(self.peak, self._read())
 
 
 def synthetic_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
@@ -112,149 +145,215 @@ def synthetic_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[dict
     return [{"input_ids": row, "labels": list(row)} for row in ids]
 
 
-def one_run(name: str, steps: int, tiny: bool, cap_gib: float, workdir: Path) -> dict:
-    """Train one configuration in this process; returns its measurements."""
-    import torch
-
-    from lisaft.memory.command import estimate_for_recipe
-    from lisaft.recipe import load_recipe
-    from lisaft.trainer import build_session, train_step
-
-    cuda = torch.cuda.is_available() and not tiny
+def _overrides(cfg: Config, tiny: bool, workdir: Path, cuda: bool) -> list[str]:
     if tiny:
         config_path = workdir / "tiny-config.json"
         config_path.write_text(json.dumps(TINY_CONFIG))
     else:
         config_path = CONFIG_8B
-    overrides = ["model.name_or_path=null", f"model.config={config_path}", "model.tokenizer=unused",
-                 f"training.output_dir={workdir / name}", f"training.max_steps={steps}",
-                 f"training.device={'cuda' if cuda else 'cpu'}", *RUNS[name]]
+    out = ["model.name_or_path=null", f"model.config={config_path}", "model.tokenizer=unused",
+           f"training.output_dir={workdir / cfg.name}", f"training.max_steps={cfg.steps}",
+           f"training.device={'cuda' if cuda else 'cpu'}", *cfg.overrides]
     from lisaft.models import flash_attn_available
 
-    if tiny:
-        overrides += ["data.max_seq_len=64", "model.dtype=float32"]
     if not (cuda and flash_attn_available()):
-        overrides.append("model.attention=sdpa")  # same memory as FlashAttention 2 (docs/memory.md)
-    recipe = load_recipe(RECIPE, overrides)
+        out.append("model.attention=sdpa")  # the same tensors as FlashAttention 2 (docs/memory.md)
+    if tiny:
+        out.append("model.dtype=float32")
+        for o in list(out):  # scale every sequence length down, the recipe's own included
+            if o.startswith("data.max_seq_len="):
+                out.remove(o)
+        seq = cfg.seq or (16384 if cfg.recipe == RECIPE_16K else 8192 if "8k" in cfg.name else 2048)
+        out.append(f"data.max_seq_len={TINY_SEQ[seq]}")
+        if cfg.recipe == RECIPE_16K:
+            out.append(f"model.mlp_chunk_tokens={TINY_MLP_CHUNK}")
+    return out
+
+
+def _train(session, steps: int, cuda: bool, result: dict) -> None:
+    """The trainer's own step, timed; the one place that knows the trainer's API."""
+    import torch
+
+    from lisaft.trainer import train_step
+
+    for step in range(steps):
+        t0 = time.perf_counter()
+        loss, tokens = train_step(session, step)
+        if cuda:
+            torch.cuda.synchronize()
+        result["step_times_s"].append(time.perf_counter() - t0)
+        result.update(steps_done=step + 1, last_loss=loss, tokens_per_step=tokens)
+    result["optimizer_state_bytes"], result["offloaded_state_bytes"] = session.optimizers.state_bytes()
+
+
+def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
+    """Train one configuration in this process; returns its measurements."""
+    import torch
+
+    from lisaft.memory.command import estimate_for_recipe
+    from lisaft.memory.measure import peak_rss_bytes
+    from lisaft.recipe import load_recipe
+    from lisaft.trainer import build_session
+
+    cuda = torch.cuda.is_available() and not tiny
+    recipe = load_recipe(cfg.recipe, _overrides(cfg, tiny, workdir, cuda))
     t = recipe.training
     budget = int(cap_gib * GiB)
-    estimate = estimate_for_recipe(recipe, device="cuda" if cuda else "cpu", budget_bytes=budget)
+    est = estimate_for_recipe(recipe, device="cuda" if cuda else "cpu", budget_bytes=budget)
+    result = {"run": cfg.name, "overrides": list(cfg.overrides), "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+              "gamma": recipe.lisa.active_layers if recipe.lisa.enabled else None,
+              "attention": recipe.model.attention, "optimizer": recipe.optimizer.name,
+              "in_backward": recipe.optimizer.in_backward, "lisa": recipe.lisa.enabled,
+              "offload_activations": recipe.model.offload_activations, "seq_len": recipe.data.max_seq_len,
+              "batch_size": t.batch_size, "cap_bytes": budget, "estimated_total_bytes": est.total_bytes,
+              "estimated_comparable_bytes": est.comparable_peak_bytes, "estimated_components": est.components,
+              "estimated_paged_state_bytes": est.paged_state_bytes,
+              "estimated_activation_host_bytes": est.activation_host_bytes,
+              "steps_planned": cfg.steps, "steps_done": 0, "oom": False, "step_times_s": []}
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
-    vocab = json.loads(Path(config_path).read_text())["vocab_size"]
-    n = steps * t.batch_size * t.grad_accum_steps
-    examples = synthetic_examples(n, recipe.data.max_seq_len, vocab, t.seed)
-    result = {"run": name, "recipe_overrides": RUNS[name], "attention": recipe.model.attention,
-              "optimizer": recipe.optimizer.name, "in_backward": recipe.optimizer.in_backward,
-              "lisa": recipe.lisa.enabled, "seq_len": recipe.data.max_seq_len, "batch_size": t.batch_size,
-              "cap_bytes": budget, "estimated_total_bytes": estimate.total_bytes,
-              "estimated_components": estimate.components, "estimated_paged_host_bytes": estimate.paged_host_bytes,
-              "steps_planned": steps, "steps_done": 0, "oom": False, "step_times_s": []}
-    nvml = NvmlPeak()
-    result["nvml_baseline_bytes"] = nvml.baseline
-    with nvml:
+        torch.zeros(1, device="cuda")
+        result["nvml_baseline_bytes"] = NvmlPeak._read()  # the context alone
+    vocab = json.loads(Path(recipe.model.config).read_text())["vocab_size"]
+    examples = synthetic_examples(cfg.steps * t.batch_size * t.grad_accum_steps, recipe.data.max_seq_len, vocab, t.seed)
+    with NvmlPeak() as nvml:
         try:
-            session = build_session(recipe, workdir / name, tokenizer=_PadOnly(), train_examples=examples,
+            session = build_session(recipe, workdir / cfg.name, tokenizer=_PadOnly(), train_examples=examples,
                                     eval_examples=None)
-            session.controller.activate_for_step(0)
-            for step in range(steps):
-                t0 = time.perf_counter()
-                loss, tokens = train_step(session, step)
-                if cuda:
-                    torch.cuda.synchronize()
-                result["step_times_s"].append(time.perf_counter() - t0)
-                result["steps_done"] = step + 1
-                result["last_loss"] = loss
-                result["tokens_per_step"] = tokens
-            dev_state, off_state = session.controller.state_bytes()
-            result["optimizer_state_bytes"] = dev_state
-            result["offloaded_state_bytes"] = off_state
+            _train(session, cfg.steps, cuda, result)
         except torch.OutOfMemoryError as e:
-            result["oom"] = True
-            result["oom_message"] = str(e).splitlines()[0]
+            result.update(oom=True, oom_message=str(e).splitlines()[0])
+    result["nvml_peak_used_bytes"] = nvml.peak
+    result["peak_rss_bytes"] = peak_rss_bytes()  # host memory: pinned offload buffers show here
     if cuda:
         result["torch_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         result["torch_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
-    else:
-        from lisaft.memory.measure import peak_rss_bytes
-
-        result["peak_rss_bytes"] = peak_rss_bytes()
-    result["nvml_peak_used_bytes"] = nvml.peak
-    times = result["step_times_s"][2:] or result["step_times_s"]  # the first steps warm kernels up
-    if times:
-        result["step_time_s"] = sum(times) / len(times)
-        result["tokens_per_s"] = result.get("tokens_per_step", 0) / result["step_time_s"]
-    measured = result["nvml_peak_used_bytes"] if result["nvml_peak_used_bytes"] is not None else result.get("peak_rss_bytes")
-    if measured:
-        result["estimate_error"] = (estimate.total_bytes - measured) / measured
-    gc.collect()
+    _derive(result, cuda)
     return result
 
 
-def table(results: list[dict]) -> str:
-    def g(v):
-        return "-" if v is None else f"{v / GiB:.2f}"
+def _derive(r: dict, cuda: bool) -> None:
+    times = r["step_times_s"][2:] or r["step_times_s"]  # the first steps warm kernels up
+    if times:
+        r["step_time_s"] = sum(times) / len(times)
+        r["tokens_per_s"] = r.get("tokens_per_step", 0) / r["step_time_s"]
+    measured = r["nvml_peak_used_bytes"] if cuda else r["peak_rss_bytes"]
+    if measured:
+        r["estimate_error"] = r["estimated_total_bytes"] / measured - 1
+    if cuda and r.get("nvml_peak_used_bytes") and r.get("nvml_baseline_bytes") is not None:
+        # What NVML saw beyond the allocator's reserve, paged state and the bare context: the
+        # estimator's cuda_kernels term (lazily loaded kernel images, library state).
+        r["beyond_reserved_paged_context_bytes"] = (r["nvml_peak_used_bytes"] - r["torch_peak_reserved_bytes"]
+                                                    - r["estimated_paged_state_bytes"] - r["nvml_baseline_bytes"])
+        r["reserved_over_allocated"] = r["torch_peak_reserved_bytes"] / max(1, r["torch_peak_allocated_bytes"]) - 1
+        r["reserved_paged_error"] = r["estimated_comparable_bytes"] / (
+            r["torch_peak_reserved_bytes"] + r["estimated_paged_state_bytes"]) - 1
 
-    rows = ["| run | steps | OOM | torch alloc GiB | torch reserved GiB | NVML used GiB | estimate GiB | tokens/s | s/step |",
+
+def _g(v) -> str:
+    return "-" if v is None else f"{v / GiB:.2f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:+.1%}"
+
+
+def tables(results: list[dict]) -> str:
+    rows = ["| run | steps | OOM | torch alloc GiB | torch reserved GiB | NVML used GiB | estimate GiB | error | tokens/s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
+        if r.get("skipped") or r.get("error"):
+            rows.append(f"| {r['run']} | {r.get('skipped') or r.get('error')} | | | | | | | |")
+            continue
         rows.append(f"| {r['run']} | {r['steps_done']}/{r['steps_planned']} | {r['oom']} | "
-                    f"{g(r.get('torch_peak_allocated_bytes'))} | {g(r.get('torch_peak_reserved_bytes'))} | "
-                    f"{g(r.get('nvml_peak_used_bytes'))} | {g(r.get('estimated_total_bytes'))} | "
-                    f"{r.get('tokens_per_s', 0):.0f} | {r.get('step_time_s', 0):.3f} |")
+                    f"{_g(r.get('torch_peak_allocated_bytes'))} | {_g(r.get('torch_peak_reserved_bytes'))} | "
+                    f"{_g(r.get('nvml_peak_used_bytes'))} | {_g(r.get('estimated_total_bytes'))} | "
+                    f"{_pct(r.get('estimate_error'))} | {r.get('tokens_per_s', 0):.0f} |")
+    cells = {(r["gamma"], r["seq_len"]): r for r in results
+             if r["run"].startswith("table-") and r.get("steps_done")}
+    if cells:
+        rows += ["", "Estimator error against NVML-used (γ x seq):", "",
+                 "| γ | seq | NVML used GiB | estimate GiB | error | reserved + paged vs estimate |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        for (gamma, seq), r in sorted(cells.items()):
+            rows.append(f"| {gamma} | {seq} | {_g(r.get('nvml_peak_used_bytes'))} | {_g(r['estimated_total_bytes'])} | "
+                        f"{_pct(r.get('estimate_error'))} | {_pct(r.get('reserved_paged_error'))} |")
     return "\n".join(rows)
+
+
+def _child(cfg: Config, args, tmp: str, remaining: float | None) -> dict:
+    # A fresh process per run: the cap, the allocator's setting and peaks, bitsandbytes' page
+    # manager all start clean, and one run's OOM cannot poison the next.
+    cmd = [sys.executable, __file__, "--only", cfg.name, "--steps", str(cfg.steps), "--cap-gib", str(args.cap_gib),
+           "--workdir", tmp]
+    cmd += ["--tiny"] if args.tiny else []
+    env = {**os.environ, **cfg.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=remaining)
+    except subprocess.TimeoutExpired:
+        return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps, "error": "timeout (budget)"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps, "error": tail[0][:300]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _write(args, results: list[dict], complete: bool) -> dict:
+    summary = {"mode": "tiny-cpu" if args.tiny else "gpu", "cap_gib": args.cap_gib, "complete": complete,
+               "budget_s": args.budget_s, "device": _device_name(args.tiny), "runs": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1))
+    args.out.with_suffix(".md").write_text(tables(results) + "\n")
+    return summary
+
+
+def _device_name(tiny: bool) -> str | None:
+    if tiny:
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="scaled-down shape on CPU (tests)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 30, tiny 3)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (tests)")
     ap.add_argument("--cap-gib", type=float, default=24.0, help="per-process memory cap")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget: a configuration that would not finish in time is skipped")
+    ap.add_argument("--configs", default=None, help="comma-separated subset, in the suite's order")
+    ap.add_argument("--steps", type=int, default=None, help="steps per configuration (default: each its own)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_8b_24gb.json")
-    ap.add_argument("--only", choices=sorted(RUNS), help=argparse.SUPPRESS)  # child process mode
+    ap.add_argument("--only", choices=sorted(BY_NAME), help=argparse.SUPPRESS)  # child process mode
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    steps = args.steps or (3 if args.tiny else 30)
 
     if args.only:
-        res = one_run(args.only, steps, args.tiny, args.cap_gib, args.workdir)
-        print("RESULT " + json.dumps(res))
+        cfg = Config(**{**BY_NAME[args.only].__dict__, "steps": args.steps or BY_NAME[args.only].steps})
+        print("RESULT " + json.dumps(one_run(cfg, args.tiny, args.cap_gib, args.workdir)))
         return 0
 
-    results = []
+    chosen = CONFIGS if not args.configs else [BY_NAME[n] for n in args.configs.split(",")]
+    start, results = time.monotonic(), []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in RUNS:
-            # A fresh process per run: the cap, the allocator's peaks and bitsandbytes' page
-            # manager all start clean, and one run's OOM cannot poison the next.
-            cmd = [sys.executable, __file__, "--only", name, "--steps", str(steps), "--cap-gib",
-                   str(args.cap_gib), "--workdir", tmp] + (["--tiny"] if args.tiny else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                results.append({"run": name, "steps_done": 0, "steps_planned": steps, "oom": None,
-                                "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] })
-                continue
-            results.append(json.loads(lines[-1][len("RESULT "):]))
-    lisa = next((r for r in results if r["run"] == "lisa"), {})
-    full = next((r for r in results if r["run"] == "full"), {})
-    summary = {
-        "mode": "tiny-cpu" if args.tiny else "gpu",
-        "cap_gib": args.cap_gib,
-        "lisa_fits_cap": bool(lisa.get("steps_done") == steps and not lisa.get("oom")),
-        "lisa_speedup_vs_full": (lisa.get("tokens_per_s", 0) / full["tokens_per_s"]
-                                 if full.get("tokens_per_s") else None),
-        "runs": results,
-    }
-    if not args.tiny:
-        import torch
-
-        summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1))
-    print(table(results))
-    print(f"LISA speed-up over full fine-tuning: {summary['lisa_speedup_vs_full']}")
-    print(f"wrote {args.out}")
+        for cfg in chosen:
+            remaining = None if args.budget_s is None else args.budget_s - (time.monotonic() - start)
+            expected = 15.0 if args.tiny else cfg.expected_s
+            if remaining is not None and remaining < expected:
+                results.append({"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps,
+                                "skipped": f"budget ({remaining:.0f} s left, needs ~{expected:.0f} s)"})
+            else:
+                steps = args.steps or (3 if args.tiny else cfg.steps)
+                cfg = Config(**{**cfg.__dict__, "steps": steps})
+                results.append(_child(cfg, args, tmp, remaining))
+                print(f"{cfg.name}: {json.dumps({k: results[-1].get(k) for k in ('steps_done', 'oom', 'error', 'estimate_error', 'tokens_per_s')})}",
+                      flush=True)
+            _write(args, results, complete=False)
+    _write(args, results, complete=True)
+    print(tables(results))
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
     return 0 if all("error" not in r for r in results) else 1
 
 

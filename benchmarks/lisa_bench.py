@@ -25,7 +25,7 @@ All use the same learning rate (constant, no warmup), no weight decay, gradient 
 batch of B rows of exactly L tokens (no padding), no eval, no checkpoints, no logging. For each
 run it records every step's wall time (and the process CPU time, to show contention from other
 work on the machine), the optimizer state held for the training device after every interval of K
-steps (lisaft: `LisaController.state_bytes()`; Trainer: the bytes of the tensors in
+steps (lisaft: `UnitOptimizers.state_bytes()`; Trainer: the bytes of the tensors in
 `trainer.optimizer.state`), what lisaft holds off the device, and for lisaft LISA the time of each
 switch (`activate_for_step`) as a fraction of its interval's time.
 
@@ -97,10 +97,12 @@ def synthetic_rows(n: int, seq_len: int, vocab: int, seed: int) -> list[list[int
 
 
 def tensor_bytes(state: dict) -> int:
-    """Bytes of every tensor in an optimizer's per-parameter state (moments and step)."""
+    """Bytes of the moments in a torch optimizer's per-parameter state. Its float32 step tensors
+    are left out: lisaft keeps the step count as a Python int, so the two count the same thing."""
     import torch
 
-    return sum(v.numel() * v.element_size() for st in state.values() for v in st.values() if torch.is_tensor(v))
+    return sum(v.numel() * v.element_size() for st in state.values() for k, v in st.items()
+               if torch.is_tensor(v) and k != "step")
 
 
 def steady(times: list[float], warmup: int) -> list[float]:
@@ -170,7 +172,7 @@ class LisaftRunner:
         run["losses"].append(loss)
         run["tokens_per_step"] = tokens
         if (step + 1) % self.K == 0:
-            dev, off = ctl.state_bytes()
+            dev, off = self.session.optimizers.state_bytes()
             K, i = self.K, step // self.K
             interval_s = sum(run["step_wall_s"][i * K:])
             switch_s = run["switch_s"][i * K]

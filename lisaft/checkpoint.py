@@ -3,8 +3,9 @@
 A checkpoint is a folder RUN/checkpoints/step-NNNNNN/ that is complete or absent:
 
     weights/<unit>.safetensors  one file per unit (embeddings, head, layer-00012, ...)
-    optimizer.pt                optimizer state incl. LISA-offloaded moments, keyed by name
-                                (optimizer-rank<r>.pt per rank when the state is sharded)
+    optimizer/<unit>.pt         that unit's optimizer state_dict, for every unit with moments
+                                (LISA-offloaded ones included; written by the owning rank when
+                                the state is sharded)
     rng-rank<r>.pt              python, numpy, torch and CUDA generator states of each rank
     state.json                  TrainState: step, counters, data order, logging window
     recipe.json                 the resolved recipe it was trained with (resume compares it)
@@ -12,7 +13,8 @@ A checkpoint is a folder RUN/checkpoints/step-NNNNNN/ that is complete or absent
 
 It is written into a hidden temporary folder, every file fsynced, then renamed into place, so a
 kill leaves either the old set of checkpoints or the new one. A frozen LISA layer does not change,
-so its unit file is hard-linked from the previous checkpoint instead of written again: each
+so its unit file is hard-linked from the previous checkpoint instead of written again, and so is
+an optimizer file whose unit did not step (or the file an offloaded unit already sits in): each
 checkpoint still holds every file (pruning an older one never breaks a newer one), while the disk
 holds each unchanged layer once.
 """
@@ -24,6 +26,7 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lisaft import dist
+from lisaft.units import layer_unit
 
 CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
@@ -49,6 +53,8 @@ class TrainState:
     recipe_digest: str = ""
     world_size: int = 1
     elapsed_s: float = 0.0
+    lisa: dict = field(default_factory=dict)       # LisaController.state_dict(): interval, layers
+    schedule: dict = field(default_factory=dict)   # schedules.Plan: the LR curve being followed
 
 
 def step_dir_name(step: int) -> str:
@@ -96,8 +102,7 @@ def _set_rng_state(state: dict) -> None:
 def unit_of(name: str, layers_prefix: str, head_names: set[str]) -> str:
     """The checkpoint unit a state-dict entry belongs to."""
     if name.startswith(layers_prefix):
-        index = int(name[len(layers_prefix):].split(".", 1)[0])
-        return f"layer-{index:05d}"
+        return layer_unit(int(name[len(layers_prefix):].split(".", 1)[0]))
     return "head" if name in head_names else "embeddings"
 
 
@@ -173,17 +178,17 @@ def save_checkpoint(
     model: torch.nn.Module,
     layers_path: str,
     head_params: list,
-    optimizer_state: dict,
+    write_optimizer: Callable[[Path, Path | None], list[Path]],
     changed_units: set[str] | None,
     base: Path | None,
     keep_last: int,
     extra_files: dict[str, str] | None = None,
-    optimizer_sharded: bool = False,
 ) -> Path:
     """Write a complete checkpoint for `state.step` and prune old ones afterwards.
 
     changed_units: units trained since `base` was written (None: everything may have changed).
-    Units outside it are hard-linked from `base`.
+    Units outside it are hard-linked from `base`. write_optimizer(folder, base) runs on every
+    rank and writes that rank's optimizer/<unit>.pt files, returning those it wrote.
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / step_dir_name(state.step)
@@ -194,6 +199,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "weights").mkdir(parents=True)
+        (tmp / "optimizer").mkdir()
     dist.barrier()
     written: list[Path] = []
     if dist.is_main():
@@ -210,9 +216,6 @@ def save_checkpoint(
             cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
             save_file(cpu, str(target), metadata={"unit": unit})
             written.append(target)
-        if not optimizer_sharded:
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-            written.append(tmp / "optimizer.pt")
         (tmp / "aliases.json").write_text(json.dumps(aliases))
         for rel, text in (extra_files or {}).items():
             (tmp / rel).write_text(text)
@@ -223,10 +226,8 @@ def save_checkpoint(
     rng_file = tmp / f"rng-rank{rank}.pt"
     torch.save(_rng_state(), rng_file)
     _fsync_file(rng_file)
-    if optimizer_sharded:  # each rank holds only its share of the moments
-        shard_file = tmp / f"optimizer-rank{rank}.pt"
-        torch.save(optimizer_state, shard_file)
-        _fsync_file(shard_file)
+    for f in write_optimizer(tmp / "optimizer", base):
+        _fsync_file(f)
     dist.barrier()
     if dist.is_main():
         _pause_for_tests(tmp)
@@ -237,6 +238,7 @@ def save_checkpoint(
         marker.write_text(json.dumps({"step": state.step, "files": files}, indent=1))
         _fsync_file(marker)
         _fsync_dir(tmp / "weights")
+        _fsync_dir(tmp / "optimizer")
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)  # an incomplete leftover of a killed run at the same step
@@ -271,8 +273,9 @@ def prune(run_dir: Path, keep_last: int) -> None:
             shutil.rmtree(ckpt, ignore_errors=True)
 
 
-def load_checkpoint(ckpt: Path, model: torch.nn.Module, device: torch.device) -> tuple[TrainState, dict]:
-    """Load weights into `model`, restore RNG states; returns (TrainState, optimizer state)."""
+def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> TrainState:
+    """Load weights into `model` and restore RNG states. The unit optimizers read their files
+    from ckpt/optimizer themselves (UnitOptimizers.load_checkpoint)."""
     aliases = json.loads((ckpt / "aliases.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted((ckpt / "weights").glob("*.safetensors")):
@@ -283,12 +286,9 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, device: torch.device) ->
         raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
     state = TrainState(**json.loads((ckpt / "state.json").read_text()))
-    shard = ckpt / f"optimizer-rank{dist.rank()}.pt"
-    optimizer_state = torch.load(shard if shard.is_file() else ckpt / "optimizer.pt", map_location="cpu",
-                                 weights_only=True)
     rng_file = ckpt / f"rng-rank{dist.rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
     else:
         warnings.warn(f"{ckpt.name} has no RNG state for rank {dist.rank()}", stacklevel=2)
-    return state, optimizer_state
+    return state

@@ -46,14 +46,17 @@ def train(
 @app.command()
 def resume(
     run_dir: Path = typer.Argument(..., help="Run directory of a stopped or crashed run."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Train to this step instead."),
+    max_steps: Optional[int] = typer.Option(
+        None, "--max-steps", help="Train to this step instead; the LR stays on its saved curve."),
+    reschedule: bool = typer.Option(
+        False, "--reschedule", help="Re-plan the LR decay from the current step to --max-steps."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Change a cadence key (log/eval/save)."),
 ) -> None:
     """Continue RUN_DIR from its newest complete checkpoint, exactly."""
     from lisaft.trainer import resume as run_resume
 
     try:
-        code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [])
+        code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [], reschedule=reschedule)
     except LisaftError as e:
         _fail(str(e), e.exit_code)
     raise typer.Exit(code)
@@ -101,6 +104,9 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _one_line_warning
+    from lisaft.allocator import configure_cuda_allocator
+
+    configure_cuda_allocator()  # before anything initialises CUDA
     try:
         app()
     except KeyboardInterrupt:

@@ -198,7 +198,26 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if section.offload_activations or section.mlp_chunk_tokens:
+        long_context_memory(model, section, device)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     model.train()
     return model
+
+
+def long_context_memory(model: nn.Module, section: ModelSection, device: torch.device) -> None:
+    """model.offload_activations: each checkpointed decoder layer keeps its input in pinned host
+    memory instead of on the device; model.mlp_chunk_tokens: MLPs run in checkpointed chunks
+    (lisaft/offload.py)."""
+    from lisaft.offload import chunk_mlps, enable_offloaded_checkpoints
+
+    layers = model_parts(model, section.layers_path).layers
+    try:
+        if section.mlp_chunk_tokens:
+            chunk_mlps(layers, section.mlp_chunk_tokens)
+        if section.offload_activations:
+            enable_offloaded_checkpoints(layers, device)
+    except RuntimeError as e:
+        key = "model.offload_activations" if "checkpoint" in str(e) else "model.mlp_chunk_tokens"
+        raise LisaftError(f"{key}: {e}") from None

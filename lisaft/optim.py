@@ -1,364 +1,331 @@
-"""The optimizer registry, step-in-backward, and moving a parameter's optimizer state in and out.
+"""AdamW for one training unit, with float32 or 8-bit moments, paged state, and bf16 updates that land.
 
-One optimizer is built over every parameter of the model, frozen ones included. PyTorch's AdamW
-and bitsandbytes both skip a parameter whose .grad is None and create its state on its first
-update, so LISA only has to flip requires_grad: a layer frozen at the start trains as soon as it
-is sampled, and a frozen layer costs no optimizer memory until then.
+lisaft builds one optimizer per training unit (embeddings, head, each decoder layer; see
+lisaft/units.py), so LISA, offload, checkpoints and sharded state move whole optimizers through
+the public `step` / `zero_grad` / `state_dict` / `load_state_dict`.
 
-The LISA controller moves the state of layers that leave or re-enter the active set through
-`export_state` / `import_state` / `drop_state`, which hide the two state layouts:
-- torch AdamW: step (a float32 scalar tensor, on the device when fused, on the host otherwise),
-  exp_avg, exp_avg_sq.
-- bitsandbytes AdamW: step (a Python int), state1, state2 (the two moments: float32, or uint8
-  codes with per-block absmax1/absmax2 for 8-bit), qmap1/qmap2 (the quantization code books,
-  shared by every 8-bit parameter of the optimizer, so never copied per parameter).
+The four recipe optimizers are one class with two choices:
+- moments: `adamw_32bit` and `paged_adamw_32bit` keep float32 moments whatever the weight dtype;
+  `adamw_8bit` and `paged_adamw_8bit` keep bitsandbytes' blockwise 8-bit moments (tensors under
+  4096 elements keep float32 ones, as bitsandbytes does).
+- paged: on CUDA, moment buffers of tensors with at least 1e5 elements live in CUDA unified
+  memory (bitsandbytes' paged allocation) and are recycled through a PagedPool.
+
+The update is computed in float32 over chunks of at most CHUNK elements. A float32 weight is
+updated in place. A bfloat16 weight is copied chunk by chunk to float32, updated, and written back
+with stochastic rounding (the default) or round-to-nearest (`optimizer.bf16_update`): at
+fine-tuning learning rates most AdamW steps are smaller than half a bf16 ulp and round-to-nearest
+drops them, while stochastic rounding keeps their expected value. No float32 copy of a weight
+outlives its chunk, so the extra memory is bounded (ROUNDING_BUFFER_BYTES).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 
 import torch
-from torch import nn
 
 from lisaft.recipe import OptimizerSection
 
-# bitsandbytes pages state only for tensors at least this large; smaller ones are plain device
-# tensors (Optimizer8bit.get_state_buffer).
-_PAGED_MIN_NUMEL = 100_000
-# Code books every 8-bit parameter points at; re-attached on import instead of copied.
-_SHARED_KEYS = ("qmap1", "qmap2")
+# Elements updated at a time: a multiple of bitsandbytes' 256-element quantization block, so
+# chunks of 8-bit state line up with whole blocks.
+CHUNK = 1 << 22
+# Transients of one chunk in the bf16 path: float32 weight, float32 gradient, and the float32
+# denominator (torch) or int32 rounding noise, never more than three at once.
+ROUNDING_BUFFER_BYTES = 3 * 4 * CHUNK
+# bitsandbytes' rules (bitsandbytes/optim/optimizer.py): 8-bit moments from this many elements,
+# paged buffers from PAGED_MIN_NUMEL, quantization blocks of BLOCKSIZE.
+MIN_8BIT_NUMEL = 4096
+PAGED_MIN_NUMEL = 100_000
+BLOCKSIZE = 256
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
 _warned_cpu_paging: set[str] = set()
 
 
 # ---------------------------------------------------------------------------------------------
-# Paged state that is recycled instead of leaked
+# The bitsandbytes adapter: paged buffers, code books, fused update kernels
 
 
 class PagedPool:
-    """Paged buffers released by layers that left the active set, handed to the next layer that
+    """Paged buffers released by units that left the active set, handed to the next unit that
     needs one. bitsandbytes allocates paged state with cudaMallocManaged and never frees it, so
-    without reuse every re-sampled layer would strand its old moments in unified memory. Decoder
-    layers all have the same shapes, so the pool stays at most one switch's worth of buffers."""
+    without reuse every re-sampled layer would strand its old moments in unified memory."""
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
 
-    def take(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         import bitsandbytes.functional as F
 
-        key = (p.numel(), dtype, p.device.index)
-        if self._free[key]:
-            base = self._free[key].pop()
-        else:
-            base = F.get_paged(p.numel(), dtype=dtype, device=p.device)
-        buf = base.view(p.shape)
-        # bitsandbytes recognises paged tensors by these attributes, which a view does not inherit.
-        buf.is_paged = True
-        buf.page_deviceid = p.device.index
+        key = (numel, dtype, device.index)
+        buf = self._free[key].pop() if self._free[key] else F.get_paged(numel, dtype=dtype, device=device)
+        _mark_paged(buf, device.index)
         F.fill(buf, 0)
         return buf
 
     def give(self, t: torch.Tensor) -> None:
-        flat = t.view(-1)
-        flat.is_paged = True
-        flat.page_deviceid = getattr(t, "page_deviceid", None)
-        self._free[(t.numel(), t.dtype, flat.page_deviceid)].append(flat)
+        self._free[(t.numel(), t.dtype, t.page_deviceid)].append(t)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
 
-_paged_classes: dict[str, type] = {}
-
-
-def _paged_class(name: str) -> type:
-    """bitsandbytes' paged AdamW with its state buffers drawn from a shared PagedPool."""
-    if name not in _paged_classes:
-        import bitsandbytes as bnb
-
-        base = bnb.optim.PagedAdamW8bit if name == "paged_adamw_8bit" else bnb.optim.PagedAdamW
-
-        def get_state_buffer(self, p, dtype=torch.float32):
-            # On CPU there is no unified memory: ordinary host tensors, same updates (one warning
-            # was given when the optimizer was built, not one per parameter).
-            if p.device.type != "cuda" or p.numel() < _PAGED_MIN_NUMEL:
-                return torch.zeros_like(p, dtype=dtype, device=p.device)
-            return self.paged_pool.take(p, dtype)
-
-        _paged_classes[name] = type(f"Pooled{base.__name__}", (base,), {"get_state_buffer": get_state_buffer})
-    return _paged_classes[name]
+def _mark_paged(t: torch.Tensor, device_index: int | None) -> torch.Tensor:
+    # bitsandbytes recognises unified-memory tensors by these attributes; views do not inherit them.
+    t.is_paged = True
+    t.page_deviceid = device_index
+    return t
 
 
 def is_paged(t: torch.Tensor) -> bool:
     return bool(getattr(t, "is_paged", False))
 
 
+_code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _quantization_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signed and unsigned dynamic maps of bitsandbytes' 8-bit Adam, shared by every tensor."""
+    if device not in _code_books:
+        import bitsandbytes.functional as F
+
+        _code_books[device] = (F.create_dynamic_map(signed=True).to(device),
+                               F.create_dynamic_map(signed=False).to(device))
+    return _code_books[device]
+
+
+def _bnb_update(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
+    """bitsandbytes' fused AdamW kernel on elements lo:hi (decoupled weight decay, as AdamW)."""
+    import bitsandbytes.functional as F
+
+    m, v = (_slice(st[k], lo, hi) for k in MOMENT_KEYS)
+    (b1, b2), kw = group["betas"], dict(weight_decay=group["weight_decay"])
+    if m.dtype == torch.uint8:
+        q1, q2 = _quantization_maps(w.device)
+        blo, bhi = lo // BLOCKSIZE, -(-hi // BLOCKSIZE)
+        F.optimizer_update_8bit_blockwise("adam", g, w, m, v, b1, b2, 0.0, 0.0, group["eps"], step,
+                                          group["lr"], q1, q2, st["absmax1"][blo:bhi],
+                                          st["absmax2"][blo:bhi], **kw)
+    else:
+        F.optimizer_update_32bit("adam", g, w, m, b1, group["eps"], step, group["lr"], v, b2, **kw)
+
+
+def _slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    view = t.view(-1)[lo:hi]
+    return _mark_paged(view, t.page_deviceid) if is_paged(t) else view
+
+
+# ---------------------------------------------------------------------------------------------
+# The update
+
+
+def _torch_update(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
+    """AdamW in the order of torch.optim.AdamW's single-tensor path, on float32 moments."""
+    m, v = (st[k].view(-1)[lo:hi] for k in MOMENT_KEYS)
+    (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+    if wd:
+        w.mul_(1.0 - lr * wd)
+    m.lerp_(g, 1.0 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    denom = (v.sqrt() / math.sqrt(1.0 - b2 ** step)).add_(group["eps"])
+    w.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** step))
+
+
+def _mix(*values: int) -> int:
+    """splitmix64 over the values: a well-spread 63-bit seed from small integers."""
+    h = 0x9E3779B97F4A7C15
+    for x in values:
+        h = (h ^ (x & 0xFFFF_FFFF_FFFF_FFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFF_FFFF_FFFF_FFFF
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFF_FFFF_FFFF_FFFF
+        h ^= h >> 29
+    return h & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Rounding:
+    """How float32 results are written into bfloat16 weights.
+
+    stochastic: round up with probability equal to the distance to the lower bf16 neighbour, so
+    an update far below one ulp still moves the weight by its expected value. The noise for each
+    chunk comes from a generator re-seeded with (training.seed, optimizer step, unit, parameter,
+    chunk): a pure function of the run's position, like LISA's sampler, so resume, data-parallel
+    replicas, sharded state and offloading all see the same noise with no generator state to
+    save."""
+
+    def __init__(self, mode: str, seed: int) -> None:
+        self.mode = mode
+        self.seed = int(seed)
+        self.step = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def write(self, dst: torch.Tensor, src: torch.Tensor, *key: int) -> None:
+        """dst (bf16) <- src (float32, consumed)."""
+        if self.mode == "stochastic" and dst.dtype == torch.bfloat16:
+            gen = self._generators.get(src.device)
+            if gen is None:
+                gen = self._generators[src.device] = torch.Generator(device=src.device)
+            gen.manual_seed(_mix(self.seed, self.step, *key))
+            noise = torch.randint(0, 1 << 16, src.shape, generator=gen, device=src.device, dtype=torch.int32)
+            # Adding below the 16 bits bf16 keeps, then truncating, rounds the magnitude up with
+            # exactly the probability of its discarded fraction (sign-magnitude floats).
+            src.view(torch.int32).add_(noise).bitwise_and_(-65536)
+            del noise
+        dst.copy_(src)
+
+
+class AdamW(torch.optim.Optimizer):
+    """Decoupled-weight-decay Adam over one unit's parameters (see the module docstring)."""
+
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, eight_bit: bool, paged: bool, bnb_32bit: bool,
+                 rounding: Rounding, unit_index: int, pool: PagedPool | None = None) -> None:
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.eight_bit, self.paged, self.bnb_32bit = eight_bit, paged, bnb_32bit
+        self.rounding, self.unit_index, self.pool = rounding, unit_index, pool
+        self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._group = {p: g for g in self.param_groups for p in g["params"]}
+        self._paged_cuda = paged and any(p.device.type == "cuda" for p in self._index)
+
+    # -- state layout ---------------------------------------------------------------------------
+
+    def _buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.paged and p.device.type == "cuda" and p.numel() >= PAGED_MIN_NUMEL:
+            return self.pool.take(p.numel(), dtype, p.device)
+        return torch.zeros(p.numel(), dtype=dtype, device=p.device)
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        quantized = self.eight_bit and p.numel() >= MIN_8BIT_NUMEL
+        dtype = torch.uint8 if quantized else torch.float32
+        st = {"step": 0, "exp_avg": self._buffer(p, dtype), "exp_avg_sq": self._buffer(p, dtype)}
+        if quantized:
+            blocks = -(-p.numel() // BLOCKSIZE)
+            st["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+            st["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        return st
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        stepped = False
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+                    stepped = True
+        if stepped:
+            self._sync()
+        return None
+
+    @torch.no_grad()
+    def step_param(self, p: torch.Tensor) -> None:
+        """Update one parameter now (step-in-backward: its gradient has just been completed)."""
+        self._update(p, self._group[p])
+        self._sync()
+
+    def _sync(self) -> None:
+        # Paged kernels run asynchronously on memory the host may touch next (offload, release).
+        if self._paged_cuda:
+            torch.cuda.synchronize()
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        st = self.state[p]
+        if not st:
+            st.update(self._init_state(p))
+        st["step"] += 1
+        kernel = _torch_update if not (self.eight_bit or self.bnb_32bit) else _bnb_update
+        flat_p, flat_g = p.detach().view(-1), p.grad.detach().reshape(-1)
+        low = p.dtype != torch.float32
+        for c, lo in enumerate(range(0, flat_p.numel(), CHUNK)):
+            hi = min(lo + CHUNK, flat_p.numel())
+            w = flat_p[lo:hi].float() if low else flat_p[lo:hi]
+            g = flat_g[lo:hi].float() if flat_g.dtype != torch.float32 else flat_g[lo:hi]
+            kernel(w, g, st, lo, hi, st["step"], group)
+            del g
+            if low:
+                self.rounding.write(flat_p[lo:hi], w, self.unit_index, self._index[p], c)
+
+    # -- moving state ---------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Install saved state as this optimizer would have created it: moments keep their dtype
+        (float32 or uint8, whatever the weight dtype), on the parameter's device, paged again for
+        a paged optimizer on CUDA. Hyperparameters stay those of the recipe."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if len(saved) != len(params):
+            raise ValueError(f"saved state has {len(saved)} parameters, this unit has {len(params)}")
+        self.release()
+        for pid, p in zip(saved, params):
+            st = state_dict["state"].get(pid)
+            if st:
+                self.state[p] = {k: self._place(p, k, v) for k, v in st.items()}
+
+    def _place(self, p: torch.Tensor, key: str, v):
+        if not torch.is_tensor(v):
+            return v
+        if key in MOMENT_KEYS:
+            buf = self._buffer(p, v.dtype)
+            if is_paged(buf):
+                buf.copy_(v.reshape(-1))
+                return buf
+        return v.to(p.device, non_blocking=v.is_pinned())
+
+    def release(self) -> None:
+        """Forget all moments; paged buffers go back to the pool for the next unit."""
+        self._sync()
+        for st in self.state.values():
+            for k in MOMENT_KEYS:
+                if k in st and is_paged(st[k]) and self.pool is not None:
+                    self.pool.give(st[k])
+        self.state.clear()
+
+    def resident_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values()
+                   if torch.is_tensor(v))
+
+
+def host_state_dict(opt: torch.optim.Optimizer, pin: bool = False) -> dict:
+    """opt.state_dict() with every tensor copied to host memory (pinned on request): what an
+    offloaded or checkpointed unit keeps. The caller synchronizes before reading pinned copies."""
+    sd = opt.state_dict()
+
+    def host(v):
+        if not torch.is_tensor(v):
+            return v
+        out = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
+        # A paged tensor is host-addressable unified memory: a plain CPU copy reads it.
+        out.copy_(v, non_blocking=pin and v.is_cuda)
+        return out
+
+    return {"state": {i: {k: host(v) for k, v in st.items()} for i, st in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+
+
+def state_dict_bytes(sd: dict) -> int:
+    return sum(v.numel() * v.element_size() for st in sd["state"].values() for v in st.values()
+               if torch.is_tensor(v))
+
+
 # ---------------------------------------------------------------------------------------------
 # Building
 
 
-def _fused_devices() -> set[str]:
-    try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-        return set(_get_fused_kernels_supported_devices())
-    except ImportError:  # the helper is private; these two have had fused AdamW since torch 2.4
-        return {"cuda", "cpu"}
-
-
-MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
-
-
-def _factory(section: OptimizerSection, device: torch.device) -> MakeOptimizer:
-    kw = dict(lr=section.lr, betas=tuple(section.betas), eps=section.eps, weight_decay=section.weight_decay)
-    if section.name == "adamw_32bit":
-        impl = {"fused": True} if device.type in _fused_devices() else {"foreach": True}
-        return lambda groups: torch.optim.AdamW(groups, **kw, **impl)
-
-    import bitsandbytes as bnb
-
-    if section.name == "adamw_8bit":
-        return lambda groups: bnb.optim.AdamW8bit(groups, **kw)
-    cls = _paged_class(section.name)
-    if device.type != "cuda" and section.name not in _warned_cpu_paging:
-        _warned_cpu_paging.add(section.name)
-        warnings.warn(
-            f"optimizer.name {section.name}: paged state needs CUDA unified memory; on {device.type} "
-            "the optimizer runs unpaged (same updates, ordinary memory)",
-            UserWarning,
-            stacklevel=3,
-        )
-    pool = PagedPool()
-
-    def make(groups):
-        opt = cls(groups, **kw)
-        opt.paged_pool = pool
-        return opt
-
-    return make
-
-
-def build_optimizer(model: nn.Module, section: OptimizerSection, device: torch.device):
-    """One optimizer over all parameters of `model`; weight decay on matrices and embeddings
-    (>= 2-D) only, never on norms and biases. With section.in_backward an InBackwardOptimizer."""
-    params = list(model.parameters())
-    make = _factory(section, device)
-    if section.in_backward:
-        return InBackwardOptimizer(params, make, section.weight_decay)
+def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSection, device: torch.device,
+                         rounding: Rounding, unit_index: int, pool: PagedPool | None) -> AdamW:
+    """The unit's optimizer; weight decay on matrices and embeddings (>= 2-D) only."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": section.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return make(groups)
-
-
-def set_lr(optimizer, lr: float) -> None:
-    """In in_backward mode the update happens during backward, so call this before backward."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-class InBackwardOptimizer:
-    """Each parameter has its own optimizer, stepped by a post-accumulate-grad hook as soon as
-    its gradient is complete; the gradient is freed right after. So the gradients of a large
-    embedding and head never coexist, and no full set of gradients is ever held. Frozen
-    parameters never accumulate a gradient, so their hooks never fire: LISA needs nothing more.
-
-    step() and zero_grad() are no-ops so the loop reads the same in both modes."""
-
-    def __init__(self, params: list[nn.Parameter], make, weight_decay: float) -> None:
-        self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
-        self._handles = []
-        for p in params:
-            wd = weight_decay if p.ndim >= 2 else 0.0
-            self.optimizers[p] = make([{"params": [p], "weight_decay": wd}])
-            # torch refuses hooks on a tensor that does not require grad, but the hook stays with
-            # the tensor: a layer frozen now gets its updates once LISA samples it.
-            trains = p.requires_grad
-            p.requires_grad_(True)
-            self._handles.append(p.register_post_accumulate_grad_hook(self._step_param))
-            p.requires_grad_(trains)
-
-    def _step_param(self, p: torch.Tensor) -> None:
-        self.optimizers[p].step()
-        p.grad = None
-
-    def step(self, closure=None):
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for opt in self.optimizers.values() for g in opt.param_groups]
-
-    @property
-    def state(self) -> dict:
-        """A read-only snapshot {param: state} across the per-parameter optimizers."""
-        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-
-# ---------------------------------------------------------------------------------------------
-# Moving one parameter's state
-
-
-def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
-    if isinstance(optimizer, InBackwardOptimizer):
-        return list(optimizer.optimizers.values())
-    return [optimizer]
-
-
-def holder(optimizer, p: nn.Parameter) -> torch.optim.Optimizer:
-    """The torch Optimizer whose .state holds p's moments."""
-    if isinstance(optimizer, InBackwardOptimizer):
-        return optimizer.optimizers[p]
-    return optimizer
-
-
-def has_state(optimizer, p: nn.Parameter) -> bool:
-    return bool(holder(optimizer, p).state.get(p))
-
-
-def _is_bnb(opt: torch.optim.Optimizer) -> bool:
-    return hasattr(opt, "name2qmap")
-
-
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    # A paged tensor is host-addressable unified memory: a plain CPU copy reads it.
-    out.copy_(t, non_blocking=pin and t.is_cuda)
-    return out
-
-
-def export_state(optimizer, p: nn.Parameter, *, remove: bool, pin: bool = False) -> dict | None:
-    """p's state as host tensors and numbers (code books left out), or None if it has none.
-    remove=True takes the state out of the optimizer; a host tensor is then handed over without
-    a copy, and paged buffers go back to the pool. pin: page-locked host memory (CUDA only); the
-    caller synchronizes before reading the copies."""
-    opt = holder(optimizer, p)
-    st = opt.state.get(p)
-    if not st:
-        if remove and p in opt.state:
-            del opt.state[p]
-        return None
-    out = {}
-    for k, v in st.items():
-        if k in _SHARED_KEYS:
-            continue
-        if torch.is_tensor(v):
-            handover = remove and v.device.type == "cpu" and not is_paged(v) and not pin
-            out[k] = v if handover else _host_copy(v, pin)
-        else:
-            out[k] = v
-    if remove:
-        _release(opt, st)
-        del opt.state[p]
-    return out
-
-
-def drop_state(optimizer, p: nn.Parameter) -> None:
-    """Forget p's moments: its next update starts from fresh state, as LISA's paper does."""
-    opt = holder(optimizer, p)
-    st = opt.state.pop(p, None)
-    if st:
-        _release(opt, st)
-
-
-def _release(opt: torch.optim.Optimizer, st: dict) -> None:
-    pool = getattr(opt, "paged_pool", None)
-    if pool is None:
-        return
-    for k, v in st.items():
-        if k not in _SHARED_KEYS and torch.is_tensor(v) and is_paged(v):
-            pool.give(v)
-
-
-def _group_of(opt: torch.optim.Optimizer, p: nn.Parameter) -> dict:
-    for g in opt.param_groups:
-        if any(q is p for q in g["params"]):
-            return g
-    raise KeyError("parameter is not in this optimizer")
-
-
-def import_state(optimizer, p: nn.Parameter, state: dict, *, copy: bool = False) -> None:
-    """Install `state` (as from export_state or a checkpoint) as p's state, each tensor where the
-    optimizer would have created it: on p's device, paged again for a paged optimizer on CUDA,
-    torch's step on the host unless the group is fused or capturable. copy=True never aliases the
-    given tensors (a checkpoint dict may be reused by the caller)."""
-    opt = holder(optimizer, p)
-    bnb = _is_bnb(opt)
-    group = None if bnb else _group_of(opt, p)
-    st = {}
-    for k, v in state.items():
-        if k in _SHARED_KEYS:
-            continue
-        if not torch.is_tensor(v):
-            st[k] = v
-            continue
-        if bnb and k in ("state1", "state2") and getattr(opt, "is_paged", False) \
-                and p.device.type == "cuda" and p.numel() >= _PAGED_MIN_NUMEL:
-            buf = opt.get_state_buffer(p, dtype=v.dtype)
-            buf.copy_(v.reshape(buf.shape))
-            st[k] = buf
-            continue
-        if not bnb and k == "step" and not (group.get("fused") or group.get("capturable")):
-            dev = torch.device("cpu")
-        else:
-            dev = p.device
-        out = v.to(dev, non_blocking=v.is_pinned())
-        st[k] = out.clone() if copy and out is v else out
-    if bnb and "state1" in st and st["state1"].dtype == torch.uint8:
-        if "dynamic" not in opt.name2qmap:
-            opt.fill_qmap()
-        # Point at the optimizer's own code books, on the device, as init_state does.
-        opt.name2qmap["dynamic"] = opt.name2qmap["dynamic"].to(p.device)
-        opt.name2qmap["udynamic"] = opt.name2qmap["udynamic"].to(p.device)
-        st["qmap1"] = opt.name2qmap["dynamic"]
-        st["qmap2"] = opt.name2qmap["udynamic"]
-    opt.state[p] = st
-
-
-# ---------------------------------------------------------------------------------------------
-# Accounting
-
-
-def state_nbytes(state: dict | None) -> int:
-    if not state:
-        return 0
-    return sum(v.numel() * v.element_size() for k, v in state.items()
-               if torch.is_tensor(v) and k not in _SHARED_KEYS)
-
-
-def _resident_tensors(optimizer, device: torch.device) -> Iterator[torch.Tensor]:
-    for opt in optimizers_of(optimizer):
-        for st in opt.state.values():
-            for v in st.values():
-                # Paged state is a host-addressable view of unified memory that belongs to the GPU.
-                if torch.is_tensor(v) and (v.device.type == device.type or is_paged(v)):
-                    yield v
-
-
-def resident_state_bytes(optimizer, device: torch.device) -> int:
-    """Bytes of optimizer state held for the training device, from the tensors themselves;
-    shared code books counted once; recycled paged buffers waiting in the pool included."""
-    seen: set[tuple] = set()
-    total = 0
-    for v in _resident_tensors(optimizer, device):
-        key = (v.device, v.data_ptr(), v.numel(), v.dtype)
-        if v.numel() and key in seen:
-            continue
-        seen.add(key)
-        total += v.numel() * v.element_size()
-    pools = {id(pool): pool for opt in optimizers_of(optimizer)
-             if (pool := getattr(opt, "paged_pool", None)) is not None}
-    return total + sum(pool.nbytes() for pool in pools.values())
+    groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    paged = section.name.startswith("paged_")
+    if paged and device.type != "cuda" and section.name not in _warned_cpu_paging:
+        _warned_cpu_paging.add(section.name)
+        warnings.warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "
+                      f"{device.type} the optimizer runs unpaged (same updates, ordinary memory)",
+                      UserWarning, stacklevel=2)
+    return AdamW(groups, lr=section.lr, betas=section.betas, eps=section.eps,
+                 weight_decay=section.weight_decay, eight_bit=section.name.endswith("_8bit"),
+                 paged=paged, bnb_32bit=section.name == "paged_adamw_32bit", rounding=rounding,
+                 unit_index=unit_index, pool=pool)

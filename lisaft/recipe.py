@@ -40,7 +40,7 @@ class ModelSection(_Section):
         None, description="Tokenizer folder or hub id. Default: name_or_path."
     )
     dtype: Dtype = Field(
-        "bfloat16", description="Dtype of weights, gradients and 32-bit optimizer moments."
+        "bfloat16", description="Dtype of weights and gradients (moments are float32 or 8-bit; float16 is refused)."
     )
     attention: Attention = Field(
         "auto",
@@ -49,11 +49,33 @@ class ModelSection(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute layer activations in backward (non-reentrant)."
     )
+    offload_activations: bool = Field(
+        False,
+        description="Keep each checkpointed layer's input in pinned host memory instead of on the "
+        "GPU, copied on a side stream that overlaps compute (long context). Needs "
+        "gradient_checkpointing.",
+    )
+    mlp_chunk_tokens: int | None = Field(
+        None, ge=1,
+        description="Run each layer's MLP over this many positions at a time, each chunk "
+        "checkpointed: its intermediates (4 x intermediate_size per token) exist for one chunk "
+        "only. For long context; costs one more MLP forward per step.",
+    )
     layers_path: str | None = Field(
         None,
         description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "
         "for architectures lisaft does not know.",
     )
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError(
+                "float16 weights would need loss scaling (small gradients underflow and Adam's "
+                "second moments with them); use bfloat16, which has float32's range"
+            )
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
@@ -61,6 +83,9 @@ class ModelSection(_Section):
             raise ValueError("set exactly one of model.name_or_path and model.config")
         if self.config is not None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required when model.config is used (random init)")
+        if self.offload_activations and not self.gradient_checkpointing:
+            raise ValueError("model.offload_activations offloads checkpointed layer inputs: "
+                             "set model.gradient_checkpointing: true as well")
         return self
 
 
@@ -89,6 +114,11 @@ class OptimizerSection(_Section):
         False,
         description="Step each parameter inside backward and free its gradient at once. "
         "Incompatible with grad_accum_steps > 1 and max_grad_norm.",
+    )
+    bf16_update: Literal["stochastic", "nearest"] = Field(
+        "stochastic",
+        description="How bfloat16 weights take an update: stochastic rounding (updates below half "
+        "a bf16 step still land on average) or round-to-nearest (drops them; for comparison).",
     )
 
     @field_validator("lr")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def lr_at(step: int, *, peak_lr: float, max_steps: int, name: str = "cosine",
@@ -27,3 +28,34 @@ def lr_at(step: int, *, peak_lr: float, max_steps: int, name: str = "cosine",
     if name == "cosine":
         return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"unknown schedule {name!r}")
+
+
+def replanned_lr_at(step: int, *, start_step: int, start_lr: float, end_step: int, floor_lr: float,
+                    name: str = "cosine") -> float:
+    """A schedule re-planned on resume: from `start_lr` at `start_step` it decays with the same
+    shape to `floor_lr` at the last step before `end_step`, so the LR does not jump at the seam."""
+    if name == "constant":
+        return start_lr
+    progress = min(1.0, max(0, step - start_step) / max(1, end_step - start_step - 1))
+    if name == "linear":
+        return floor_lr + (start_lr - floor_lr) * (1.0 - progress)
+    return floor_lr + (start_lr - floor_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Plan:
+    """Which curve the LR follows. Saved with every checkpoint, so that a resume that changes
+    training.max_steps keeps the curve it was on unless asked to re-plan it."""
+
+    horizon: int                       # the schedule ends here; past it the LR stays at its floor
+    start_step: int | None = None      # set when a resume re-planned the decay from this step
+    start_lr: float | None = None      # ... starting from the LR the run had reached there
+
+
+def lr_for(step: int, plan: Plan, *, peak_lr: float, name: str, warmup_steps: int,
+           min_lr_ratio: float) -> float:
+    if plan.start_step is None:
+        return lr_at(step, peak_lr=peak_lr, max_steps=plan.horizon, name=name,
+                     warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
+    return replanned_lr_at(step, start_step=plan.start_step, start_lr=plan.start_lr,
+                           end_step=plan.horizon, floor_lr=peak_lr * min_lr_ratio, name=name)

@@ -12,7 +12,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +22,10 @@ from lisaft import dist
 from lisaft.batches import IGNORE_INDEX as IGNORE
 from lisaft.checkpoint import TrainState
 from lisaft.errors import LisaftError, RunFailed
-from lisaft.metrics import Display, MetricsLog, peak_memory_bytes
+from lisaft.memory.measure import memory_counters
+from lisaft.metrics import Display, MetricsLog
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
-from lisaft.schedules import lr_at
+from lisaft.schedules import Plan, lr_for
 
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", ckpt_mod.CHECKPOINTS, "final")
 
@@ -40,14 +41,14 @@ class Session:
     model: torch.nn.Module
     parts: object
     layers_path: str
-    optimizer: object
-    controller: object
+    optimizers: object        # units.UnitOptimizers: one optimizer per training unit
+    controller: object        # lisa.LisaController: which units train
     train_examples: list
     eval_examples: list | None
     order: object
-    unit_by_param: dict = field(default_factory=dict)
-    owner: dict | None = None  # id(param) -> rank that keeps its moments (sharded state)
+    plan: Plan = None         # the LR curve (schedules.Plan)
     grad_bytes: int = 0       # gradient bytes before the last optimizer step
+    grad_norm: float | None = None  # total gradient norm before clipping, last measured step
     peak_grad_bytes: int = 0
     peak_state_bytes: int = 0
     activation_bytes: int | None = None   # saved for backward, measured on the first micro-batch
@@ -100,7 +101,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     from lisaft.data import load_splits
     from lisaft.lisa import LisaController
     from lisaft.models import decoder_layers_path, load_model, load_tokenizer, model_parts, resolve_device
-    from lisaft.optim import build_optimizer
+    from lisaft.units import UnitOptimizers, model_units
 
     t = recipe.training
     if recipe.optimizer.in_backward and dist.world_size() > 1:
@@ -114,26 +115,18 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     model = load_model(recipe.model, device, seed=t.seed)
     layers_path = decoder_layers_path(model, recipe.model.layers_path)
     parts = model_parts(model, recipe.model.layers_path)
-    optimizer = build_optimizer(model, recipe.optimizer, device)
-    controller = LisaController(model, parts, recipe.lisa, optimizer, device=device,
-                                offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed)
+    if t.shard_optimizer_state and dist.world_size() > 1 and recipe.optimizer.in_backward:
+        raise LisaftError("training.shard_optimizer_state needs optimizer.in_backward false")
+    units = model_units(parts)
+    # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
+    # intervals, and embeddings and head land on different ranks.
+    optimizers = UnitOptimizers(units, recipe.optimizer, device,
+                                offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed,
+                                shard=t.shard_optimizer_state)
+    controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed)
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size())
-    head_ids = {id(p) for p in parts.head}
-    unit_by_param = {}
-    for i, layer in enumerate(parts.layers):
-        for p in layer.parameters():
-            unit_by_param[id(p)] = f"layer-{i:05d}"
-    for p in model.parameters():
-        unit_by_param.setdefault(id(p), "head" if id(p) in head_ids else "embeddings")
-    session = Session(recipe, run_dir, device, tokenizer, model, parts, layers_path, optimizer, controller,
-                      train_examples, eval_examples, order, unit_by_param)
-    if t.shard_optimizer_state and dist.world_size() > 1:
-        if recipe.optimizer.in_backward:
-            raise LisaftError("training.shard_optimizer_state needs optimizer.in_backward false")
-        # A fixed owner per parameter (its index modulo the world size): stable across LISA
-        # intervals, and embeddings and head land on different ranks.
-        session.owner = {id(p): i % dist.world_size() for i, p in enumerate(model.parameters())}
-    return session
+    return Session(recipe, run_dir, device, tokenizer, model, parts, layers_path, optimizers, controller,
+                   train_examples, eval_examples, order, plan=Plan(horizon=t.max_steps))
 
 
 def _looks_like_run(path: Path) -> bool:
@@ -191,8 +184,9 @@ def _diff(old: dict, new: dict) -> list[str]:
 
 @_in_process_group
 def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[str] | None = None,
-           show: bool = True, _stop_at: int | None = None) -> int:
-    """`lisaft resume`: continue RUN_DIR from its newest complete checkpoint."""
+           show: bool = True, reschedule: bool = False, _stop_at: int | None = None) -> int:
+    """`lisaft resume`: continue RUN_DIR from its newest complete checkpoint. A changed
+    max_steps keeps the saved LR curve unless `reschedule` re-plans it from the current step."""
     run_dir = Path(run_dir).resolve()
     recipe_file = run_dir / "recipe.yaml"
     if not recipe_file.is_file():
@@ -229,25 +223,65 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     session = build_session(recipe, run_dir)
     for i, ckpt in enumerate(candidates):
         try:
-            state, optimizer_state = ckpt_mod.load_checkpoint(ckpt, session.model, session.device)
+            state = _load_into(session, ckpt)
             break
         except Exception as e:  # a checkpoint that passed the size check but does not load
             if i + 1 == len(candidates):
                 raise LisaftError(f"{ckpt}: cannot be loaded ({e}); no older complete checkpoint; start "
                                   f"over with `lisaft train {recipe_file} --overwrite`") from None
             warn(f"skipping checkpoint {ckpt.name}: cannot be loaded ({e})")
-    session.controller.load_state_dict(optimizer_state)
-    session.order.load_state_dict(state.data)
+    schedule_note = _continue_schedule(session, state, reschedule)
     dropped = MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
     if dist.is_main():
         _write_atomic(recipe_file, recipe.to_yaml())
         msg = f"resuming {run_dir} from {ckpt.name} (step {state.step})"
         if changed:
             msg += "; changed: " + ", ".join(f"{k} {saved_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
+        if schedule_note:
+            msg += "; " + schedule_note
         if dropped:
             msg += f"; dropped {dropped} metrics records logged after that checkpoint"
         print(msg, flush=True)
     return _run(session, state, base=ckpt, show=show, stop_at=_stop_at)
+
+
+def _load_into(session: Session, ckpt: Path) -> TrainState:
+    """Weights, RNG, LISA position, unit optimizers and data order of `ckpt`."""
+    state = ckpt_mod.load_checkpoint(ckpt, session.model)
+    if not state.lisa or not state.schedule:
+        raise LisaftError(f"{ckpt.name} was written by an older lisaft (one optimizer for the whole "
+                          "model); it cannot be resumed by this version (docs/resume.md)")
+    session.controller.load_state_dict(state.lisa)
+    session.optimizers.load_checkpoint(ckpt / "optimizer", session.controller.resident_units(),
+                                       session.recipe.lisa.state_policy)
+    session.order.load_state_dict(state.data)
+    return state
+
+
+def _continue_schedule(session: Session, state: TrainState, reschedule: bool) -> str:
+    """Set the LR curve of a resumed run; say what happens to it when max_steps changed."""
+    saved = Plan(**state.schedule)
+    r = session.recipe
+    max_steps = r.training.max_steps
+    if reschedule:
+        lr_now = _lr(session, state.step, saved)
+        session.plan = Plan(horizon=max_steps, start_step=state.step, start_lr=lr_now)
+        return (f"learning rate re-planned: from {lr_now:.3g} at step {state.step} to "
+                f"{r.optimizer.lr * r.scheduler.min_lr_ratio:.3g} at step {max_steps}")
+    session.plan = saved
+    if max_steps == saved.horizon:
+        return ""
+    if max_steps > saved.horizon:
+        return (f"learning rate continues on the saved curve, which ends at step {saved.horizon}; past it "
+                f"it stays at its floor (pass --reschedule to re-plan the decay to step {max_steps})")
+    return (f"learning rate continues on the saved curve planned for {saved.horizon} steps and stops at "
+            f"step {max_steps} without reaching its end (pass --reschedule to re-plan the decay)")
+
+
+def _lr(session: Session, step: int, plan: Plan) -> float:
+    r = session.recipe
+    return lr_for(step, plan, peak_lr=r.optimizer.lr, name=r.scheduler.name,
+                  warmup_steps=r.scheduler.warmup_steps, min_lr_ratio=r.scheduler.min_lr_ratio)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -292,14 +326,13 @@ def evaluate(session: Session) -> dict:
     return {"eval_loss": totals[0].item() / n, "eval_token_accuracy": totals[2].item() / n}
 
 
-def train_step(session: Session, step: int) -> tuple[float, int]:
+def train_step(session: Session, step: int, measure_norm: bool = True) -> tuple[float, int]:
     """One optimizer step over grad_accum_steps micro-batches. Returns (mean token loss, global
-    tokens processed)."""
+    tokens processed). measure_norm: compute session.grad_norm even when nothing clips."""
     from lisaft.batches import collate
-    from lisaft.optim import set_lr
 
-    r, t = session.recipe, session.recipe.training
-    controller, optimizer = session.controller, session.optimizer
+    t = session.recipe.training
+    controller, optimizers = session.controller, session.optimizers
     controller.activate_for_step(step)
     micro = []
     for _ in range(t.grad_accum_steps):
@@ -310,9 +343,11 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
     counts = dist.all_reduce_sum(counts.to(session.device)).cpu()
     loss_tokens = max(counts[0].item(), 1.0)
     # The learning rate is set before backward: with optimizer.in_backward the update runs there.
-    session.lr = lr_at(step, peak_lr=r.optimizer.lr, max_steps=t.max_steps, name=r.scheduler.name,
-                       warmup_steps=r.scheduler.warmup_steps, min_lr_ratio=r.scheduler.min_lr_ratio)
-    set_lr(optimizer, session.lr)
+    session.lr = _lr(session, step, session.plan)
+    optimizers.set_lr(session.lr, step)
+    in_backward = session.recipe.optimizer.in_backward
+    if in_backward and measure_norm:
+        optimizers.grad_sq = torch.zeros((), dtype=torch.float32, device=session.device)
     loss_sum = 0.0
     for batch in micro:
         batch = {k: v.to(session.device, non_blocking=True) for k, v in batch.items()}
@@ -329,35 +364,43 @@ def train_step(session: Session, step: int) -> tuple[float, int]:
             loss = _forward_loss(session.model, batch)
         (loss / loss_tokens).backward()
         loss_sum += loss.item()
-    trainable = controller.trainable_parameters()
-    dist.all_reduce_grads(trainable)
-    session.grad_bytes = controller.grad_bytes()
-    session.peak_grad_bytes = max(session.peak_grad_bytes, session.grad_bytes)
-    if t.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
-    if session.owner is not None:
-        # Only the owner steps a parameter (others drop its gradient, so their optimizer neither
-        # updates it nor creates moments for it), then sends the result to every rank.
-        for p in trainable:
-            if session.owner[id(p)] != dist.rank():
-                p.grad = None
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if session.owner is not None:
-        dist.broadcast_from_owners(trainable, session.owner)
+    if in_backward:
+        session.grad_norm = optimizers.grad_sq.sqrt().item() if optimizers.grad_sq is not None else None
+        optimizers.grad_sq = None
+    else:
+        _clip_and_step(session, measure_norm)
     loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
     return loss_total / loss_tokens, int(counts[1].item())
 
 
+def _clip_and_step(session: Session, measure_norm: bool) -> None:
+    trainable = session.controller.trainable_parameters()
+    dist.all_reduce_grads(trainable)
+    session.grad_bytes = session.controller.grad_bytes()
+    session.peak_grad_bytes = max(session.peak_grad_bytes, session.grad_bytes)
+    max_norm = session.recipe.training.max_grad_norm
+    if max_norm is not None:
+        # clip_grad_norm_ returns the total norm before clipping.
+        session.grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
+    elif measure_norm:
+        grads = [p.grad for p in trainable if p.grad is not None]
+        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]) if grads else torch.zeros(1)
+        session.grad_norm = float(torch.linalg.vector_norm(norms))
+    session.optimizers.step(session.controller.trainable_units())
+
+
 def _save(session: Session, state: TrainState, base: Path | None, changed: set[str] | None) -> Path:
     state.data = session.order.state_dict()
+    state.lisa = session.controller.state_dict()
+    state.schedule = asdict(session.plan)
     try:
-        return ckpt_mod.save_checkpoint(
+        written = ckpt_mod.save_checkpoint(
             session.run_dir, state, session.model, session.layers_path, session.parts.head,
-            session.controller.state_dict(), changed, base, session.recipe.training.keep_last,
-            optimizer_sharded=session.owner is not None,
+            session.optimizers.write_checkpoint, changed, base, session.recipe.training.keep_last,
             extra_files={"recipe.json": json.dumps(session.recipe.model_dump(mode="json"), indent=1)},
         )
+        session.optimizers.saved()
+        return written
     except OSError as e:  # disk full, quota, permissions: the older checkpoints are untouched
         ckpt_mod.remove_stale_temporaries(session.run_dir)
         where = (f"the newest complete checkpoint is {base.name}; continue from it with "
@@ -383,31 +426,33 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
             display.eval(rec)
         while state.step < t.max_steps:
             step = state.step
+            logs = (step + 1) % t.log_every == 0 or step + 1 == t.max_steps
             try:
-                loss, tokens = train_step(session, step)
+                loss, tokens = train_step(session, step, measure_norm=logs)
             except torch.OutOfMemoryError:
                 raise _out_of_memory(session, step, base) from None
-            changed |= {session.unit_by_param[id(p)] for p in session.controller.trainable_parameters()}
+            changed |= {u.name for u in session.controller.trainable_units()}
             state.step += 1
             state.tokens_seen += tokens
             window["loss_sum"] += loss
             window["steps"] += 1
             window["tokens"] += tokens
-            if state.step % t.log_every == 0 or state.step == t.max_steps:
+            if logs:
                 elapsed = max(time.perf_counter() - window_t0, 1e-9)
-                dev_state, off_state = session.controller.state_bytes()
+                dev_state, off_state = session.optimizers.state_bytes()
                 session.peak_state_bytes = max(session.peak_state_bytes, dev_state)
                 rec = {
                     "step": state.step,
                     "loss": window["loss_sum"] / window["steps"],
                     "lr": session.lr,
+                    "grad_norm": session.grad_norm,
                     "tokens_per_s": window["tokens"] / elapsed,
                     "active_layers": session.controller.active_layers,
                     "trainable_params": session.controller.trainable_params(),
                     "grad_bytes": session.grad_bytes,
                     "optimizer_state_bytes": dev_state,
                     "offloaded_state_bytes": off_state,
-                    "peak_memory_bytes": peak_memory_bytes(session.device),
+                    **memory_counters(session.device),
                 }
                 metrics.write(rec)
                 display.train(rec)
@@ -457,7 +502,7 @@ def _memory_report(session: Session) -> None:
     except LisaftError as e:  # e.g. an architecture the estimator does not model
         print(f"memory estimate unavailable: {e}")
         return
-    dev_state, _ = session.controller.state_bytes()
+    dev_state, _ = session.optimizers.state_bytes()
     session.peak_state_bytes = max(session.peak_state_bytes, dev_state)
     peak = peak_memory(session.device)
     if session.device.type == "cuda":

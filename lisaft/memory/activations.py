@@ -104,8 +104,12 @@ def attention_scores_bytes(shape: Shape, dt: int, seq_len: int, attention: str) 
     return per_score * shape.heads * seq_len
 
 
-def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, trainable: bool) -> int:
-    """Saved-for-backward bytes per token of one decoder layer on the autograd graph."""
+def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, trainable: bool,
+                          mlp_chunked: bool = False) -> int:
+    """Saved-for-backward bytes per token of one decoder layer on the autograd graph. With the
+    MLP run in checkpointed chunks (model.mlp_chunk_tokens) it keeps only its input, the norm
+    output (already counted when the layer trains); its intermediates are one chunk's, in
+    backward only (`mlp_chunk_bytes`)."""
     h, i, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
     total = 2 * _norm(shape, dt, trainable)  # before attention and before the MLP
     total += shape.post_norms * _norm(shape, dt, trainable)
@@ -123,15 +127,43 @@ def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, t
         if shape.attn_output_copy and trainable:
             total += dt * q
     total += attention_scores_bytes(shape, dt, seq_len, attention)
+    if mlp_chunked:
+        return total + (0 if trainable else dt * h)
     # MLP: gate output (activation input), activation output and up output (product inputs),
     # and the product (down_proj input, weight grad only).
     total += dt * i * (3 + (1 if trainable else 0))
     return total
 
 
+def mlp_chunked(seq_len: int, chunk_tokens: int | None) -> bool:
+    """Whether lisaft/offload.py splits the MLP: only sequences longer than one chunk."""
+    return bool(chunk_tokens) and seq_len > chunk_tokens
+
+
+def mlp_chunk_bytes(shape: Shape, dt: int, batch: int, seq_len: int, chunk_tokens: int | None) -> int:
+    """One MLP chunk (`chunk_tokens` positions of every row) recomputed in backward: its four
+    intermediates (as a trainable layer keeps them) and their two gradients in flight."""
+    if not mlp_chunked(seq_len, chunk_tokens):
+        return 0
+    return batch * chunk_tokens * dt * shape.intermediate * (4 + 2)
+
+
 def checkpointed_layer_bytes_per_token(shape: Shape, dt: int) -> int:
     """Non-reentrant checkpointing keeps only each layer's input hidden state."""
     return dt * shape.hidden
+
+
+# With offloaded checkpoints (lisaft/offload.py) the device holds the input of the layer being
+# recomputed and the one being fetched ahead of it; forward's copies to host free each input
+# as soon as its copy is done, so the same bound holds there.
+OFFLOAD_INFLIGHT_LAYERS = 2
+
+
+def offloaded_host_bytes(shape: Shape, dt: int, batch: int, seq_len: int) -> int:
+    """Pinned host memory of offloaded checkpoints: every layer's input. PyTorch's pinned-memory
+    cache rounds each block up to a power of two (CachingHostAllocator)."""
+    one = batch * seq_len * checkpointed_layer_bytes_per_token(shape, dt)
+    return shape.layers * (1 << (one - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -140,6 +172,7 @@ class ActivationBreakdown:
     outside_layers: int  # embedding indices, rotary tables, final norm, head input
     log_probs: int  # float32 log-softmax of the loss, kept for its backward
     one_layer_full: int  # one trainable layer's full activations (checkpoint recompute)
+    mlp_chunk: int = 0  # one MLP chunk's recompute in backward (model.mlp_chunk_tokens)
 
     @property
     def saved(self) -> int:
@@ -150,6 +183,7 @@ class ActivationBreakdown:
 def activations(
     shape: Shape, dt: int, batch: int, seq_len: int, attention: str, checkpointing: bool,
     trainable_layers: int, train_embeddings: bool, head_weight_trains: bool, final_norm_trains: bool,
+    offload: bool = False, mlp_chunk_tokens: int | None = None,
 ) -> ActivationBreakdown:
     """Saved-for-backward bytes of one micro-batch.
 
@@ -158,10 +192,12 @@ def activations(
     may sample at the bottom)."""
     tokens = batch * seq_len
     frozen_layers = shape.layers - trainable_layers
-    full = layer_bytes_per_token(shape, dt, seq_len, attention, True)
-    frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False)
+    chunked = mlp_chunked(seq_len, mlp_chunk_tokens)
+    full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked)
+    frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked)
     if checkpointing:
-        layers = tokens * shape.layers * checkpointed_layer_bytes_per_token(shape, dt)
+        resident = min(shape.layers, OFFLOAD_INFLIGHT_LAYERS) if offload else shape.layers
+        layers = tokens * resident * checkpointed_layer_bytes_per_token(shape, dt)
     else:
         layers = tokens * (trainable_layers * full + frozen_layers * frozen)
     outside = INT64 * tokens if train_embeddings else 0  # token ids, for the embedding gradient
@@ -185,6 +221,7 @@ def activations(
     return ActivationBreakdown(
         layers=layers, outside_layers=outside, log_probs=log_probs,
         one_layer_full=tokens * (full if trainable_layers else frozen),
+        mlp_chunk=mlp_chunk_bytes(shape, dt, batch, seq_len, mlp_chunk_tokens),
     )
 
 

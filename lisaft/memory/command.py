@@ -12,6 +12,7 @@ from lisaft.errors import LisaftError
 from lisaft.memory.advice import advice, largest_fitting, optimizer_grid
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
+from lisaft.allocator import expandable_segments
 from lisaft.memory.estimate import DTYPE_BYTES, GiB, Estimate, Settings, compute
 from lisaft.memory.optimizer_state import OPTIMIZERS
 from lisaft.recipe import Recipe, load_recipe
@@ -55,7 +56,11 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         model_label=label, config=config, dtype=recipe.model.dtype,
         attention=_attention_for(recipe.model.attention, device, recipe.model.dtype),
         gradient_checkpointing=recipe.model.gradient_checkpointing,
+        offload_activations=recipe.model.offload_activations,
+        mlp_chunk_tokens=recipe.model.mlp_chunk_tokens,
         optimizer=recipe.optimizer.name, in_backward=recipe.optimizer.in_backward,
+        bf16_update=getattr(recipe.optimizer, "bf16_update", "stochastic"),
+        expandable_segments=expandable_segments(),
         lisa=recipe.lisa.enabled, active_layers=recipe.lisa.active_layers,
         train_embeddings=recipe.lisa.train_embeddings, train_head=recipe.lisa.train_head,
         state_policy=recipe.lisa.state_policy, batch_size=recipe.training.batch_size,
@@ -120,6 +125,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     elif model is not None:
         config, label = resolve_model(model)
         s = Settings(model_label=label, config=config, device=device, budget_bytes=budget_bytes,
+                     expandable_segments=expandable_segments(),
                      attention=_attention_for("auto", device, dtype or "bfloat16"))
     else:
         raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lisaft.memory.activations import Shape, activations, loss_buffers_peak, shape_from_config
+from lisaft.memory.activations import (Shape, activations, loss_buffers_peak, mlp_chunked,
+                                       offloaded_host_bytes, shape_from_config)
 from lisaft.memory.counts import ParamCounts, param_counts
+from lisaft.memory.cuda_process import (CUDA_CONTEXT_BYTES, CUDA_KERNELS_BYTES, allocator_overhead,
+                                        cublas_workspace_bytes)
 from lisaft.memory.optimizer_state import state_bytes, step_temporaries
 
 GiB = 1024**3
@@ -22,13 +25,6 @@ MiB = 1024**2
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# CUDA context, kernel images and library handles (cuBLAS, cuDNN) of a PyTorch process, as
-# nvidia-smi shows them once the first matmul ran with lazy module loading: typically 0.4-0.7
-# GiB on Ampere/Ada/Hopper with CUDA 12. Not seen by torch.cuda.memory_* counters.
-CUDA_CONTEXT_BYTES = 600 * MiB
-# The caching allocator reserves more than it hands out (block rounding, fragmentation between
-# steps whose tensors differ in size): reserved is commonly a few percent above allocated.
-ALLOCATOR_OVERHEAD = 0.05
 # Resident memory of the Python process itself on CPU: torch and transformers imported and a
 # first forward/backward run (thread pools, oneDNN kernels), measured as the peak RSS of the
 # tiny configuration of benchmarks/memory_accuracy.py (whose own tensors are ~3 MiB) on Linux
@@ -39,8 +35,10 @@ DATASETS_IMPORT_BYTES = 83 * MiB
 
 COMPONENTS = (
     "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient",
-    "allocator_overhead", "cuda_context", "process_baseline",
+    "cublas_workspace", "allocator_overhead", "cuda_context", "cuda_kernels", "process_baseline",
 )
+# Outside PyTorch's allocator counters (torch.cuda.max_memory_reserved), inside NVML-used.
+OUTSIDE_ALLOCATOR = ("cuda_context", "cuda_kernels")
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,10 @@ class Settings:
     dtype: str = "bfloat16"
     attention: str = "sdpa"  # flash_attention_2 | sdpa | eager
     gradient_checkpointing: bool = False
+    offload_activations: bool = False  # checkpointed layer inputs kept in pinned host memory
+    mlp_chunk_tokens: int | None = None  # MLP run in checkpointed chunks of this many positions
     optimizer: str = "adamw_32bit"
+    bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
     in_backward: bool = False
     lisa: bool = False
     active_layers: int = 2
@@ -66,6 +67,7 @@ class Settings:
     device: str = "cuda"
     budget_bytes: int = 24 * GiB
     datasets_imported: bool = False  # on CPU, the process baseline includes `datasets`
+    expandable_segments: bool = True  # CUDA allocator setting (lisaft sets it unless the user did)
 
     def with_(self, **changes) -> "Settings":
         return replace(self, **changes)
@@ -86,6 +88,7 @@ class Estimate:
     paged_host_bytes: int
     resident_without_paged_bytes: int  # the peak when every paged byte is evicted to host
     saved_activation_bytes: int  # what saved-tensor hooks measure at the end of forward
+    activation_host_bytes: int = 0  # pinned host memory of offloaded layer inputs
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -104,8 +107,9 @@ class Estimate:
     @property
     def comparable_peak_bytes(self) -> int:
         """The peak as a process can measure it: on CUDA torch.cuda.max_memory_reserved plus
-        paged optimizer state (the CUDA context is outside both); on CPU the peak RSS."""
-        return self.total_bytes - self.components.get("cuda_context", 0)
+        paged optimizer state (the CUDA context and kernel images are outside both); on CPU
+        the peak RSS. On CUDA `total_bytes` is the NVML-used figure."""
+        return self.total_bytes - sum(self.components.get(k, 0) for k in OUTSIDE_ALLOCATOR)
 
     @property
     def weights_bytes(self) -> int:
@@ -134,11 +138,15 @@ class Estimate:
             "paged_gpu_bytes": self.paged_gpu_bytes,
             "paged_host_bytes": self.paged_host_bytes,
             "saved_activation_bytes": self.saved_activation_bytes,
+            "activation_host_bytes": self.activation_host_bytes,
             "total_params": self.total_params,
             "trainable_params": self.trainable_params,
             "settings": {
                 "model": s.model_label, "dtype": s.dtype, "attention": s.attention,
-                "gradient_checkpointing": s.gradient_checkpointing, "optimizer": s.optimizer,
+                "gradient_checkpointing": s.gradient_checkpointing,
+                "offload_activations": s.offload_activations,
+                "mlp_chunk_tokens": s.mlp_chunk_tokens, "optimizer": s.optimizer,
+                "bf16_update": s.bf16_update, "expandable_segments": s.expandable_segments,
                 "in_backward": s.in_backward, "lisa": s.lisa,
                 "active_layers": s.active_layers if s.lisa else None,
                 "train_embeddings": s.train_embeddings, "train_head": s.train_head,
@@ -196,12 +204,15 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     largest = max(trainable) if trainable else 0
 
     head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
+    # On CPU the host is the device: offloading moves nothing out of the memory that counts.
+    offload = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
     act = activations(
         shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
         trainable_layers=trainable_layers,
         train_embeddings=not s.lisa or s.train_embeddings,
         head_weight_trains=head_weight_trains,
         final_norm_trains=not s.lisa or s.train_head,
+        offload=offload, mlp_chunk_tokens=s.mlp_chunk_tokens,
     )
     saved_no_logp = act.layers + act.outside_layers
     loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
@@ -209,7 +220,9 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
     tokens = s.batch_size * s.seq_len
     # Gradient of the hidden states flowing down, and of one layer's largest intermediates.
-    backward_temp = tokens * dt * (2 * shape.hidden + 2 * shape.intermediate)
+    # A chunked MLP's intermediate gradients are one chunk's, counted in act.mlp_chunk.
+    chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
+    backward_temp = tokens * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
     head_grad = sum(counts.head) * dt if (not s.lisa or s.train_head) else 0
     if counts.tied and head_weight_trains:
         head_grad += sum(counts.embeddings[:1]) * dt
@@ -225,9 +238,9 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         grads_at_loss = grads_full if s.grad_accum_steps > 1 else 0
         grads_in_layers = max(grads_at_loss, head_grad)
         step_phase = grads_full
-    recompute = act.one_layer_full if s.gradient_checkpointing else 0
-    in_bwd_step = step_temporaries(s.optimizer, largest, dt, s.device) if s.in_backward else 0
-    step_temp = step_temporaries(s.optimizer, largest, dt, s.device)
+    recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
+    step_temp = step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update)
+    in_bwd_step = step_temp if s.in_backward else 0
     if s.clipping and not s.in_backward:
         step_temp += 8 * len(trainable)  # one float32 norm per tensor, and their stack
 
@@ -239,18 +252,20 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     if step_phase is not None:
         phases["optimizer_step"] = (step_phase, 0, 0, step_temp)
 
-    overhead_kind = "cuda_context" if s.device == "cuda" else "process_baseline"
-    if s.device == "cuda":
-        fixed = CUDA_CONTEXT_BYTES
+    cuda = s.device == "cuda"
+    if cuda:
+        outside = {"cuda_context": CUDA_CONTEXT_BYTES, "cuda_kernels": CUDA_KERNELS_BYTES}
     else:
-        fixed = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0)
-        fixed += DATASETS_IMPORT_BYTES if s.datasets_imported else 0
+        baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0)
+        outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
+    fixed = sum(outside.values())
+    workspace = cublas_workspace_bytes() if cuda else 0
 
     def phase_bytes(parts, with_paged: bool) -> tuple[int, int]:
-        # The caching allocator's overhead applies to what it hands out; paged state is
-        # unified memory outside it, and the context is outside both.
-        allocated = weights + (state.total - state.paged) + sum(parts)
-        overhead = int(ALLOCATOR_OVERHEAD * allocated) if s.device == "cuda" else 0
+        # The caching allocator's reserve applies to what it hands out (the cuBLAS workspaces
+        # among it); paged state is unified memory outside it, the context outside both.
+        allocated = weights + (state.total - state.paged) + sum(parts) + workspace
+        overhead = allocator_overhead(allocated, s.expandable_segments) if cuda else 0
         return allocated + overhead + (state.paged if with_paged else 0) + fixed, overhead
 
     totals = {name: phase_bytes(parts, True)[0] for name, parts in phases.items()}
@@ -260,9 +275,11 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     components = {
         "weights": weights, "gradients": g, "optimizer_states": state.total, "activations": a,
         "logits_loss": ll, "transient": t,
-        "allocator_overhead": phase_bytes(phases[peak_phase], True)[1],
-        overhead_kind: fixed,
     }
+    if cuda:
+        components["cublas_workspace"] = workspace
+        components["allocator_overhead"] = phase_bytes(phases[peak_phase], True)[1]
+    components.update(outside)
 
     # With a paged optimizer the driver evicts paged state to host when the device is short, so
     # the device must hold at least everything else; what is left over keeps paged state.
@@ -271,6 +288,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     paged_host = state.paged - paged_gpu
     if s.device != "cuda" and s.optimizer.startswith("paged_"):
         notes.append("paged optimizers run unpaged on CPU: their state is ordinary memory")
+    if s.offload_activations and not s.gradient_checkpointing:
+        notes.append("offload_activations needs gradient_checkpointing: nothing is offloaded")
     if s.lisa and s.state_policy == "keep":
         notes.append("lisa.state_policy keep: moments of every layer ever sampled stay resident "
                      "(counted as all layers)")
@@ -282,5 +301,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
                "transient": max(step_temp, recompute + backward_temp + in_bwd_step)},
         phases=totals, peak_phase=peak_phase, total_bytes=total,
         paged_state_bytes=state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=paged_host,
-        resident_without_paged_bytes=without_paged, saved_activation_bytes=act.saved, notes=notes,
+        resident_without_paged_bytes=without_paged, saved_activation_bytes=act.saved,
+        activation_host_bytes=offloaded_host_bytes(shape, dt, s.batch_size, s.seq_len) if offload else 0,
+        notes=notes,
     )

@@ -152,3 +152,31 @@ def peak_memory(device: torch.device | str | None = None) -> PeakMemory:
         out.cuda_allocated_bytes = int(torch.cuda.max_memory_allocated(dev))
         out.cuda_reserved_bytes = int(torch.cuda.max_memory_reserved(dev))
     return out
+
+
+def nvml_used_bytes(device: torch.device | str) -> int | None:
+    """Memory in use on the whole device as NVML (nvidia-smi) reports it: every process's, the
+    CUDA context, kernel images and resident paged state included. None off CUDA or without
+    nvidia-ml-py."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.device_memory_used(dev))
+    except Exception:  # nvidia-ml-py missing, or NVML unusable in this container
+        return None
+
+
+def memory_counters(device: torch.device | str) -> dict:
+    """The counters a train record carries, each named for what it counts. `peak_memory_bytes`
+    is torch's peak allocated on CUDA (tensors only) and the process's peak RSS on CPU;
+    `peak_memory_counter` says which."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return {
+            "peak_memory_bytes": int(torch.cuda.max_memory_allocated(dev)),
+            "peak_memory_counter": "torch_max_allocated",
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(dev)),
+            "nvml_used_bytes": nvml_used_bytes(dev),
+        }
+    return {"peak_memory_bytes": peak_rss_bytes(), "peak_memory_counter": "process_peak_rss"}

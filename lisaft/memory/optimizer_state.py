@@ -1,14 +1,19 @@
 """Optimizer state bytes per parameter tensor, following the optimizers' own allocation rules.
 
-adamw_32bit is torch.optim.AdamW: two moments shaped and typed like the parameter (so bf16
-weights get bf16 moments, 4 B/param; float32 weights 8 B/param) and a float32 step counter per
-tensor. The bitsandbytes optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
+adamw_32bit keeps two float32 moments whatever the weight dtype (8 B/param) and a float32 step
+counter per tensor. The bitsandbytes optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
 - 32-bit (PagedAdamW): two float32 moments, 8 B/param, whatever the weights' dtype.
 - 8-bit (AdamW8bit, PagedAdamW8bit): tensors under min_8bit_size = 4096 elements keep float32
   moments (8 B/param); larger ones keep two uint8 moments (2 B/param) plus one float32 absmax
   per 256-element block per moment, and share two 256-entry float32 quantization maps.
 - Paging (on CUDA only): a moment buffer is allocated in CUDA unified memory when its tensor has
   at least 1e5 elements; smaller buffers and every absmax stay ordinary device allocations.
+
+How a step runs (lisaft/optim.py) decides its transient memory, not its state: adamw_32bit is
+not torch's fused AdamW but a chunked float32 update, on CPU and CUDA alike; bf16 weights take
+their update through the same chunked path (stochastic rounding by default, `nearest` for
+comparison), whichever optimizer keeps the moments. A chunk holds at most 4,194,304 elements,
+so the step's extra buffers are bounded (48 MiB) whatever the tensor's size.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
+BF16_UPDATES = ("stochastic", "nearest")
 
 MIN_8BIT_SIZE = 4096
 BLOCKSIZE = 256
@@ -41,7 +47,7 @@ def tensor_state(optimizer: str, numel: int, dt: int, device: str) -> StateBytes
     """State bytes for one parameter tensor of `numel` elements and dtype size `dt`."""
     paging = is_paged(optimizer) and device == "cuda" and numel >= PAGED_MIN_NUMEL
     if optimizer == "adamw_32bit":
-        return StateBytes(2 * numel * dt + 4, 0)
+        return StateBytes(2 * numel * 4 + 4, 0)
     if is_8bit(optimizer) and numel >= MIN_8BIT_SIZE:
         blocks = -(-numel // BLOCKSIZE)
         moments = 2 * numel
@@ -64,18 +70,36 @@ def state_bytes(optimizer: str, numels, dt: int, device: str) -> StateBytes:
     return StateBytes(total, paged)
 
 
-def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str) -> int:
-    """Extra bytes while the optimizer step runs.
+# The float32 update runs over at most this many elements at a time (lisaft/optim.py): a float32
+# copy of the weight chunk, the float32 gradient chunk and int32 rounding noise, 12 B/element.
+UPDATE_CHUNK_ELEMENTS = 4_194_304
+UPDATE_CHUNK_BYTES_PER_ELEMENT = 12
 
-    On CUDA every optimizer updates in place in fused kernels (torch AdamW fused=True, the
-    bitsandbytes kernels). On CPU, bitsandbytes' reference implementation
-    (bitsandbytes/backends/cpu/ops.py) works one tensor at a time in float32: 32-bit holds
-    the float32 gradient, sqrt and denominator and the update (12 B/elem); 8-bit holds both
+
+def chunked_update(optimizer: str, dt: int, bf16_update: str) -> bool:
+    """Whether the step goes through lisaft's chunked float32 update: adamw_32bit always (its
+    moments are float32 whatever the weights), any optimizer for bf16 weights taking
+    stochastically rounded updates."""
+    return optimizer == "adamw_32bit" or (dt == 2 and bf16_update == "stochastic")
+
+
+def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str,
+                     bf16_update: str = "stochastic") -> int:
+    """Extra bytes on the training device while one unit is being stepped.
+
+    The chunked float32 update holds one chunk's buffers, `12 x min(n_max, 4,194,304)` bytes
+    (48 MiB at most), for as long as a unit is stepped. On CUDA the bitsandbytes kernels
+    otherwise update in place. On CPU, bitsandbytes' reference implementation
+    (bitsandbytes/backends/cpu/ops.py) works one tensor at a time in float32: 32-bit holds the
+    float32 gradient, sqrt and denominator and the update (12 B/elem); 8-bit holds both
     dequantized moments, the float32 gradient, sqrt and denominator (20 B/elem); either adds a
     float32 copy of a non-float32 parameter. So the largest trainable tensor sets the peak."""
+    chunk = 0
+    if chunked_update(optimizer, dt, bf16_update):
+        chunk = min(largest_numel, UPDATE_CHUNK_ELEMENTS) * UPDATE_CHUNK_BYTES_PER_ELEMENT
     if device == "cuda" or optimizer == "adamw_32bit":
-        return 0
+        return chunk
     per_elem = 20 if is_8bit(optimizer) else 12
     if dt != 4:
         per_elem += 4
-    return largest_numel * per_elem
+    return max(chunk, largest_numel * per_elem)

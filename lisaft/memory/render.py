@@ -16,8 +16,10 @@ _DESCRIPTIONS = {
     "activations": "saved for backward by layers, norms, head input",
     "logits_loss": "float32 log-probs + their gradients, vocab x tokens",
     "transient": "step temporaries, checkpoint recompute, backward buffers",
-    "allocator_overhead": "caching allocator reserve (5% of allocated)",
-    "cuda_context": "CUDA context, kernels, library handles",
+    "cublas_workspace": "cuBLAS workspaces: forward and backward threads, 32 MiB each",
+    "allocator_overhead": "caching allocator reserve (2% expandable segments, 9% default)",
+    "cuda_context": "CUDA context before any kernel ran",
+    "cuda_kernels": "kernel images loaded lazily, library state (fitted to NVML)",
     "process_baseline": "Python + torch + transformers resident set",
 }
 
@@ -123,6 +125,9 @@ def render(est: Estimate, changes: list[Change], grid: dict, max_seq: int, max_b
     paged = paged_lines(est)
     if paged is not None:
         parts.append(paged)
+    if est.activation_host_bytes:
+        parts.append(Text(f"Host memory for offloaded activation checkpoints: "
+                          f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))
     s = est.settings
     parts.append(Text(
         f"Largest sequence length that fits at batch {s.batch_size}: {max_seq or 'none'}; "

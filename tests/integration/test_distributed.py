@@ -63,9 +63,9 @@ def test_two_ranks_match_one_process_at_twice_the_batch_and_resume_exactly(tiny_
     ckpt = tiny_run.dir / "cut" / "checkpoints" / "step-000004"
     assert (ckpt / "rng-rank0.pt").is_file() and (ckpt / "rng-rank1.pt").is_file()
 
-    # Sharded optimizer state: each rank keeps the moments of half the parameters and broadcasts
-    # their updates. The arithmetic per parameter is unchanged, so the run is bit-identical to
-    # the replicated one, and a sharded run resumes exactly from per-rank optimizer files.
+    # Sharded optimizer state: each rank keeps the moments of its share of the units and
+    # broadcasts their updates. The arithmetic per parameter is unchanged, so the run is
+    # bit-identical to the replicated one, and a sharded run resumes exactly.
     sharded = {**common["training"], "batch_size": 2, "shard_optimizer_state": True}
     sh = tiny_run("sh.yaml", **{**common, "training": {**sharded, "output_dir": "sh"}})
     result = torchrun("train", str(sh), cwd=tiny_run.dir)
@@ -78,7 +78,10 @@ def test_two_ranks_match_one_process_at_twice_the_batch_and_resume_exactly(tiny_
     assert state[-1] < 0.75 * full[-1], (state, full)
     shcut = tiny_run("shcut.yaml", **{**common, "training": {**sharded, "max_steps": 2, "output_dir": "shcut"}})
     assert torchrun("train", str(shcut), cwd=tiny_run.dir).returncode == 0
-    assert (tiny_run.dir / "shcut" / "checkpoints" / "step-000002" / "optimizer-rank1.pt").is_file()
+    # Embeddings (unit 0) are owned by rank 0 and the head (unit 5 of 6) by rank 1: each owner
+    # wrote its unit's file.
+    opt_dir = tiny_run.dir / "shcut" / "checkpoints" / "step-000002" / "optimizer"
+    assert (opt_dir / "embeddings.pt").is_file() and (opt_dir / "head.pt").is_file()
     result = torchrun("resume", str(tiny_run.dir / "shcut"), "--max-steps", "4", cwd=tiny_run.dir)
     assert result.returncode == 0, result.stdout + result.stderr
     assert train_losses(tiny_run.dir / "shcut") == b

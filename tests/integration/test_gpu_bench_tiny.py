@@ -1,6 +1,8 @@
-"""benchmarks/gpu_8b_24gb.py --tiny: the GPU benchmark's code path, on CPU, so it cannot rot."""
+"""benchmarks/gpu_run.sh and gpu_8b_24gb.py --tiny: the GPU suite's code path, on CPU, so it
+cannot rot."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,20 +10,42 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_benchmark_tiny_mode(tmp_path):
-    out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_8b_24gb.py"), "--tiny",
-                           "--steps", "3", "--out", str(out)], capture_output=True, text=True, timeout=300)
+def _env(tmp_path):
+    # gpu_run.sh runs `python3`: make it this interpreter; no wheels to install here.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none")}
+
+
+def test_gpu_suite_tiny_mode_end_to_end(tmp_path):
+    proc = subprocess.run([str(REPO / "benchmarks" / "gpu_run.sh"), "--tiny", "--configs",
+                           "long-16k,full-in-backward"],
+                          capture_output=True, text=True, timeout=400, env=_env(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads(out.read_text())
-    assert summary["mode"] == "tiny-cpu" and summary["lisa_fits_cap"] is True
+    out = tmp_path / "out"
+    summary = json.loads((out / "gpu_8b_24gb.json").read_text())
+    assert summary["mode"] == "tiny-cpu" and summary["complete"] is True
     runs = {r["run"]: r for r in summary["runs"]}
-    assert set(runs) == {"lisa", "full"}
+    assert list(runs) == ["long-16k", "full-in-backward"]
     for r in runs.values():
         assert r["steps_done"] == 3 and not r["oom"]
         assert r["tokens_per_s"] > 0 and r["estimated_total_bytes"] > 0 and r["peak_rss_bytes"] > 0
-    assert runs["full"]["in_backward"] and not runs["full"]["lisa"]
-    assert runs["lisa"]["lisa"] and runs["lisa"]["optimizer"] == "paged_adamw_8bit"
+        assert abs(r["estimate_error"]) < 0.5  # on CPU: against peak RSS
+    long = runs["long-16k"]
+    assert long["offload_activations"] and long["lisa"] and long["seq_len"] == 128
+    full = runs["full-in-backward"]
+    assert full["in_backward"] and not full["lisa"]
     # LISA keeps moments for 2 of 4 layers plus embeddings and head only.
-    assert runs["lisa"]["optimizer_state_bytes"] < runs["full"]["optimizer_state_bytes"]
-    assert "| lisa |" in proc.stdout and "| full |" in proc.stdout
+    assert long["optimizer_state_bytes"] < full["optimizer_state_bytes"]
+    assert "| full-in-backward |" in (out / "gpu_8b_24gb.md").read_text()
+    assert "| long-16k |" in (out / "gpu_8b_24gb.log").read_text()
+
+
+def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_8b_24gb.py"), "--tiny", "--budget-s", "0",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    assert summary["complete"] and len(summary["runs"]) == 14
+    assert [r["run"] for r in summary["runs"][:3]] == ["headroom", "long-16k", "shipped-default-alloc"]
+    assert all(r["skipped"].startswith("budget") for r in summary["runs"])

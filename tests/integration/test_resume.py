@@ -62,6 +62,26 @@ def test_stop_and_resume_is_bit_identical(tiny_run, policy, stop_at, accum):
     assert_same_run(tiny_run.dir / "ref", tiny_run.dir / "cut")
 
 
+@pytest.mark.parametrize("policy", ["discard", "offload_cpu", "offload_disk", "keep"])
+@pytest.mark.parametrize("name", ["adamw_32bit", "paged_adamw_8bit"])
+def test_bf16_stochastic_rounding_resumes_bit_identically(tiny_run, policy, name):
+    # The rounding noise is a function of the run's position, so nothing of it needs saving;
+    # a learning rate small enough that most updates are below a bf16 step makes the noise matter.
+    common = dict(model={"dtype": "bfloat16"}, optimizer={"name": name, "lr": 2e-5},
+                  lisa={"state_policy": policy, "interval_steps": 2},
+                  training={"max_steps": 6, "eval_every": 3})
+    ref = tiny_run("ref.yaml", **common)
+    assert train(ref, overrides=["training.output_dir=ref"], show=False) == 0
+    nearest = tiny_run("nearest.yaml", **{**common, "optimizer": {**common["optimizer"], "bf16_update": "nearest"}})
+    assert train(nearest, overrides=["training.output_dir=nearest"], show=False) == 0
+    wr, wn = final_weights(tiny_run.dir / "ref"), final_weights(tiny_run.dir / "nearest")
+    assert any(not wr[k].equal(wn[k]) for k in wr)  # the rounding mode is really in effect
+    cut = tiny_run("cut.yaml", **common)
+    assert train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=3) != 0
+    assert resume(tiny_run.dir / "cut", show=False) == 0
+    assert_same_run(tiny_run.dir / "ref", tiny_run.dir / "cut")
+
+
 def test_resume_refuses_path_change_and_reports_cadence(tiny_run):
     recipe = tiny_run(training={"max_steps": 6})
     train(recipe, show=False, _stop_at=2)
@@ -87,13 +107,50 @@ def test_resume_extends_a_finished_run_and_refuses_without_more_steps(tiny_run):
     assert sorted(losses(run)) == [1, 2, 3, 4, 5]
 
 
+def _lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_metrics(run / "metrics.jsonl") if "lr" in r}
+
+
+def test_changing_max_steps_on_resume_keeps_the_lr_curve_unless_replanned(tiny_run):
+    common = dict(scheduler={"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.1},
+                  training={"max_steps": 10, "eval_every": 0})
+    ref = tiny_run("ref.yaml", **common)
+    assert train(ref, overrides=["training.output_dir=ref"], show=False) == 0
+    reference = _lrs(tiny_run.dir / "ref")
+
+    # Stopped at 5 of 10 and resumed to 7: the steps follow the 10-step curve exactly.
+    short = tiny_run("short.yaml", **common)
+    train(short, overrides=["training.output_dir=short"], show=False, _stop_at=5)
+    result = runner.invoke(app, ["resume", str(tiny_run.dir / "short"), "--max-steps", "7"])
+    assert result.exit_code == 0 and "saved curve planned for 10 steps" in result.output, result.output
+    assert _lrs(tiny_run.dir / "short") == {k: v for k, v in reference.items() if k <= 7}
+
+    # A finished run extended to 13: the LR stays at its floor instead of rising again.
+    run = tiny_run.dir / "ref"
+    result = runner.invoke(app, ["resume", str(run), "--max-steps", "13"])
+    assert result.exit_code == 0 and "stays at its floor" in result.output, result.output
+    lrs = _lrs(run)
+    floor = 3e-3 * 0.1
+    assert all(abs(lrs[k] - floor) < 1e-12 for k in (11, 12, 13)) and lrs[10] == reference[10]
+
+    # --reschedule re-plans from where the run stands: no jump at the seam, the floor at the end.
+    cut = tiny_run("cut.yaml", **common)
+    train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=5)
+    result = runner.invoke(app, ["resume", str(tiny_run.dir / "cut"), "--max-steps", "20", "--reschedule"])
+    assert result.exit_code == 0 and "re-planned" in result.output, result.output
+    lrs = _lrs(tiny_run.dir / "cut")
+    assert lrs[6] == reference[6]  # step 6 runs at the LR the run had reached: no jump
+    assert all(lrs[k + 1] < lrs[k] for k in range(6, 20)) and lrs[20] == pytest.approx(floor)
+    assert lrs[7] > reference[7]  # the decay is stretched over the longer run
+
+
 def test_corrupt_newest_checkpoint_is_skipped(tiny_run):
     common = dict(training={"max_steps": 6, "save_every": 2, "keep_last": 3})
     ref = tiny_run("ref.yaml", **common)
     assert train(ref, overrides=["training.output_dir=ref"], show=False) == 0
     run = tiny_run.dir / "ref"
     newest = run / "checkpoints" / "step-000006"
-    opt = newest / "optimizer.pt"
+    opt = newest / "optimizer" / "head.pt"
     opt.write_bytes(opt.read_bytes()[:100])
     reference = losses(run)
     result = runner.invoke(app, ["resume", str(run)])
@@ -191,10 +248,10 @@ def test_out_of_memory_says_what_to_do_and_resumes_with_checkpointing(tiny_run, 
     recipe = tiny_run(training={"max_steps": 6, "save_every": 2, "eval_every": 0})
     real_step = trainer_mod.train_step
 
-    def step_or_oom(session, step):
+    def step_or_oom(session, step, **kw):
         if step == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_step(session, step)
+        return real_step(session, step, **kw)
 
     monkeypatch.setattr(trainer_mod, "train_step", step_or_oom)
     result = runner.invoke(app, ["train", str(recipe)])

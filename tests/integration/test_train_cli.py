@@ -7,8 +7,9 @@ from lisaft.cli import app
 from lisaft.metrics import read_metrics
 
 runner = CliRunner()
-TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "active_layers", "trainable_params", "grad_bytes",
-                "optimizer_state_bytes", "offloaded_state_bytes", "peak_memory_bytes"}
+TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "active_layers", "trainable_params",
+                "grad_bytes", "optimizer_state_bytes", "offloaded_state_bytes", "peak_memory_bytes",
+                "peak_memory_counter"}
 
 
 def test_train_end_to_end_writes_the_run_directory(tiny_run):
@@ -25,6 +26,7 @@ def test_train_end_to_end_writes_the_run_directory(tiny_run):
     assert 0.0 <= evals[-1]["eval_token_accuracy"] <= 1.0
     assert all(len(r["active_layers"]) == 2 for r in train)
     assert all(r["peak_memory_bytes"] > 0 and r["grad_bytes"] > 0 for r in train)
+    assert all(r["grad_norm"] > 0 for r in train)
     assert (run / "recipe.yaml").is_file()
     assert "Memory: estimated vs measured" in result.output and "optimizer states" in result.output
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
@@ -62,6 +64,7 @@ def _one_error_line(result):
     (["model.config=nope/config.json"], "model.config"),
     (["model.attention=flash_attention_2"], "flash_attention_2"),
     (["lisa.active_layers=9"], "lisa.active_layers"),
+    (["model.dtype=float16"], "use bfloat16"),
 ])
 def test_bad_input_exits_2_with_one_message(tiny_run, overrides, needle):
     recipe = tiny_run()
@@ -125,3 +128,25 @@ def test_chunked_loss_trains_like_the_plain_loss(tiny_run, monkeypatch, in_backw
         x = torch.tensor([r[key] for r in a if key in r])
         y = torch.tensor([r[key] for r in b if key in r])
         assert len(x) and torch.allclose(x, y, rtol=1e-4), (key, x, y)
+
+
+def test_grad_norm_is_the_norm_before_clipping_in_both_modes(tiny_run):
+    import math
+
+    from lisaft.trainer import train
+
+    common = {"lisa": {"enabled": False}, "scheduler": {"name": "constant"},
+              "optimizer": {"name": "adamw_32bit", "lr": 1e-3}}
+    # One step from the same init and batch: the clipped run, the unclipped run and the
+    # in-backward run (which never holds all gradients at once) all see the same norm.
+    runs = {"clipped": {"max_grad_norm": 1e-3}, "unclipped": {"max_grad_norm": None}}
+    for name, t in runs.items():
+        recipe = tiny_run(f"{name}.yaml", training={"max_steps": 1, "eval_every": 0, **t}, **common)
+        assert train(recipe, overrides=[f"training.output_dir={name}"], show=False) == 0
+    ib = tiny_run("ib.yaml", training={"max_steps": 1, "eval_every": 0, "max_grad_norm": None},
+                  **{**common, "optimizer": {**common["optimizer"], "in_backward": True}})
+    assert train(ib, overrides=["training.output_dir=ib"], show=False) == 0
+    norms = {name: [r["grad_norm"] for r in read_metrics(tiny_run.dir / name / "metrics.jsonl") if "loss" in r][0]
+             for name in ("clipped", "unclipped", "ib")}
+    assert norms["clipped"] > 1e-3 and math.isclose(norms["clipped"], norms["unclipped"], rel_tol=1e-6)
+    assert math.isclose(norms["ib"], norms["unclipped"], rel_tol=1e-4)

@@ -1,11 +1,13 @@
-"""LISA: the sampler, switching, the state policies and their memory, on tiny Llamas on CPU.
+"""LISA: the sampler, switching whole units, the state policies and their memory, on tiny Llamas
+on CPU.
 
-The step loop here is deliberately the smallest one that exercises the controller; the trainer's
-loop is tested elsewhere."""
+The step loop here is deliberately the smallest one that exercises the controller and the unit
+optimizers; the trainer's loop is tested elsewhere."""
 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,12 +15,12 @@ import torch
 
 from _tiny import tiny as _tiny
 
-from lisaft import optim
 from lisaft.errors import LisaftError
 from lisaft.lisa import LayerSampler, LisaController
 from lisaft.models import model_parts
-from lisaft.optim import build_optimizer
+from lisaft.optim import is_paged
 from lisaft.recipe import LisaSection, OptimizerSection
+from lisaft.units import UnitOptimizers, model_units
 
 CPU = torch.device("cpu")
 NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
@@ -29,24 +31,27 @@ def tiny(seed: int = 0, layers: int = 6):
     return _tiny(seed, layers)
 
 
-def setup(tmp_path, name="adamw_32bit", in_backward=False, layers=6, seed=0, model_seed=0, **lisa):
-    model = tiny(model_seed, layers)
-    opt = build_optimizer(model, OptimizerSection(name=name, lr=1e-3, weight_decay=0.1,
-                                                  in_backward=in_backward), CPU)
+def setup(tmp_path, name="adamw_32bit", in_backward=False, layers=6, seed=0, model_seed=0,
+          device=CPU, model=None, **lisa):
+    model = model if model is not None else tiny(model_seed, layers)
+    units = model_units(model_parts(model))
+    section = OptimizerSection(name=name, lr=1e-3, weight_decay=0.1, in_backward=in_backward)
+    opts = UnitOptimizers(units, section, device, tmp_path / "offload", seed)
     sec = LisaSection(**{"enabled": True, "active_layers": 2, "interval_steps": 2, **lisa})
-    ctrl = LisaController(model, model_parts(model), sec, opt, CPU, tmp_path / "offload", seed)
-    return model, opt, ctrl
+    ctrl = LisaController(units, opts, sec, seed)
+    return SimpleNamespace(model=model, opts=opts, ctrl=ctrl)
 
 
-def run(model, opt, ctrl, start: int, stop: int, after_step=None) -> list[float]:
+def run(h, start: int, stop: int, after_step=None, vocab: int = 128) -> list[float]:
+    device = next(h.model.parameters()).device
     losses = []
     for step in range(start, stop):
-        ctrl.activate_for_step(step)
-        x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
-        loss = model(input_ids=x, labels=x).loss
+        h.ctrl.activate_for_step(step)
+        h.opts.set_lr(1e-3, step)
+        x = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(step)).to(device)
+        loss = h.model(input_ids=x, labels=x).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        h.opts.step(h.ctrl.trainable_units())
         losses.append(loss.item())
         if after_step:
             after_step(step)
@@ -75,16 +80,18 @@ def assert_same_weights(a, b):
         assert torch.equal(x, y), n
 
 
-def state_params(opt, model) -> set[str]:
-    return {n for n, p in model.named_parameters() if optim.has_state(opt, p)}
-
-
-def state_bytes_of(opt, params) -> list[int]:
-    return [optim.state_nbytes(optim.holder(opt, p).state[p]) for p in params]
+def state_params(h) -> set[str]:
+    """Names of the parameters that have moments on the device."""
+    names = {p: n for n, p in h.model.named_parameters()}
+    return {names[p] for opt in h.opts.resident.values() for p, st in opt.state.items() if st}
 
 
 def trainable_names(model) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def unit_state_bytes(h, names) -> int:
+    return sum(h.opts.resident[n].resident_bytes() for n in names if n in h.opts.resident)
 
 
 # -- sampler --------------------------------------------------------------------------------------
@@ -133,60 +140,67 @@ def test_too_many_active_layers_is_a_clear_error(tmp_path):
         setup(tmp_path, layers=4, active_layers=5)
 
 
+def test_units_are_embeddings_each_layer_and_head(tmp_path):
+    h = setup(tmp_path, layers=3)
+    names = [u.name for u in h.ctrl.units]
+    assert names == ["embeddings", "layer-00000", "layer-00001", "layer-00002", "head"]
+    params = [p for u in h.ctrl.units for p in u.params]
+    assert len(params) == len(set(params)) == len(list(h.model.parameters()))
+
+
 def test_disabled_trains_everything_with_the_same_statistics(tmp_path):
-    model, opt, ctrl = setup(tmp_path, enabled=False, layers=4, active_layers=9)
-    assert run(model, opt, ctrl, 0, 1)
-    assert ctrl.activate_for_step(5) is False
-    assert ctrl.active_layers == [0, 1, 2, 3]
-    assert ctrl.trainable_params() == sum(p.numel() for p in model.parameters())
-    assert ctrl.state_bytes() == (sum(8 * p.numel() + 4 for p in model.parameters()), 0)
+    h = setup(tmp_path, enabled=False, layers=4, active_layers=9)
+    assert run(h, 0, 1)
+    assert h.ctrl.activate_for_step(5) is False
+    assert h.ctrl.active_layers == [0, 1, 2, 3]
+    assert h.ctrl.trainable_params() == sum(p.numel() for p in h.model.parameters())
+    # float32 moments, two per parameter element; the step count is a Python int.
+    assert h.opts.state_bytes() == (sum(8 * p.numel() for p in h.model.parameters()), 0)
 
 
 def test_optimizer_updates_exactly_the_trainable_parameters(tmp_path):
-    model, opt, ctrl = setup(tmp_path, active_layers=2, interval_steps=2)
-    sampler = ctrl.sampler
+    h = setup(tmp_path, active_layers=2, interval_steps=2)
+    sampler = h.ctrl.sampler
     first = set(sampler.active_set(0))
     later = {i for k in range(1, 6) for i in sampler.active_set(k)}
     late = min(later - first)
-    late_before = weights(model)
+    late_before = weights(h.model)
     seen_late_train = []
-
-    prev = weights(model)
+    prev = weights(h.model)
 
     def check(step):
         nonlocal prev
-        now = weights(model)
+        now = weights(h.model)
         changed = {n for n in now if not torch.equal(now[n], prev[n])}
-        assert changed == trainable_names(model), step
-        assert {n for n, p in model.named_parameters() if p.grad is not None} == set()
+        assert changed == trainable_names(h.model), step
+        assert all(p.grad is None for p in h.model.parameters())
         prev = now
-        if late in ctrl.active_layers:
+        if late in h.ctrl.active_layers:
             seen_late_train.append(step)
 
     for step in range(12):
-        switched = ctrl.activate_for_step(step)
+        switched = h.ctrl.activate_for_step(step)
         assert switched == (step % 2 == 0)
-        names = trainable_names(model)
+        names = trainable_names(h.model)
         layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
-        assert layers == set(ctrl.active_layers) == set(sampler.active_set(step // 2))
+        assert layers == set(h.ctrl.active_layers) == set(sampler.active_set(step // 2))
         assert any(n.startswith("model.embed_tokens") for n in names) and "lm_head.weight" in names
         assert "model.norm.weight" in names
-        assert not any(p.grad is not None for p in model.parameters() if not p.requires_grad)
-        assert ctrl.trainable_params() == sum(p.numel() for p in ctrl.trainable_parameters())
-        run(model, opt, ctrl, step, step + 1)
-        assert ctrl.grad_bytes() == 0  # zero_grad(set_to_none) ran
+        assert h.ctrl.trainable_params() == sum(p.numel() for p in h.ctrl.trainable_parameters())
+        run(h, step, step + 1)
+        assert h.ctrl.grad_bytes() == 0  # the step freed every gradient
         check(step)
     assert seen_late_train  # a layer frozen at the start did train once sampled
-    late_now = model.model.layers[late].mlp.up_proj.weight
+    late_now = h.model.model.layers[late].mlp.up_proj.weight
     assert not torch.equal(late_now, late_before[f"model.layers.{late}.mlp.up_proj.weight"])
 
 
 def test_grad_bytes_are_the_trainable_gradients(tmp_path):
-    model, opt, ctrl = setup(tmp_path)
-    ctrl.activate_for_step(0)
+    h = setup(tmp_path)
+    h.ctrl.activate_for_step(0)
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    model(input_ids=x, labels=x).loss.backward()
-    assert ctrl.grad_bytes() == 4 * ctrl.trainable_params()
+    h.model(input_ids=x, labels=x).loss.backward()
+    assert h.ctrl.grad_bytes() == 4 * h.ctrl.trainable_params()
 
 
 def test_moments_survive_for_always_trained_and_resampled_layers(tmp_path):
@@ -195,54 +209,57 @@ def test_moments_survive_for_always_trained_and_resampled_layers(tmp_path):
         return set(LayerSampler(6, 2, s).active_set(0)) & set(LayerSampler(6, 2, s).active_set(1))
 
     seed = next(s for s in range(50) if overlap(s))
-    model, opt, ctrl = setup(tmp_path, seed=seed, interval_steps=3, state_policy="discard")
-    shared = sorted(set(ctrl.sampler.active_set(0)) & set(ctrl.sampler.active_set(1)))[0]
-    run(model, opt, ctrl, 0, 6)
-    st = lambda p: optim.holder(opt, p).state[p]  # noqa: E731
-    assert st(model.model.embed_tokens.weight)["step"].item() == 6
-    assert st(model.lm_head.weight)["step"].item() == 6
-    assert st(model.model.norm.weight)["step"].item() == 6
-    assert st(model.model.layers[shared].self_attn.q_proj.weight)["step"].item() == 6
+    h = setup(tmp_path, seed=seed, interval_steps=3, state_policy="discard")
+    shared = sorted(set(h.ctrl.sampler.active_set(0)) & set(h.ctrl.sampler.active_set(1)))[0]
+    run(h, 0, 6)
+
+    def steps(unit, p):
+        return h.opts.resident[unit].state[p]["step"]
+
+    assert steps("embeddings", h.model.model.embed_tokens.weight) == 6
+    assert steps("head", h.model.lm_head.weight) == 6
+    assert steps("head", h.model.model.norm.weight) == 6
+    assert steps(f"layer-{shared:05d}", h.model.model.layers[shared].self_attn.q_proj.weight) == 6
 
 
 @pytest.mark.parametrize("name,policy", [("adamw_32bit", "discard"), ("adamw_32bit", "offload_cpu"),
                                          ("adamw_32bit", "offload_disk"), ("adamw_8bit", "offload_disk")])
 def test_device_state_stays_the_trainable_sets_over_50_intervals(tmp_path, name, policy):
-    model, opt, ctrl = setup(tmp_path, name=name, layers=4, interval_steps=1, state_policy=policy)
+    h = setup(tmp_path, name=name, layers=4, interval_steps=1, state_policy=policy)
     per_layer = {}
     ever = set()
 
     def check(step):
-        assert state_params(opt, model) == trainable_names(model)
-        resident, offloaded = ctrl.state_bytes()
-        trainable_state = sum(state_bytes_of(opt, ctrl.trainable_parameters()))
+        assert state_params(h) == trainable_names(h.model)
+        assert set(h.opts.resident) == {u.name for u in h.ctrl.trainable_units()}
+        resident, offloaded = h.opts.state_bytes()
         code_books = 2 * 256 * 4 if name == "adamw_8bit" else 0
-        assert resident == trainable_state + code_books
-        for i in ctrl.active_layers:
-            per_layer[i] = sum(state_bytes_of(opt, model.model.layers[i].parameters()))
-        ever.update(ctrl.active_layers)
-        off = sum(per_layer[i] for i in ever - set(ctrl.active_layers))
+        assert resident == unit_state_bytes(h, h.opts.resident) + code_books
+        for i in h.ctrl.active_layers:
+            per_layer[i] = unit_state_bytes(h, [f"layer-{i:05d}"])
+        ever.update(h.ctrl.active_layers)
+        off = sum(per_layer[i] for i in ever - set(h.ctrl.active_layers))
         assert offloaded == (0 if policy == "discard" else off)
         if policy == "offload_disk":
             folder = tmp_path / "offload"
             files = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
-            assert files == [f"layer-{i:04d}-rank0.pt" for i in sorted(ever - set(ctrl.active_layers))]
+            assert files == [f"layer-{i:05d}.pt" for i in sorted(ever - set(h.ctrl.active_layers))]
 
-    run(model, opt, ctrl, 0, 52, after_step=check)
-    assert ctrl.interval == 51 and len(ever) == 4
+    run(h, 0, 52, after_step=check)
+    assert h.ctrl.interval == 51 and len(ever) == 4
 
 
 def test_keep_lets_device_state_grow(tmp_path):
-    model, opt, ctrl = setup(tmp_path, interval_steps=1, state_policy="keep")
+    h = setup(tmp_path, interval_steps=1, state_policy="keep")
     sizes, ever = [], set()
 
     def check(step):
-        ever.update(ctrl.active_layers)
-        sizes.append(ctrl.state_bytes())
-        layers = {int(n.split(".")[2]) for n in state_params(opt, model) if n.startswith("model.layers.")}
+        ever.update(h.ctrl.active_layers)
+        sizes.append(h.opts.state_bytes())
+        layers = {int(n.split(".")[2]) for n in state_params(h) if n.startswith("model.layers.")}
         assert layers == ever
 
-    run(model, opt, ctrl, 0, 8, after_step=check)
+    run(h, 0, 8, after_step=check)
     assert sizes[-1][0] > sizes[0][0] and all(off == 0 for _, off in sizes)
     assert [s for s, _ in sizes] == sorted(s for s, _ in sizes)
 
@@ -251,8 +268,8 @@ def test_keep_lets_device_state_grow(tmp_path):
 def test_offload_is_bit_identical_to_keep(tmp_path, name):
     results = {}
     for policy in ("keep", "offload_cpu", "offload_disk", "discard"):
-        model, opt, ctrl = setup(tmp_path / policy, name=name, interval_steps=2, state_policy=policy)
-        results[policy] = (run(model, opt, ctrl, 0, 16), model)
+        h = setup(tmp_path / policy, name=name, interval_steps=2, state_policy=policy)
+        results[policy] = (run(h, 0, 16), h.model)
     assert reentering(LayerSampler(6, 2, 0), 1, 7)
     keep_losses, keep_model = results["keep"]
     for policy in ("offload_cpu", "offload_disk"):
@@ -263,43 +280,43 @@ def test_offload_is_bit_identical_to_keep(tmp_path, name):
 
 
 def test_never_sampled_layers_keep_their_weights(tmp_path):
-    model, opt, ctrl = setup(tmp_path, layers=8, active_layers=1, interval_steps=1)
-    never = set(range(8)) - {i for k in range(5) for i in ctrl.sampler.active_set(k)}
+    h = setup(tmp_path, layers=8, active_layers=1, interval_steps=1)
+    never = set(range(8)) - {i for k in range(5) for i in h.ctrl.sampler.active_set(k)}
     assert never
-    before = weights(model)
-    run(model, opt, ctrl, 0, 5)
+    before = weights(h.model)
+    run(h, 0, 5)
     for i in never:
-        for n, p in model.model.layers[i].named_parameters():
+        for n, p in h.model.model.layers[i].named_parameters():
             assert torch.equal(p, before[f"model.layers.{i}.{n}"])
 
 
 @pytest.mark.parametrize("name,policy", list(itertools.product(NAMES, POLICIES)))
 def test_every_optimizer_with_every_policy(tmp_path, name, policy):
-    model, opt, ctrl = setup(tmp_path, name=name, layers=4, interval_steps=1, state_policy=policy)
-    before = weights(model)
-    losses = run(model, opt, ctrl, 0, 5)
+    h = setup(tmp_path, name=name, layers=4, interval_steps=1, state_policy=policy)
+    before = weights(h.model)
+    losses = run(h, 0, 5)
     assert all(np.isfinite(losses))
-    assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])
+    assert not torch.equal(h.model.lm_head.weight, before["lm_head.weight"])
     if policy != "keep":
-        assert state_params(opt, model) == trainable_names(model)
+        assert state_params(h) == trainable_names(h.model)
     if policy in ("offload_cpu", "offload_disk"):
-        assert ctrl.state_bytes()[1] > 0
+        assert h.opts.state_bytes()[1] > 0
 
 
 @pytest.mark.parametrize("name", ["adamw_32bit", "paged_adamw_8bit"])
 @pytest.mark.parametrize("policy", ["discard", "offload_disk"])
 def test_in_backward_with_lisa_matches_the_ordinary_step(tmp_path, name, policy):
-    model, opt, ctrl = setup(tmp_path / "a", name=name, interval_steps=2, state_policy=policy)
-    ref = run(model, opt, ctrl, 0, 8)
-    model_ib, opt_ib, ctrl_ib = setup(tmp_path / "b", name=name, in_backward=True, interval_steps=2,
-                                      state_policy=policy)
-    assert run(model_ib, opt_ib, ctrl_ib, 0, 8) == ref
-    assert_same_weights(model_ib, model)
-    assert state_params(opt_ib, model_ib) == trainable_names(model_ib)
+    h = setup(tmp_path / "a", name=name, interval_steps=2, state_policy=policy)
+    ref = run(h, 0, 8)
+    ib = setup(tmp_path / "b", name=name, in_backward=True, interval_steps=2, state_policy=policy)
+    assert run(ib, 0, 8) == ref
+    assert_same_weights(ib.model, h.model)
+    assert state_params(ib) == trainable_names(ib.model)
 
 
 def test_backward_stops_at_the_lowest_trainable_layer(tmp_path):
-    model, opt, ctrl = setup(tmp_path, active_layers=1, train_embeddings=False, seed=0)
+    h = setup(tmp_path, active_layers=1, train_embeddings=False, seed=0)
+    model, ctrl = h.model, h.ctrl
     step = next(s for s in range(50) if ctrl.sampler.active_set(s // 2)[0] >= 3)
     ctrl.activate_for_step(step)
     lowest = ctrl.active_layers[0]
@@ -338,91 +355,127 @@ def test_backward_stops_at_the_lowest_trainable_layer(tmp_path):
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
+def _save(h, folder, base=None):
+    folder.mkdir(parents=True)
+    h.opts.write_checkpoint(folder, base)
+    h.opts.saved()
+    return {"model": {k: v.clone() for k, v in h.model.state_dict().items()}, "lisa": h.ctrl.state_dict()}
+
+
+def _load(h, ckpt, folder):
+    h.model.load_state_dict(ckpt["model"])
+    h.ctrl.load_state_dict(ckpt["lisa"])
+    h.opts.load_checkpoint(folder, h.ctrl.resident_units(), h.ctrl.policy)
+
+
 def _resume_matches(tmp_path, name, policy, in_backward=False, stop=7, total=11, **lisa):
     """Stop at `stop` (mid interval), save, rebuild everything fresh, load, continue: the same
     losses and weights as never stopping. Seed 1 samples [2,4] [0,2] [1,5] [0,2]: after the stop
     layers 0 and 2 come back with moments that were offloaded before the checkpoint."""
     lisa.setdefault("seed", 1)
     lisa.update(name=name, in_backward=in_backward, state_policy=policy)
-    model, opt, ctrl = setup(tmp_path / "ref", **lisa)
-    ref = run(model, opt, ctrl, 0, total)
+    ref_h = setup(tmp_path / "ref", **lisa)
+    ref = run(ref_h, 0, total)
 
-    model_a, opt_a, ctrl_a = setup(tmp_path / "a", **lisa)
-    before = run(model_a, opt_a, ctrl_a, 0, stop)
-    import io
-
-    buf = io.BytesIO()
-    torch.save({"model": model_a.state_dict(), "lisa": ctrl_a.state_dict()}, buf)
-    saved_offload = ctrl_a.state_bytes()
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
+    a = setup(tmp_path / "a", **lisa)
+    before = run(a, 0, stop)
+    folder = tmp_path / "ckpt" / "optimizer"
+    ckpt = _save(a, folder)
+    saved_bytes = a.opts.state_bytes()
 
     # Different init, so only the checkpoint can make it right.
-    model_b, opt_b, ctrl_b = setup(tmp_path / "b", model_seed=99, **lisa)
-    model_b.load_state_dict(ckpt["model"])
-    ctrl_b.load_state_dict(ckpt["lisa"])
-    assert ctrl_b.active_layers == ctrl_a.active_layers
-    assert trainable_names(model_b) == trainable_names(model_a)
-    assert ctrl_b.state_bytes() == saved_offload
-    after = run(model_b, opt_b, ctrl_b, stop, total)
+    b = setup(tmp_path / "b", model_seed=99, **lisa)
+    _load(b, ckpt, folder)
+    assert b.ctrl.active_layers == a.ctrl.active_layers
+    assert trainable_names(b.model) == trainable_names(a.model)
+    assert b.opts.state_bytes() == saved_bytes
+    after = run(b, stop, total)
     assert before + after == ref
-    assert_same_weights(model_b, model)
-    return ckpt
+    assert_same_weights(b.model, ref_h.model)
+    return ckpt, folder
 
 
 @pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_state_dict_round_trip_continues_bit_identically(tmp_path, name, policy):
-    ckpt = _resume_matches(tmp_path, name, policy, interval_steps=3)
+def test_checkpoint_round_trip_continues_bit_identically(tmp_path, name, policy):
+    ckpt, folder = _resume_matches(tmp_path, name, policy, interval_steps=3)
     lisa = ckpt["lisa"]
     sampler = LayerSampler(6, 2, 1)
     assert reentering(sampler, 3, 3) == {0, 2}
     assert lisa["interval"] == 2 and lisa["active_layers"] == sampler.active_set(2)
-    for st in lisa["optimizer"].values():
-        assert all(v.device == CPU for v in st.values() if torch.is_tensor(v))
-    layers_with_state = {int(n.split(".")[2]) for n in lisa["optimizer"] if n.startswith("model.layers.")}
+    files = {f.name for f in folder.iterdir()}
     ever = {i for k in range(3) for i in sampler.active_set(k)}
-    # The checkpoint covers offloaded moments too; discard has only the active set's.
-    assert layers_with_state == (set(lisa["active_layers"]) if policy == "discard" else ever)
+    layers = set(lisa["active_layers"]) if policy == "discard" else ever
+    # One file per unit with moments: offloaded ones too; discard has only the active set's.
+    assert files == {"embeddings.pt", "head.pt"} | {f"layer-{i:05d}.pt" for i in layers}
 
 
-def test_state_dict_round_trip_in_backward_and_paged(tmp_path):
+def test_checkpoint_round_trip_in_backward_and_paged(tmp_path):
     _resume_matches(tmp_path / "ib", "adamw_32bit", "offload_cpu", in_backward=True, interval_steps=3)
     _resume_matches(tmp_path / "paged", "paged_adamw_8bit", "offload_disk", interval_steps=3)
 
 
-def test_state_dict_round_trip_without_lisa(tmp_path):
+def test_checkpoint_round_trip_without_lisa(tmp_path):
     _resume_matches(tmp_path, "adamw_32bit", "discard", enabled=False, stop=3, total=5)
 
 
-def test_state_dict_leaves_offloaded_files_and_refuses_a_different_sampler(tmp_path):
-    model, opt, ctrl = setup(tmp_path, state_policy="offload_disk", interval_steps=1)
-    run(model, opt, ctrl, 0, 4)
+def test_unchanged_and_offloaded_units_are_linked_not_rewritten(tmp_path):
+    h = setup(tmp_path, seed=1, interval_steps=3, state_policy="offload_disk")
+    run(h, 0, 4)  # interval 0 trained [2, 4]; interval 1 trains [0, 2]: layer 4 sits on disk
+    ckpt = [tmp_path / f"step-{i}" for i in range(3)]  # checkpoint folders, files under optimizer/
+
+    def inodes(c):
+        return {f.name: f.stat().st_ino for f in (c / "optimizer").iterdir()}
+
+    _save(h, ckpt[0] / "optimizer")
+    offload_file = tmp_path / "offload" / "layer-00004.pt"
+    assert inodes(ckpt[0])["layer-00004.pt"] == offload_file.stat().st_ino
+    _save(h, ckpt[1] / "optimizer", base=ckpt[0])  # nothing stepped in between: all links
+    assert inodes(ckpt[1]) == inodes(ckpt[0])
+    run(h, 4, 5)
+    _save(h, ckpt[2] / "optimizer", base=ckpt[1])
+    same = {n for n, ino in inodes(ckpt[2]).items() if ino == inodes(ckpt[1])[n]}
+    assert same == {"layer-00004.pt"}  # the units that stepped were written anew
+
+
+def test_offloaded_files_stay_and_a_different_sampler_is_refused(tmp_path):
+    h = setup(tmp_path, state_policy="offload_disk", interval_steps=1)
+    run(h, 0, 4)
     files = sorted((tmp_path / "offload").iterdir())
     assert files
-    ctrl.state_dict()
-    assert sorted((tmp_path / "offload").iterdir()) == files  # reading a checkpoint moves nothing
-    sd = ctrl.state_dict()
+    _save(h, tmp_path / "ckpt")
+    assert sorted((tmp_path / "offload").iterdir()) == files  # writing a checkpoint moves nothing
+    sd = h.ctrl.state_dict()
     sd["active_layers"] = [i for i in range(6) if i not in sd["active_layers"]][:2]
-    _, _, other = setup(tmp_path / "other", state_policy="offload_disk", interval_steps=1)
+    other = setup(tmp_path / "other", state_policy="offload_disk", interval_steps=1)
     with pytest.raises(LisaftError, match="training.seed or lisa.active_layers"):
-        other.load_state_dict(sd)
+        other.ctrl.load_state_dict(sd)
 
 
-def test_stale_offload_files_of_this_rank_are_cleared(tmp_path):
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    h = setup(tmp_path, layers=6)
+    run(h, 0, 2)
+    folder = tmp_path / "ckpt"
+    _save(h, folder)
+    (folder / "layer-00099.pt").write_bytes((folder / "head.pt").read_bytes())
+    with pytest.raises(LisaftError, match="layer-00099"):
+        h.opts.load_checkpoint(folder, set(), "discard")
+
+
+def test_stale_offload_files_are_cleared(tmp_path):
     folder = tmp_path / "offload"
     folder.mkdir()
-    (folder / "layer-0001-rank0.pt").write_bytes(b"stale")
-    (folder / "layer-0002-rank0.tmp").write_bytes(b"half")
-    (folder / "layer-0001-rank1.pt").write_bytes(b"another rank's")
+    (folder / "layer-00001.pt").write_bytes(b"stale")
+    (folder / "layer-00002.pt.tmp").write_bytes(b"half")
     setup(tmp_path, state_policy="offload_disk")
-    assert sorted(p.name for p in folder.iterdir()) == ["layer-0001-rank1.pt"]
+    assert list(folder.iterdir()) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="paged state needs CUDA")
 @pytest.mark.parametrize("name", ["paged_adamw_32bit", "paged_adamw_8bit"])
 @pytest.mark.parametrize("policy", ["discard", "offload_cpu", "offload_disk"])
-def test_paged_state_is_paged_again_and_recycled_on_cuda(tmp_path, name, policy):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_state_is_paged_again_and_recycled_on_cuda(tmp_path, name, policy, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cuda = torch.device("cuda", 0)
@@ -430,26 +483,25 @@ def test_paged_state_is_paged_again_and_recycled_on_cuda(tmp_path, name, policy)
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(cuda)
-    opt = build_optimizer(model, OptimizerSection(name=name, lr=1e-3), cuda)
-    sec = LisaSection(enabled=True, active_layers=1, interval_steps=1, state_policy=policy)
-    ctrl = LisaController(model, model_parts(model), sec, opt, cuda, tmp_path / "offload", 0)
+    model = LlamaForCausalLM(cfg).to(cuda, dtype)
+    h = setup(tmp_path, name=name, device=cuda, model=model, active_layers=1, interval_steps=1,
+              state_policy=policy)
     big = [p for layer in model.model.layers for p in layer.parameters() if p.numel() >= 100_000]
+    owner = {p: u.name for u in h.ctrl.units for p in u.params}
     buffers = set()
-    for step in range(8):
-        ctrl.activate_for_step(step)
-        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step)).to(cuda)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert torch.isfinite(loss)
+    before = weights(model)
+
+    def check(step):
         for p in big:
             if p.requires_grad:
-                st = opt.state[p]
-                assert optim.is_paged(st["state1"]) and optim.is_paged(st["state2"])
-                buffers.update((st["state1"].data_ptr(), st["state2"].data_ptr()))
-        assert state_params(opt, model) == trainable_names(model)
+                st = h.opts.resident[owner[p]].state[p]
+                assert is_paged(st["exp_avg"]) and is_paged(st["exp_avg_sq"])
+                buffers.update((st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr()))
+        assert state_params(h) == trainable_names(model)
+
+    losses = run(h, 0, 8, after_step=check, vocab=256)
+    assert all(np.isfinite(losses))
+    assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])
     per_layer = 2 * sum(1 for p in model.model.layers[0].parameters() if p.numel() >= 100_000)
     # Re-sampled layers reuse released paged buffers instead of allocating (and leaking) new ones.
     assert len(buffers) <= 2 * per_layer

@@ -40,8 +40,9 @@ def test_hand_computed_tiny_config():
     # 68*4, head input 32*4; loss: log-probs 4*(4*32+8) + 4
     assert e.saved_activation_bytes == 560 * 2 * 4 + (32 + 128 + 272 + 128) + 548
     # the optimizer step is the peak: weights + moments + every gradient + clipping norms
+    # + the chunked float32 update of the largest tensor (256 elements, 12 B each)
     assert e.peak_phase == "optimizer_step"
-    assert e.total_bytes == 6832 + 13716 + 6816 + 8 * 21 + CPU_PROCESS_BASELINE_BYTES
+    assert e.total_bytes == 6832 + 13716 + 6816 + 8 * 21 + 12 * 256 + CPU_PROCESS_BASELINE_BYTES
     assert sum(e.components.values()) == e.total_bytes
 
 
@@ -83,8 +84,8 @@ def test_eight_bit_state_follows_bitsandbytes_layout():
     assert tensor_state("paged_adamw_8bit", 200_000, 2, "cuda").paged == 400_000
     assert tensor_state("paged_adamw_8bit", 50_000, 2, "cuda").paged == 0
     assert tensor_state("paged_adamw_32bit", 200_000, 2, "cpu").paged == 0
-    # torch AdamW keeps moments in the parameter dtype; bitsandbytes 32-bit always float32
-    assert tensor_state("adamw_32bit", 1000, 2, "cuda").total == 4 * 1000 + 4
+    # 32-bit moments are float32 whatever the weights: lisaft's AdamW and bitsandbytes alike
+    assert tensor_state("adamw_32bit", 1000, 2, "cuda").total == 8 * 1000 + 4
     assert tensor_state("paged_adamw_32bit", 1000, 2, "cuda").total == 8 * 1000
 
 
@@ -123,7 +124,8 @@ def test_checkpointing_eager_and_in_backward_help():
     assert compute(s.with_(gradient_checkpointing=True)).sizes["activations"] < compute(s).sizes["activations"]
     assert compute(s.with_(attention="eager")).total_bytes > compute(s).total_bytes
     ib = compute(s.with_(in_backward=True, clipping=False))
-    assert "optimizer_step" not in ib.phases and ib.total_bytes <= compute(s).total_bytes
+    # no full gradient set; only the bounded update chunk (48 MiB, + 2% reserve) meets the activations
+    assert "optimizer_step" not in ib.phases and ib.total_bytes <= compute(s).total_bytes + 49 * MiB
 
 
 def test_paged_state_split_under_budget():

@@ -112,3 +112,12 @@ def _render(table) -> str:
     buf = io.StringIO()
     Console(file=buf, width=120).print(table)
     return buf.getvalue()
+
+
+def test_memory_counters_name_what_they_count():
+    from lisaft.memory.measure import memory_counters, nvml_used_bytes, peak_rss_bytes
+
+    rec = memory_counters(torch.device("cpu"))
+    assert rec["peak_memory_counter"] == "process_peak_rss"
+    assert 0 < rec["peak_memory_bytes"] <= peak_rss_bytes()
+    assert "nvml_used_bytes" not in rec and nvml_used_bytes("cpu") is None

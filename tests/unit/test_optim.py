@@ -1,4 +1,5 @@
-"""The optimizer registry, step-in-backward, and moving one parameter's state in and out."""
+"""The unit optimizer: the AdamW arithmetic, moment dtypes, chunking, state round trips, and
+bf16 rounding."""
 
 from __future__ import annotations
 
@@ -10,24 +11,35 @@ import torch
 from _tiny import tiny as _tiny
 
 from lisaft import optim
-from lisaft.optim import InBackwardOptimizer, build_optimizer, set_lr
+from lisaft.optim import Rounding, build_unit_optimizer
 from lisaft.recipe import OptimizerSection
 
 NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 CPU = torch.device("cpu")
 
 
-def tiny(seed: int = 0, layers: int = 4):
-    return _tiny(seed, layers)
+def tiny(seed: int = 0, layers: int = 2, dtype=torch.float32):
+    return _tiny(seed, layers).to(dtype)
 
 
 def batch(step: int) -> torch.Tensor:
     return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1000 + step))
 
 
+def section(name: str = "adamw_32bit", **kw) -> OptimizerSection:
+    return OptimizerSection(name=name, lr=kw.pop("lr", 1e-3), weight_decay=kw.pop("weight_decay", 0.1), **kw)
+
+
+def make(model, name="adamw_32bit", rounding="stochastic", **kw):
+    sec = section(name, bf16_update=rounding, **kw)
+    return build_unit_optimizer(list(model.parameters()), sec, CPU, Rounding(rounding, seed=0), 0, None)
+
+
 def train(model, opt, steps: int) -> list[float]:
     losses = []
     for s in range(steps):
+        if isinstance(opt, optim.AdamW):
+            opt.rounding.step = s
         x = batch(s)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -37,144 +49,172 @@ def train(model, opt, steps: int) -> list[float]:
     return losses
 
 
-def section(name: str = "adamw_32bit", **kw) -> OptimizerSection:
-    return OptimizerSection(name=name, lr=kw.pop("lr", 1e-3), weight_decay=kw.pop("weight_decay", 0.1), **kw)
+def test_float32_update_is_torch_adamw_bit_for_bit():
+    a, b = tiny(), tiny()
+    ours = make(a)
+    decay = [p for p in b.parameters() if p.ndim >= 2]
+    rest = [p for p in b.parameters() if p.ndim < 2]
+    ref = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-3,
+                            weight_decay=0.1, foreach=False)
+    assert train(a, ours, 4) == train(b, ref, 4)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
-def test_registry_classes_and_weight_decay_groups():
+def test_8bit_update_is_bitsandbytes_adamw8bit_bit_for_bit():
     import bitsandbytes as bnb
 
-    model = tiny()
-    opt = build_optimizer(model, section("adamw_32bit"), CPU)
-    assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["fused"]
-    decay, no_decay = opt.param_groups
-    assert decay["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in decay["params"])
-    assert no_decay["weight_decay"] == 0.0 and all(p.ndim < 2 for p in no_decay["params"])
-    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-    assert isinstance(build_optimizer(model, section("adamw_8bit"), CPU), bnb.optim.AdamW8bit)
-    assert isinstance(build_optimizer(model, section("paged_adamw_32bit"), CPU), bnb.optim.PagedAdamW)
-    assert isinstance(build_optimizer(model, section("paged_adamw_8bit"), CPU), bnb.optim.PagedAdamW8bit)
+    a, b = tiny(), tiny()
+    ours = make(a, "adamw_8bit")
+    decay = [p for p in b.parameters() if p.ndim >= 2]
+    rest = [p for p in b.parameters() if p.ndim < 2]
+    ref = bnb.optim.AdamW8bit([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-3,
+                              weight_decay=0.1)
+    assert train(a, ours, 4) == train(b, ref, 4)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_give_the_whole_tensor_update(monkeypatch, name, dtype):
+    # Round-to-nearest: stochastic rounding draws its noise per chunk, by design.
+    a, b = tiny(dtype=dtype), tiny(dtype=dtype)
+    whole = train(a, make(a, name, rounding="nearest"), 3)
+    # 512 elements: chunks end inside every matrix, on 8-bit block boundaries.
+    monkeypatch.setattr(optim, "CHUNK", 512)
+    assert train(b, make(b, name, rounding="nearest"), 3) == whole
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_moment_dtypes_whatever_the_weight_dtype(name):
+    model = tiny(dtype=torch.bfloat16)
+    opt = make(model, name)
+    train(model, opt, 1)
+    for p in model.parameters():
+        st = opt.state[p]
+        quantized = name.endswith("_8bit") and p.numel() >= optim.MIN_8BIT_NUMEL
+        want = torch.uint8 if quantized else torch.float32
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == want
+        assert ("absmax1" in st) == quantized
+    # Weight decay on matrices and embeddings only.
+    wd = {p: g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert all(wd[p] == (0.1 if p.ndim >= 2 else 0.0) for p in model.parameters())
+
+
+def test_float32_second_moment_of_bf16_weights_decays():
+    # A bf16 second moment times 0.999 rounds back to itself; float32 moments decay as Adam says.
+    model = tiny(dtype=torch.bfloat16)
+    opt = make(model)
+    train(model, opt, 1)
+    p = model.lm_head.weight
+    v1 = opt.state[p]["exp_avg_sq"].clone()
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.allclose(opt.state[p]["exp_avg_sq"], v1 * 0.999, rtol=1e-6)
 
 
 def test_paged_on_cpu_warns_once_in_one_line():
-    optim._warned_cpu_paging.discard("paged_adamw_32bit")
-    with warnings.catch_warnings(record=True) as caught:
+    optim._warned_cpu_paging.discard("paged_adamw_8bit")
+    with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        for _ in range(2):
-            model = tiny()
-            train(model, build_optimizer(model, section("paged_adamw_32bit"), CPU), 1)
-        model = tiny()
-        train(model, build_optimizer(model, section("paged_adamw_32bit", in_backward=True), CPU), 1)
-    paging = [w for w in caught if "paged" in str(w.message).lower()]
-    assert len(paging) == 1, [str(w.message) for w in paging]
-    assert "\n" not in str(paging[0].message) and "unpaged" in str(paging[0].message)
+        make(tiny(), "paged_adamw_8bit")
+        make(tiny(), "paged_adamw_8bit")
+    msgs = [str(x.message) for x in w if "unpaged" in str(x.message)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "optimizer.name paged_adamw_8bit" in msgs[0]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_frozen_parameters_are_skipped_and_state_is_lazy(name):
     model = tiny()
-    frozen = list(model.model.layers[1].parameters())
-    for p in frozen:
-        p.requires_grad_(False)
-    before = [p.detach().clone() for p in frozen]
-    opt = build_optimizer(model, section(name), CPU)
-    assert optim.resident_state_bytes(opt, CPU) == 0
+    opt = make(model, name)
+    assert not opt.state
+    frozen = model.model.layers[0].mlp.up_proj.weight
+    frozen.requires_grad_(False)
+    before = frozen.clone()
     train(model, opt, 2)
-    assert all(torch.equal(a, p) for a, p in zip(before, frozen))
-    assert not any(optim.has_state(opt, p) for p in frozen)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    assert all(optim.has_state(opt, p) for p in trainable)
-    for p in frozen:  # unfrozen later: it trains from then on
-        p.requires_grad_(True)
-    train(model, opt, 1)
-    assert all(optim.has_state(opt, p) for p in frozen)
-    assert not all(torch.equal(a, p) for a, p in zip(before, frozen))
-
-
-def test_set_lr_reaches_every_group():
-    model = tiny()
-    for sec in (section(), section(in_backward=True)):
-        opt = build_optimizer(model, sec, CPU)
-        set_lr(opt, 3e-4)
-        assert {g["lr"] for g in opt.param_groups} == {3e-4}
-        if isinstance(opt, InBackwardOptimizer):
-            opt.remove_hooks()
+    assert torch.equal(frozen, before) and not opt.state.get(frozen)
+    assert opt.state[model.lm_head.weight]["step"] == 2
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_in_backward_gives_the_same_update_as_step(name):
-    ref = tiny()
-    ref_losses = train(ref, build_optimizer(ref, section(name), CPU), 3)
-    model = tiny()
-    opt = build_optimizer(model, section(name, in_backward=True), CPU)
-    assert isinstance(opt, InBackwardOptimizer)
-    losses = []
+def test_step_param_gives_the_same_update_as_step(name):
+    a, b = tiny(), tiny()
+    opt_a, opt_b = make(a, name), make(b, name)
     for s in range(3):
         x = batch(s)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        # The update already happened inside backward and each gradient was freed at once.
-        assert all(p.grad is None for p in model.parameters())
+        a(input_ids=x, labels=x).loss.backward()
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+        b(input_ids=x, labels=x).loss.backward()
+        for p in b.parameters():
+            opt_b.step_param(p)
+            p.grad = None
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip_is_exact(name, dtype):
+    a, b = tiny(dtype=dtype), tiny(dtype=dtype)
+    opt_a = make(a, name)
+    train(a, opt_a, 2)
+    saved = optim.host_state_dict(opt_a)
+    b.load_state_dict(a.state_dict())
+    opt_b = make(b, name)
+    opt_b.load_state_dict(saved)
+    for p, q in zip(a.parameters(), b.parameters()):
+        for k, v in opt_a.state[p].items():
+            w = opt_b.state[q][k]
+            assert (torch.equal(v, w) and v.dtype == w.dtype) if torch.is_tensor(v) else v == w
+    x = batch(7)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        opt.rounding.step = 7
+        model(input_ids=x, labels=x).loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    assert losses == ref_losses
-    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(a, b), n
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
-def test_in_backward_hooks_fire_only_on_trainable():
+def test_release_empties_state_and_counts():
     model = tiny()
-    frozen = list(model.model.layers[0].parameters()) + list(model.model.embed_tokens.parameters())
-    for p in frozen:
-        p.requires_grad_(False)
-    before = [p.detach().clone() for p in frozen]
-    opt = build_optimizer(model, section(in_backward=True), CPU)
-    train(model, opt, 2)
-    assert all(torch.equal(a, p) for a, p in zip(before, frozen))
-    assert not any(optim.has_state(opt, p) for p in frozen)
-    assert all(optim.has_state(opt, p) for p in model.parameters() if p.requires_grad)
-
-
-@pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit", "paged_adamw_8bit"])
-@pytest.mark.parametrize("in_backward", [False, True])
-def test_export_import_round_trip_is_exact(name, in_backward):
-    model = tiny()
-    opt = build_optimizer(model, section(name, in_backward=in_backward), CPU)
-    train(model, opt, 2)
-    q = model.model.layers[0].mlp.up_proj.weight  # 8192 elements: 8-bit state when asked for
-    live = dict(optim.holder(opt, q).state[q])
-    if "8bit" in name:
-        assert live["state1"].dtype == torch.uint8 and "absmax1" in live and "qmap1" in live
-    exported = optim.export_state(opt, q, remove=False)
-    assert "qmap1" not in exported and "qmap2" not in exported  # code books are shared, not copied
-    for k, v in exported.items():
-        assert torch.equal(v, live[k]) if torch.is_tensor(v) else v == live[k]
-        if torch.is_tensor(v):
-            assert v.data_ptr() != live[k].data_ptr()  # a copy: the optimizer keeps training
-    taken = optim.export_state(opt, q, remove=True)
-    assert not optim.has_state(opt, q)
-    optim.import_state(opt, q, taken)
-    restored = optim.holder(opt, q).state[q]
-    assert set(restored) == set(live)
-    for k, v in live.items():
-        assert torch.equal(restored[k], v) if torch.is_tensor(v) else restored[k] == v
-    if "8bit" in name:
-        # Re-attached to the optimizer's own code books, not to private copies.
-        assert restored["qmap1"] is optim.holder(opt, q).name2qmap["dynamic"]
-    if name == "adamw_32bit":
-        assert restored["step"].dtype == torch.float32 and restored["step"].device == CPU
-    optim.drop_state(opt, q)
-    assert not optim.has_state(opt, q)
-
-
-def test_resident_bytes_counts_real_tensors_and_shared_code_books_once():
-    model = tiny()
-    opt = build_optimizer(model, section("adamw_32bit"), CPU)
+    opt = make(model, "adamw_8bit")
     train(model, opt, 1)
-    expected = sum(2 * p.numel() * 4 + 4 for p in model.parameters())  # two moments + step
-    assert optim.resident_state_bytes(opt, CPU) == expected
-    opt8 = build_optimizer(model, section("adamw_8bit"), CPU)
-    train(model, opt8, 1)
-    per_param = sum(optim.state_nbytes(optim.holder(opt8, p).state[p]) for p in model.parameters())
-    assert optim.resident_state_bytes(opt8, CPU) == per_param + 2 * 256 * 4
+    numel = sum(p.numel() for p in model.parameters())
+    assert opt.resident_bytes() >= 2 * numel
+    opt.release()
+    assert not opt.state and opt.resident_bytes() == 0
+
+
+# -- rounding -------------------------------------------------------------------------------------
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
+    r = Rounding("stochastic", seed=3)
+    base = torch.tensor(0.02, dtype=torch.bfloat16)
+    ulp = 2.0 ** (-6 - 7)  # 0.02 lies in [2^-6, 2^-5); bf16 keeps 7 fraction bits
+    x = torch.full((200_000,), base.float().item() + 0.1 * ulp)  # a tenth of an ulp above
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    r.write(out, x.clone(), 0)
+    vals = set(out.float().unique().tolist())
+    assert vals <= {base.float().item(), base.float().item() + ulp}
+    share_up = (out.float() > base.float()).double().mean().item()
+    assert abs(share_up - 0.1) < 0.005  # 7.5 standard deviations of a fair 10% coin
+    nearest = torch.empty_like(out)
+    Rounding("nearest", seed=3).write(nearest, x.clone(), 0)
+    assert torch.equal(nearest.float(), torch.full_like(x, base.float().item()))
+
+
+def test_rounding_noise_is_a_pure_function_of_seed_step_and_key():
+    x = torch.linspace(-1, 1, 10_000) * 1.001
+
+    def once(seed, step, *key):
+        r = Rounding("stochastic", seed)
+        r.step = step
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        r.write(out, x.clone(), *key)
+        return out
+
+    assert torch.equal(once(0, 5, 1, 2, 0), once(0, 5, 1, 2, 0))
+    for other in (once(1, 5, 1, 2, 0), once(0, 6, 1, 2, 0), once(0, 5, 2, 2, 0), once(0, 5, 1, 2, 1)):
+        assert not torch.equal(once(0, 5, 1, 2, 0), other)
+    # Negative values too land on one of the two bf16 neighbours: within one ulp of x.
+    assert bool(((once(0, 5, 0).float() - x).abs() <= x.abs() * 2 ** -7).all())

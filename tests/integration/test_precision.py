@@ -1,0 +1,33 @@
+"""bfloat16 weights at fine-tuning learning rates: with stochastic rounding (the default) the run
+learns as the float32 run does; with round-to-nearest most updates are lost. This is why the
+default exists."""
+
+import pytest
+
+from lisaft.recipe import load_recipe
+from lisaft.trainer import build_session, evaluate, train_step
+
+
+def _loss_drop(tiny_run, dtype: str, name: str, rounding: str, steps: int = 30) -> float:
+    path = tiny_run(f"{dtype}-{name}-{rounding}.yaml",
+                    model={"dtype": dtype},
+                    optimizer={"name": name, "lr": 2e-5, "bf16_update": rounding},
+                    scheduler={"name": "constant", "warmup_steps": 0},
+                    lisa={"enabled": False},
+                    training={"max_steps": steps, "eval_batches": 4})
+    recipe = load_recipe(path)
+    session = build_session(recipe, tiny_run.dir / f"run-{dtype}-{name}-{rounding}")
+    before = evaluate(session)["eval_loss"]
+    for step in range(steps):
+        train_step(session, step)
+    return before - evaluate(session)["eval_loss"]
+
+
+@pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit"])
+def test_bf16_keeps_the_float32_loss_decrease_only_with_stochastic_rounding(tiny_run, name):
+    reference = _loss_drop(tiny_run, "float32", name, "stochastic")
+    assert reference > 0
+    stochastic = _loss_drop(tiny_run, "bfloat16", name, "stochastic")
+    nearest = _loss_drop(tiny_run, "bfloat16", name, "nearest")
+    assert stochastic >= 0.9 * reference, (stochastic, reference)
+    assert nearest < 0.6 * reference, (nearest, reference)
