@@ -108,10 +108,7 @@ class LisaftArm:
         return train_step(self.session, step)
 
     def memory(self) -> dict:
-        # Issue 10 moves the state accounting from the LISA controller to the per-unit optimizers
-        # (session.optimizers); either is lisaft's own count of resident and offloaded moments.
-        holder = getattr(self.session, "optimizers", None) or self.session.controller
-        resident, offloaded = holder.state_bytes()
+        resident, offloaded = self.session.optimizers.state_bytes()
         return {"optimizer_state_bytes": resident + offloaded, "grad_bytes": self.session.grad_bytes,
                 "master_copy_bytes": 0}
 
