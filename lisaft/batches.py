@@ -6,6 +6,8 @@ examples they made themselves.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -101,3 +103,9 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         attention_mask[row, :k] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
+
+
+def steps_for_epochs(epochs: float, train_rows: int, rows_per_step: int) -> int:
+    """training.epochs as optimizer steps: enough steps to show every row `epochs` times, where a
+    step takes batch_size x grad_accum_steps rows on each rank."""
+    return max(1, math.ceil(epochs * train_rows / rows_per_step))

@@ -32,12 +32,14 @@ def train(
     recipe: Path = typer.Argument(..., help="Recipe YAML."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a key: --set training.max_steps=100"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in output_dir."),
+    force: bool = typer.Option(False, "--force", help="With --overwrite: go on although output_dir "
+                               "holds files lisaft did not write (they are left alone)."),
 ) -> None:
     """Fine-tune as RECIPE says."""
     from lisaft.trainer import train as run_train
 
     try:
-        code = run_train(recipe, overrides=set_ or [], overwrite=overwrite)
+        code = run_train(recipe, overrides=set_ or [], overwrite=overwrite, force=force)
     except LisaftError as e:
         _fail(str(e), e.exit_code)
     raise typer.Exit(code)
@@ -50,7 +52,10 @@ def resume(
         None, "--max-steps", help="Train to this step instead; the LR stays on its saved curve."),
     reschedule: bool = typer.Option(
         False, "--reschedule", help="Re-plan the LR decay from the current step to --max-steps."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Change a cadence key (log/eval/save)."),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Change a key a resume may change: training.max_steps, training.log_every, "
+        "training.eval_every, training.eval_batches, training.save_every, training.keep_last, "
+        "training.device, model.gradient_checkpointing. Others alter the run and are refused."),
 ) -> None:
     """Continue RUN_DIR from its newest complete checkpoint, exactly."""
     from lisaft.trainer import resume as run_resume
@@ -76,8 +81,12 @@ def estimate_memory(
     attention: Optional[str] = typer.Option(None, "--attention", help="flash_attention_2|sdpa|eager"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16|float16|float32"),
     in_backward: Optional[bool] = typer.Option(None, "--in-backward/--no-in-backward"),
-    budget: str = typer.Option("24GiB", "--budget", help="Memory budget, e.g. 24GiB, 80GB."),
-    device: str = typer.Option("cuda", "--device", help="cuda|cpu"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget with a unit: 24GB (10^9 "
+                                         "bytes) or 24GiB (2^30). Default 24GiB."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Budget of a card: rtx-3090, rtx-4090, a6000, "
+                                      "l4, a100-40gb, a100-80gb, h100-80gb, h200."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda|cpu (default: the recipe's, else cuda)"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe key: --set data.max_seq_len=4096"),
     json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON."),
 ) -> None:
     """Will it fit, where does the memory go, what to change."""
@@ -88,7 +97,8 @@ def estimate_memory(
             recipe=recipe, model=model, optimizer=optimizer, lisa_layers=lisa_layers,
             no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
             gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
-            in_backward=in_backward, budget=budget, device=device, json_out=json_out,
+            in_backward=in_backward, budget=budget, gpu=gpu, device=device, overrides=set_ or [],
+            json_out=json_out,
         )
     except LisaftError as e:
         _fail(str(e))

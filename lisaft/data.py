@@ -17,14 +17,21 @@ carries loss:
       ### Response:
       {output}<eos>
 
-  The `### Input:` block is left out when `input` is absent or empty.
+  The `### Input:` block is left out when `input` is absent or empty. `data.template` replaces
+  this prompt with the recipe's own ({instruction}, {input}); `render_instruction_prompt` is the
+  one place either is rendered, for training and for `lisaft generate`.
 - chat: `messages` rendered with the tokenizer's chat template; loss on assistant turns only.
+  Roles are system, user and assistant; `data.roles` maps other names onto them (ShareGPT's
+  human/gpt), and any other role is an error naming the row.
   A turn's span is found by rendering the conversation up to the turn with the generation
   prompt, and up to and including the turn: the text between the two renders is the turn's
   content plus whatever the template closes it with (e.g. an end-of-turn token). The full
   conversation is tokenized once and a token carries loss when it starts inside such a span,
   so token boundaries are never guessed from partial renders. EOS is appended only when the
   template closes the last assistant turn with no special token at all.
+
+Before any of this, `data.columns` renames fields (prompt -> instruction; ShareGPT's
+conversations/from/value -> messages/role/content), see lisaft/rows.py.
 
 Examples longer than data.max_seq_len are cut at the end. With data.packing, train examples are
 concatenated (each already ends in EOS) and cut into rows of exactly max_seq_len; the leftover
@@ -39,18 +46,15 @@ see what one process with an N times larger batch sees.
 
 from __future__ import annotations
 
-import csv
-import json
 import warnings
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from lisaft.batches import (  # noqa: F401 (DataOrder, collate, eval_index_batches re-exported)
     _ORDER_SALT, IGNORE_INDEX, DataOrder, Example, collate, eval_index_batches)
 from lisaft.errors import LisaftError
-from lisaft.recipe import DataSection
+from lisaft.recipe import CHAT_ROLES, DataSection
+from lisaft.rows import Rows, first_line, read_rows, rename_columns
 
 
 # The instruction template. Pieces, not one format string, so a tokenizer can hold each as a
@@ -59,14 +63,16 @@ INSTRUCTION_HEADER = "### Instruction:\n"
 INPUT_HEADER = "\n\n### Input:\n"
 RESPONSE_HEADER = "\n\n### Response:\n"
 
-_FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
 
 class DataWarning(UserWarning):
     """Something was changed or dropped in the data; the run goes on."""
 
 
-def render_instruction_prompt(instruction: str, input: str | None = None) -> str:
+def render_instruction_prompt(instruction: str, input: str | None = None, template: str | None = None) -> str:
+    """The prompt an instruction row trains with (and `lisaft generate` prompts with): the recipe's
+    data.template when set, else the ### Instruction layout above."""
+    if template is not None:
+        return template.format(instruction=instruction, input=input or "")
     prompt = INSTRUCTION_HEADER + instruction
     if input:
         prompt += INPUT_HEADER + input
@@ -74,176 +80,10 @@ def render_instruction_prompt(instruction: str, input: str | None = None) -> str
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading rows
-
-
-class _Rows:
-    """Rows of one source, with the words an error message needs to point at one of them."""
-
-    def __init__(self, rows: list[dict], key: str, source: str, unit: str):
-        self.rows = rows
-        self.key = key  # recipe key the source came from: data.train / data.eval
-        self.source = source
-        self.unit = unit  # "line" for jsonl (numbers count every line), "row" otherwise
-        self.numbers: list[int] = list(range(1, len(rows) + 1))
-
-    def where(self, i: int) -> str:
-        return f"{self.key}: {self.source}: {self.unit} {self.numbers[i]}"
-
-    def subset(self, indices: list[int]) -> "_Rows":
-        out = _Rows([self.rows[i] for i in indices], self.key, self.source, self.unit)
-        out.numbers = [self.numbers[i] for i in indices]
-        return out
-
-
-def _looks_like_path(ref: str) -> bool:
-    p = Path(ref)
-    return (
-        p.is_absolute() or ref.startswith((".", "~")) or p.suffix.lower() in _FILE_KINDS
-        or "\\" in ref or ref.count("/") > 1
-    )
-
-
-def _read_jsonl(path: Path, key: str) -> _Rows:
-    # Read by hand rather than through datasets: an error can then name the exact line, and a
-    # field whose type changes between rows is reported at that row instead of failing pyarrow's
-    # schema inference for the whole file.
-    rows, numbers = [], []
-    try:
-        # split("\n"), not splitlines(): U+2028 and friends may sit raw inside JSON strings.
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError:
-        raise LisaftError(f"{key}: {path}: not UTF-8 text") from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise LisaftError(f"{key}: {path}: line {lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise LisaftError(f"{key}: {path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-        numbers.append(lineno)
-    out = _Rows(rows, key, str(path), "line")
-    out.numbers = numbers
-    return out
-
-
-def _read_json(path: Path, key: str) -> _Rows:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise LisaftError(f"{key}: {path}: not UTF-8 text") from None
-    except json.JSONDecodeError:
-        # Many ".json" files are JSON lines in fact.
-        return _read_jsonl(path, key)
-    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-        lengths = {len(v) for v in data.values()}
-        if len(lengths) != 1:
-            raise LisaftError(f"{key}: {path}: columns have different lengths {sorted(lengths)}")
-        cols = list(data)
-        data = [dict(zip(cols, vals)) for vals in zip(*data.values())]
-    if not isinstance(data, list):
-        raise LisaftError(f"{key}: {path}: expected a list of objects (or JSON lines)")
-    for i, row in enumerate(data):
-        if not isinstance(row, dict):
-            raise LisaftError(f"{key}: {path}: row {i + 1}: expected a JSON object, got {type(row).__name__}")
-    return _Rows(data, key, str(path), "row")
-
-
-def _pick_split(ds: Any, key: str, source: str) -> Any:
-    """A Dataset from whatever load_dataset/load_from_disk returned."""
-    from datasets import DatasetDict
-
-    if not isinstance(ds, DatasetDict):
-        return ds
-    wanted = ("train",) if key == "data.train" else ("validation", "test", "eval")
-    for name in wanted:
-        if name in ds:
-            return ds[name]
-    if len(ds) == 1:
-        return next(iter(ds.values()))
-    raise LisaftError(f"{key}: {source}: has splits {sorted(ds)}, none of {list(wanted)}")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _read_with_datasets(ref: str, kind: str, key: str) -> _Rows:
-    try:
-        import datasets
-    except ImportError:
-        raise LisaftError(
-            f"{key}: {ref}: reading {kind} data needs the `datasets` package (pip install datasets)"
-        ) from None
-    # Progress bars for reading a local file are noise on the run's display.
-    bars_were_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        if kind == "disk":
-            ds = datasets.load_from_disk(ref)
-        elif kind == "csv":
-            # Every column as text: an `output` column of numbers stays "42", not 42.
-            with open(ref, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), [])
-            features = datasets.Features({name: datasets.Value("string") for name in header})
-            ds = datasets.load_dataset("csv", data_files=ref, split="train", features=features)
-        elif kind == "parquet":
-            ds = datasets.load_dataset("parquet", data_files=ref, split="train")
-        else:
-            ds = datasets.load_dataset(ref)
-    except LisaftError:
-        raise
-    except Exception as e:  # datasets and pyarrow raise many types for unreadable input
-        if kind == "hub":
-            raise LisaftError(
-                f"{key}: {ref!r} is not a local file or folder and could not be loaded from the hub "
-                f"(offline, or no such dataset): {_first_line(e)}"
-            ) from None
-        what = "a saved dataset folder (datasets.save_to_disk)" if kind == "disk" else f"a {kind} file"
-        raise LisaftError(f"{key}: {ref}: cannot read it as {what}: {_first_line(e)}") from None
-    finally:
-        if bars_were_on:
-            datasets.enable_progress_bars()
-    ds = _pick_split(ds, key, ref)
-    return _Rows(ds.to_list(), key, ref, "row")
-
-
-def read_rows(ref: str, key: str) -> _Rows:
-    """The rows of a local file, saved dataset folder or hub dataset, as a list of dicts."""
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        rows = _read_with_datasets(str(path), "disk", key)
-    elif path.is_file():
-        kind = _FILE_KINDS.get(path.suffix.lower())
-        if kind is None:
-            raise LisaftError(
-                f"{key}: {path}: unsupported file type {path.suffix or '(none)'!r}; "
-                "use .jsonl, .json, .csv, .parquet or a saved dataset folder"
-            )
-        if kind == "jsonl":
-            rows = _read_jsonl(path, key)
-        elif kind == "json":
-            rows = _read_json(path, key)
-        else:
-            rows = _read_with_datasets(str(path), kind, key)
-    elif _looks_like_path(ref):
-        raise LisaftError(f"{key}: {ref}: no such file or folder")
-    else:
-        rows = _read_with_datasets(ref, "hub", key)
-    if not rows.rows:
-        raise LisaftError(f"{key}: {rows.source}: the dataset is empty")
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
 # Rows to examples
 
 
-def _field(rows: _Rows, i: int, name: str, optional: bool = False) -> str | None:
+def _field(rows: Rows, i: int, name: str, optional: bool = False) -> str | None:
     row = rows.rows[i]
     value = row.get(name)
     if value is None:
@@ -284,7 +124,7 @@ class _Tokens:
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def _text_examples(rows: _Rows, tokens: _Tokens) -> list[Example]:
+def _text_examples(rows: Rows, tokens: _Tokens) -> list[Example]:
     eos = tokens.need_eos(rows.key)
     texts = [_field(rows, i, "text") for i in range(len(rows.rows))]
     out = []
@@ -294,14 +134,14 @@ def _text_examples(rows: _Rows, tokens: _Tokens) -> list[Example]:
     return out
 
 
-def _instruction_examples(rows: _Rows, tokens: _Tokens) -> list[Example]:
+def _instruction_examples(rows: Rows, tokens: _Tokens, template: str | None) -> list[Example]:
     eos = tokens.need_eos(rows.key)
     prompts, outputs = [], []
     for i in range(len(rows.rows)):
         instruction = _field(rows, i, "instruction")
         inp = _field(rows, i, "input", optional=True)
         outputs.append(_field(rows, i, "output"))
-        prompts.append(render_instruction_prompt(instruction, inp))
+        prompts.append(render_instruction_prompt(instruction, inp, template))
     out = []
     # Prompt and response are tokenized apart so the boundary between loss and no loss falls on
     # a token boundary; the prompt ends in a newline, where tokenizers do not merge across.
@@ -312,7 +152,7 @@ def _instruction_examples(rows: _Rows, tokens: _Tokens) -> list[Example]:
     return out
 
 
-def _check_messages(rows: _Rows, i: int) -> list[dict]:
+def _check_messages(rows: Rows, i: int, roles: dict[str, str]) -> list[dict]:
     messages = rows.rows[i].get("messages")
     if messages is None:
         have = ", ".join(sorted(map(str, rows.rows[i]))) or "none"
@@ -325,7 +165,12 @@ def _check_messages(rows: _Rows, i: int) -> list[dict]:
             raise LisaftError(
                 f"{rows.where(i)}: messages[{j}] must be an object with string 'role' and 'content'"
             )
-        clean.append({"role": m["role"], "content": m["content"]})
+        role = roles.get(m["role"], m["role"])
+        if role not in CHAT_ROLES:
+            raise LisaftError(
+                f"{rows.where(i)}: messages[{j}] has role {m['role']!r}, not one of {', '.join(CHAT_ROLES)}; "
+                f"map it with data.roles, e.g. {{{m['role']}: assistant}}")
+        clean.append({"role": role, "content": m["content"]})
     return clean
 
 
@@ -333,8 +178,9 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def _chat_example(rows: _Rows, i: int, tokenizer, tokens: _Tokens, special: set[int]) -> Example:
-    messages = _check_messages(rows, i)
+def _chat_example(rows: Rows, i: int, tokenizer, tokens: _Tokens, special: set[int],
+                  roles: dict[str, str]) -> Example:
+    messages = _check_messages(rows, i, roles)
     try:
         full = _render(tokenizer, messages, False)
         spans = []
@@ -353,7 +199,7 @@ def _chat_example(rows: _Rows, i: int, tokenizer, tokens: _Tokens, special: set[
     except LisaftError:
         raise
     except Exception as e:  # jinja errors from the template itself (e.g. role order rules)
-        raise LisaftError(f"{rows.where(i)}: the chat template rejected this conversation: {_first_line(e)}") from None
+        raise LisaftError(f"{rows.where(i)}: the chat template rejected this conversation: {first_line(e)}") from None
 
     # The rendered text carries the template's own BOS, so nothing is added while tokenizing.
     if tokenizer.is_fast:
@@ -392,20 +238,21 @@ def _turn_has_special(ids: list[int], labels: list[int], special: set[int]) -> b
     return False
 
 
-def _chat_examples(rows: _Rows, tokenizer, tokens: _Tokens) -> list[Example]:
+def _chat_examples(rows: Rows, tokenizer, tokens: _Tokens, roles: dict[str, str]) -> list[Example]:
     if not getattr(tokenizer, "chat_template", None):
         raise LisaftError(f"{rows.key}: data.format is chat but the tokenizer has no chat template")
     special = set(tokenizer.all_special_ids)
-    return [_chat_example(rows, i, tokenizer, tokens, special) for i in range(len(rows.rows))]
+    return [_chat_example(rows, i, tokenizer, tokens, special, roles) for i in range(len(rows.rows))]
 
 
-def build_examples(rows: _Rows, fmt: str, tokenizer) -> list[Example]:
+def build_examples(rows: Rows, fmt: str, tokenizer, template: str | None = None,
+                   roles: dict[str, str] | None = None) -> list[Example]:
     tokens = _Tokens(tokenizer)
     if fmt == "text":
         return _text_examples(rows, tokens)
     if fmt == "instruction":
-        return _instruction_examples(rows, tokens)
-    return _chat_examples(rows, tokenizer, tokens)
+        return _instruction_examples(rows, tokens, template)
+    return _chat_examples(rows, tokenizer, tokens, roles or {})
 
 
 def _truncate_and_filter(examples: list[Example], max_seq_len: int, key: str) -> list[Example]:
@@ -470,12 +317,14 @@ def _held_out(n: int, fraction: float, seed: int) -> list[int]:
 def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Example], list[Example] | None]:
     """Train examples and eval examples (from data.eval, else a seeded held-out
     data.eval_fraction of the train rows, else None)."""
-    train_rows = read_rows(section.train, "data.train")
-    eval_rows: _Rows | None = None
+    train_rows = rename_columns(read_rows(section.train, "data.train", section.subset, section.train_split),
+                                section.columns)
+    eval_rows: Rows | None = None
     if section.eval is not None:
         if section.eval_fraction > 0:
             warnings.warn("data.eval is set, so data.eval_fraction is ignored", DataWarning, stacklevel=2)
-        eval_rows = read_rows(section.eval, "data.eval")
+        eval_rows = rename_columns(read_rows(section.eval, "data.eval", section.subset, section.eval_split),
+                                   section.columns)
     elif section.eval_fraction > 0:
         # Split rows, not examples, so the held-out set does not depend on the tokenizer.
         held = _held_out(len(train_rows.rows), section.eval_fraction, seed)
@@ -485,14 +334,16 @@ def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Exampl
         train_rows = train_rows.subset([i for i in range(len(train_rows.rows)) if i not in held_set])
 
     train = _truncate_and_filter(
-        build_examples(train_rows, section.format, tokenizer), section.max_seq_len, "data.train"
+        build_examples(train_rows, section.format, tokenizer, section.template, section.roles),
+        section.max_seq_len, "data.train"
     )
     if section.packing:
         train = pack(train, section.max_seq_len)
     evals = None
     if eval_rows is not None:
         evals = _truncate_and_filter(
-            build_examples(eval_rows, section.format, tokenizer), section.max_seq_len, eval_rows.key
+            build_examples(eval_rows, section.format, tokenizer, section.template, section.roles),
+            section.max_seq_len, eval_rows.key
         )
     return train, evals
 

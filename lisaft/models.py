@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import socket
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -133,13 +138,72 @@ def _looks_like_local_path(ref: str) -> bool:
     return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref
 
 
+@functools.lru_cache(maxsize=1)
+def hub_offline() -> bool:
+    """Whether the hub is out of reach: HF_HUB_OFFLINE is set, or a connection to its endpoint
+    does not open within 3 s. Asked once, before a library spends tens of seconds on retries."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    url = urlparse(constants.ENDPOINT)
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+            result.append(True)
+        except OSError:
+            pass
+
+    # A thread bounds name resolution too, which socket timeouts do not cover.
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(4)
+    return not result
+
+
 def _hub_error(key: str, ref: str, err: Exception) -> LisaftError:
     if _looks_like_local_path(ref):
         return LisaftError(f"{key}: {ref}: no such folder")
+    if hub_offline():
+        return LisaftError(
+            f"{key}: {ref!r} is not a local folder and the hub cannot be reached from here (offline), "
+            "nor is it in the local cache; point it to a folder saved with save_pretrained")
     return LisaftError(
         f"{key}: {ref!r} is not a local folder and could not be fetched from the hub "
-        f"(offline, or no such repository): {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        f"(no such repository, or it needs a login): {str(err).splitlines()[0] if str(err) else type(err).__name__}"
     )
+
+
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt", "spiece.model")
+
+
+def _check_folder(path: Path, key: str, what: str) -> None:
+    """What a folder lacks, said before transformers guesses (it blames sentencepiece, or reports
+    an unreadable file as missing)."""
+    if not path.is_dir():
+        raise LisaftError(f"{key}: {path} is a file; give the folder that holds the {what}")
+    if what == "model":
+        if not (path / "config.json").is_file():
+            raise LisaftError(f"{key}: {path}: no config.json, so no saved model is in it (save one "
+                              "with save_pretrained, or build a random one with model.config)")
+        if not any(any(path.glob(g)) for g in _WEIGHT_GLOBS):
+            raise LisaftError(f"{key}: {path}: no weights (model.safetensors) in it; for a random "
+                              "init from its config.json use model.config instead")
+    elif not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        fix = "set model.tokenizer to a tokenizer folder" if key == "model.name_or_path" else "point it to a tokenizer folder"
+        raise LisaftError(f"{key}: {path}: no tokenizer in it (none of {', '.join(_TOKENIZER_FILES[:3])}); {fix}")
+    for f in sorted(path.iterdir()):
+        if f.is_file() and not os.access(f, os.R_OK):
+            raise LisaftError(f"{key}: {f}: permission denied; make it readable (chmod a+r)")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def load_config(ref: str):
@@ -154,16 +218,48 @@ def load_config(ref: str):
         raise LisaftError(f"model.config: {ref}: not a usable config.json: {e}") from None
 
 
+def context_length(config) -> int | None:
+    """Positions the model was trained for (max_position_embeddings, or n_positions)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None) if not isinstance(config, dict) else config.get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_length(config, max_seq_len: int) -> None:
+    """A longer sequence than the model has positions for: an error, unless the config scales
+    RoPE beyond it (then the user chose it, and a warning says so)."""
+    limit = context_length(config)
+    if limit is None or max_seq_len <= limit:
+        return
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    scaling = get("rope_parameters") or get("rope_scaling")
+    # transformers fills in {"rope_type": "default"} for an unscaled model.
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        warnings.warn(f"data.max_seq_len: {max_seq_len} is above the model's max_position_embeddings "
+                      f"{limit}; relying on its rope_scaling {scaling}")
+        return
+    raise LisaftError(f"data.max_seq_len: {max_seq_len} is above the model's context length "
+                      f"(max_position_embeddings {limit}) and its config sets no rope_scaling; use "
+                      f"{limit} or less")
+
+
 def load_tokenizer(section: ModelSection):
     from transformers import AutoTokenizer
 
     ref = section.tokenizer or section.name_or_path
+    key = "model.tokenizer" if section.tokenizer else "model.name_or_path"
+    if _is_local(ref):
+        if key == "model.name_or_path":  # an empty or wrong folder is a model problem first
+            _check_folder(Path(ref), key, "model")
+        _check_folder(Path(ref), key, "tokenizer")
     try:
-        tok = AutoTokenizer.from_pretrained(ref)
+        tok = AutoTokenizer.from_pretrained(ref, local_files_only=not _is_local(ref) and hub_offline())
     except Exception as e:
         if _is_local(ref):
-            raise LisaftError(f"model.tokenizer: {ref}: cannot load a tokenizer from it: {e}") from None
-        raise _hub_error("model.tokenizer", ref, e) from None
+            raise LisaftError(f"{key}: {ref}: cannot load a tokenizer from it: {_first_line(e)}") from None
+        raise _hub_error(key, ref, e) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok
@@ -184,11 +280,14 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:
         ref = section.name_or_path
+        if _is_local(ref):
+            _check_folder(Path(ref), "model.name_or_path", "model")
         try:
-            model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, attn_implementation=attn)
+            model = AutoModelForCausalLM.from_pretrained(
+                ref, dtype=dtype, attn_implementation=attn, local_files_only=not _is_local(ref) and hub_offline())
         except Exception as e:
             if _is_local(ref):
-                raise LisaftError(f"model.name_or_path: {ref}: cannot load a model from it: {e}") from None
+                raise LisaftError(f"model.name_or_path: {ref}: cannot load a model from it: {_first_line(e)}") from None
             raise _hub_error("model.name_or_path", ref, e) from None
     model.to(device)
     if section.gradient_checkpointing:

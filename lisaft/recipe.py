@@ -7,13 +7,17 @@ loose dict inside the package. Unknown keys are errors (extra="forbid") so that 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import re
+import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError,
+                      field_validator, model_validator)
 
 from lisaft.errors import LisaftError
 
@@ -21,6 +25,34 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
 OptimizerName = Literal["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _whole_number(v: Any) -> Any:
+    """A count: `true` is not 1, and `1e3` (which YAML reads as a string) is 1000."""
+    if isinstance(v, bool):
+        raise ValueError("must be a whole number, not true/false")
+    if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
+        f = float(v)
+        if not f.is_integer():
+            raise ValueError(f"must be a whole number, got {v}")
+        return int(f)
+    return v
+
+
+def _real_number(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("must be a number, not true/false")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+Float = Annotated[float, BeforeValidator(_real_number)]
+Bool = Annotated[bool, Strict()]
+
+
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class _Section(BaseModel):
@@ -46,7 +78,7 @@ class ModelSection(_Section):
         "auto",
         description="auto picks flash_attention_2 when flash-attn and CUDA are present, else sdpa.",
     )
-    gradient_checkpointing: bool = Field(
+    gradient_checkpointing: Bool = Field(
         False, description="Recompute layer activations in backward (non-reentrant)."
     )
     offload_activations: bool = Field(
@@ -92,7 +124,7 @@ class ModelSection(_Section):
 class DataSection(_Section):
     train: str = Field(..., description="jsonl/json/csv/parquet file, saved dataset folder, or hub name.")
     eval: str | None = Field(None, description="Eval set, same kinds as train.")
-    eval_fraction: float = Field(
+    eval_fraction: Float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
     )
     format: Literal["text", "instruction", "chat"] = Field(
@@ -100,17 +132,59 @@ class DataSection(_Section):
         description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
         "chat: `messages` [{role, content}].",
     )
-    max_seq_len: int = Field(1024, gt=0, description="Examples are truncated to this many tokens.")
-    packing: bool = Field(False, description="Concatenate examples into full max_seq_len rows.")
+    max_seq_len: Int = Field(
+        1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
+        "max_position_embeddings it is an error, unless the model config sets rope_scaling (then a "
+        "warning).")
+    packing: Bool = Field(False, description="Concatenate examples into full max_seq_len rows.")
+    columns: dict[str, str] = Field(
+        {}, description="Rename dataset fields to the ones data.format reads, old: new; names inside "
+        "chat turns too. E.g. {prompt: instruction, completion: output}, or for ShareGPT "
+        "{conversations: messages, from: role, value: content}.")
+    roles: dict[str, str] = Field(
+        {}, description="Chat role names mapped to system, user or assistant, e.g. {human: user, "
+        "gpt: assistant}. Any other role is an error naming the row.")
+    template: str | None = Field(
+        None, description="Instruction prompt with {instruction} and optionally {input}; the "
+        "response follows it. null: the ### Instruction / ### Input / ### Response layout.")
+    subset: str | None = Field(None, description="Hub datasets: the configuration (subset) name.")
+    train_split: str = Field("train", description="Split of a hub or saved dataset to train on.")
+    eval_split: str | None = Field(
+        None, description="Split for eval when data.eval is a hub or saved dataset (null: "
+        "validation, test or eval, whichever exists).")
+
+    @field_validator("template")
+    @classmethod
+    def _template_fields(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(v) if name is not None}
+        except ValueError as e:
+            raise ValueError(f"not a valid template ({e}); write literal braces as {{{{ and }}}}") from None
+        if "instruction" not in names:
+            raise ValueError("must contain {instruction}")
+        unknown = names - {"instruction", "input"}
+        if unknown:
+            raise ValueError(f"unknown field {{{sorted(unknown)[0]}}}; only {{instruction}} and {{input}} exist")
+        return v
+
+    @field_validator("roles")
+    @classmethod
+    def _role_targets(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, role in v.items():
+            if role not in CHAT_ROLES:
+                raise ValueError(f"{name}: {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        return v
 
 
 class OptimizerSection(_Section):
     name: OptimizerName = Field("adamw_32bit", description="Optimizer; see docs/lisa.md.")
-    lr: float = Field(1e-5, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam beta1, beta2.")
-    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
-    in_backward: bool = Field(
+    lr: Float = Field(1e-5, description="Peak learning rate.")
+    weight_decay: Float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
+    betas: tuple[Float, Float] = Field((0.9, 0.999), description="Adam beta1, beta2.")
+    eps: Float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    in_backward: Bool = Field(
         False,
         description="Step each parameter inside backward and free its gradient at once. "
         "Incompatible with grad_accum_steps > 1 and max_grad_norm.",
@@ -131,16 +205,16 @@ class OptimizerSection(_Section):
 
 class SchedulerSection(_Section):
     name: Literal["constant", "linear", "cosine"] = Field("cosine", description="LR decay shape.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 over this many steps.")
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, x peak lr.")
+    warmup_steps: Int = Field(0, ge=0, description="Linear warmup from 0 over this many steps.")
+    min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, x peak lr.")
 
 
 class LisaSection(_Section):
-    enabled: bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
-    active_layers: int = Field(2, ge=1, description="γ: decoder layers trained per interval.")
-    interval_steps: int = Field(20, ge=1, description="K: optimizer steps between re-samples.")
-    train_embeddings: bool = Field(True, description="Embeddings always train (paper default).")
-    train_head: bool = Field(True, description="LM head and final norm always train (paper default).")
+    enabled: Bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
+    active_layers: Int = Field(2, ge=1, description="γ: decoder layers trained per interval.")
+    interval_steps: Int = Field(20, ge=1, description="K: optimizer steps between re-samples.")
+    train_embeddings: Bool = Field(True, description="Embeddings always train (paper default).")
+    train_head: Bool = Field(True, description="LM head and final norm always train (paper default).")
     state_policy: StatePolicy = Field(
         "discard",
         description="Optimizer state of a deactivated layer: discard (paper), offload_cpu, "
@@ -149,23 +223,35 @@ class LisaSection(_Section):
 
 
 class TrainingSection(_Section):
-    seed: int = Field(42, description="Seeds model init, data order, LISA sampling, dropout.")
-    batch_size: int = Field(1, ge=1, description="Sequences per micro-batch (per rank).")
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    max_steps: int = Field(..., ge=1, description="Optimizer steps in the run.")
-    max_grad_norm: float | None = Field(1.0, description="Clip total grad norm; null disables.")
-    log_every: int = Field(1, ge=1, description="Write a train record every N steps.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
-    eval_batches: int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
-    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
-    keep_last: int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
+    seed: Int = Field(42, description="Seeds model init, data order, LISA sampling, dropout.")
+    batch_size: Int = Field(1, ge=1, description="Sequences per micro-batch (per rank).")
+    grad_accum_steps: Int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    max_steps: Int | None = Field(
+        None, ge=1, description="Optimizer steps in the run. Give this or training.epochs.")
+    epochs: Float | None = Field(
+        None, gt=0, description="Passes over the train set, instead of max_steps: max_steps becomes "
+        "ceil(epochs x train rows / (batch_size x grad_accum_steps x ranks)), worked out when the run "
+        "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts.")
+    max_grad_norm: Float | None = Field(1.0, description="Clip total grad norm; null disables.")
+    log_every: Int = Field(1, ge=1, description="Write a train record every N steps.")
+    eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
+    eval_batches: Int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
+    save_every: Int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
+    keep_last: Int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
     output_dir: str = Field(..., description="Run directory; relative to the recipe file.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
-    shard_optimizer_state: bool = Field(
+    shard_optimizer_state: Bool = Field(
         False,
         description="Data parallel only: each rank keeps the moments of its share of the trainable "
         "parameters and broadcasts their update (optimizer memory / ranks; same results).",
     )
+
+    @model_validator(mode="after")
+    def _length(self) -> "TrainingSection":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set training.max_steps (optimizer steps) or training.epochs (passes "
+                             "over the train set)")
+        return self
 
     @field_validator("max_grad_norm")
     @classmethod
@@ -274,18 +360,39 @@ def _resolve_paths(data: dict, base: Path) -> None:
         sec[key] = str(candidate.resolve())
 
 
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys allowed where `loc` points (a section or the top level)."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _message(e: dict) -> str:
+    if e["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(str(e["loc"][-1]), _known_keys(e["loc"]), n=1, cutoff=0.6)
+        prefix = "".join(f"{p}." for p in e["loc"][:-1])
+        return "unknown key" + (f"; did you mean {prefix}{close[0]}?" if close else "")
+    if e["type"] == "missing":
+        return "required key is missing"
+    if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a section of keys (a YAML mapping), got {type(e['input']).__name__}"
+    if e["type"] == "bool_type":
+        return "must be true or false"
+    # pydantic's own words, minus its prefixes and any internal class name.
+    return re.sub(r"\b\w+Section\b", "section", e["msg"].removeprefix("Value error, "))
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        msg = msg.removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}" if loc else msg)
-    return f"{source}: invalid recipe: " + "; ".join(lines)
+        # A failed Annotated/Literal/union member adds a non-key part to loc; keep the key path.
+        loc = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
+        lines.append(f"{loc}: {_message(e)}" if loc else _message(e))
+    return f"{source}: invalid recipe: " + "; ".join(dict.fromkeys(lines))
 
 
 def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
@@ -303,9 +410,14 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_pa
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise LisaftError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise LisaftError(f"{path}: {where}not valid YAML: {what}") from None
     except UnicodeDecodeError:
         raise LisaftError(f"{path}: not a text file") from None
+    except OSError as e:
+        raise LisaftError(f"{path}: cannot read the recipe: {e.strerror or e}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -25,9 +25,8 @@ from lisaft.errors import LisaftError, RunFailed
 from lisaft.memory.measure import memory_counters
 from lisaft.metrics import Display, MetricsLog
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
+from lisaft.runfiles import check_output_dir, clean_write_failures, clear_run, make_run_dir, write_failed
 from lisaft.schedules import Plan, lr_for
-
-RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", ckpt_mod.CHECKPOINTS, "final")
 
 
 @dataclass
@@ -97,10 +96,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     """Load tokenizer, data and model and build optimizer and LISA controller. Raises
     LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
     tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
-    from lisaft.batches import DataOrder
+    from lisaft.batches import DataOrder, steps_for_epochs
     from lisaft.data import load_splits
     from lisaft.lisa import LisaController
-    from lisaft.models import decoder_layers_path, load_model, load_tokenizer, model_parts, resolve_device
+    from lisaft.models import (check_context_length, decoder_layers_path, load_model, load_tokenizer,
+                               model_parts, resolve_device)
     from lisaft.units import UnitOptimizers, model_units
 
     t = recipe.training
@@ -112,7 +112,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
         tokenizer = load_tokenizer(recipe.model)
     if train_examples is None:
         train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
+    if t.max_steps is None:  # training.epochs: the run's length follows from the train set
+        t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
+                                       t.batch_size * t.grad_accum_steps * dist.world_size())
     model = load_model(recipe.model, device, seed=t.seed)
+    check_context_length(model.config, recipe.data.max_seq_len)
     layers_path = decoder_layers_path(model, recipe.model.layers_path)
     parts = model_parts(model, recipe.model.layers_path)
     if t.shard_optimizer_state and dist.world_size() > 1 and recipe.optimizer.in_backward:
@@ -127,10 +131,6 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size())
     return Session(recipe, run_dir, device, tokenizer, model, parts, layers_path, optimizers, controller,
                    train_examples, eval_examples, order, plan=Plan(horizon=t.max_steps))
-
-
-def _looks_like_run(path: Path) -> bool:
-    return any((path / m).exists() for m in RUN_MARKERS)
 
 
 def _in_process_group(fn):
@@ -150,26 +150,18 @@ def _in_process_group(fn):
 
 @_in_process_group
 def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite: bool = False,
-          show: bool = True, _stop_at: int | None = None) -> int:
+          show: bool = True, _stop_at: int | None = None, force: bool = False) -> int:
     """`lisaft train`: returns the process exit code. `_stop_at` (tests) stops as a signal would
     after that many optimizer steps."""
     recipe = load_recipe(recipe_path, overrides or [])
     run_dir = Path(recipe.training.output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LisaftError(f"training.output_dir: {run_dir} is a file")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        if not _looks_like_run(run_dir):
-            raise LisaftError(f"training.output_dir: {run_dir} is not empty and holds no lisaft run; "
-                              "choose another folder")
-        if not overwrite:
-            raise LisaftError(f"training.output_dir: {run_dir} already holds a run; continue it with "
-                              f"`lisaft resume {run_dir}`, or pass --overwrite to start over")
+    check_output_dir(run_dir, overwrite, force)
     session = build_session(recipe, run_dir)
     dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
     if dist.is_main():
         if overwrite and run_dir.is_dir():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+            clear_run(run_dir)
+        make_run_dir(run_dir)
         _write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
     dist.barrier()
     session.controller.activate_for_step(0)
@@ -286,8 +278,11 @@ def _lr(session: Session, step: int, plan: Plan) -> float:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_failed(path.parent, e) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,22 +388,17 @@ def _save(session: Session, state: TrainState, base: Path | None, changed: set[s
     state.data = session.order.state_dict()
     state.lisa = session.controller.state_dict()
     state.schedule = asdict(session.plan)
-    try:
-        written = ckpt_mod.save_checkpoint(
-            session.run_dir, state, session.model, session.layers_path, session.parts.head,
-            session.optimizers.write_checkpoint, changed, base, session.recipe.training.keep_last,
-            extra_files={"recipe.json": json.dumps(session.recipe.model_dump(mode="json"), indent=1)},
-        )
-        session.optimizers.saved()
-        return written
-    except OSError as e:  # disk full, quota, permissions: the older checkpoints are untouched
-        ckpt_mod.remove_stale_temporaries(session.run_dir)
-        where = (f"the newest complete checkpoint is {base.name}; continue from it with "
-                 f"`lisaft resume {session.run_dir}`" if base is not None else "no checkpoint was completed")
-        raise RunFailed(f"could not write checkpoint {ckpt_mod.step_dir_name(state.step)} in "
-                        f"{session.run_dir}: {e.strerror or e}; {where} once the disk has room") from None
+    # A failed write leaves the older checkpoints untouched; _run's guard reports it.
+    written = ckpt_mod.save_checkpoint(
+        session.run_dir, state, session.model, session.layers_path, session.parts.head,
+        session.optimizers.write_checkpoint, changed, base, session.recipe.training.keep_last,
+        extra_files={"recipe.json": json.dumps(session.recipe.model_dump(mode="json"), indent=1)},
+    )
+    session.optimizers.saved()
+    return written
 
 
+@clean_write_failures
 def _run(session: Session, state: TrainState, base: Path | None, show: bool, stop_at: int | None) -> int:
     t = session.recipe.training
     metrics = MetricsLog(session.run_dir / "metrics.jsonl")
@@ -502,7 +492,10 @@ def _memory_report(session: Session) -> None:
     except LisaftError as e:  # e.g. an architecture the estimator does not model
         print(f"memory estimate unavailable: {e}")
         return
-    dev_state, _ = session.optimizers.state_bytes()
+    dev_state, off_state = session.optimizers.state_bytes()
+    if session.device.type == "cpu" and session.recipe.lisa.state_policy == "offload_cpu":
+        # Offloaded moments sit in the CPU device's own memory, where the estimate counts them.
+        dev_state += off_state
     session.peak_state_bytes = max(session.peak_state_bytes, dev_state)
     peak = peak_memory(session.device)
     if session.device.type == "cuda":

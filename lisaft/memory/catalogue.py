@@ -85,6 +85,11 @@ def resolve_model(ref: str, key: str = "--model"):
         raise LisaftError(f"{key}: {ref}: no such folder or config.json (catalogue names: {known})")
     from transformers import AutoConfig
 
+    from lisaft.models import hub_offline
+
+    if hub_offline():
+        raise LisaftError(f"{key}: {ref!r} is not a catalogue name or a local folder, and the hub cannot "
+                          f"be reached from here (offline); catalogue names: {known}")
     try:
         return AutoConfig.from_pretrained(ref), ref
     except Exception as e:  # offline, no such repository, gated: all the same to the user

@@ -4,34 +4,51 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from lisaft.errors import LisaftError
-from lisaft.memory.advice import advice, largest_fitting, optimizer_grid
+from lisaft.memory.advice import Change, advice, largest_fitting, leanest, optimizer_grid
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.allocator import expandable_segments
 from lisaft.memory.estimate import DTYPE_BYTES, GiB, Estimate, Settings, compute
+from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
 from lisaft.memory.optimizer_state import OPTIMIZERS
 from lisaft.recipe import Recipe, load_recipe
 
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
-          "tb": 1000**4, "tib": 1024**4}
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
+DEFAULT_BUDGET = "24GiB"
 
 
-def parse_bytes(text: str, key: str = "--budget") -> int:
-    """'24GiB', '80GB', '24G' (binary), '1.5 TiB', or a plain byte count."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
-    if not m or m.group(2).lower() not in _UNITS:
-        raise LisaftError(f"{key}: {text!r} is not a size such as 24GiB, 80GB or 16G")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise LisaftError(f"{key}: must be positive")
-    return value
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    given: str  # "24GB", "24GiB", or "--gpu rtx-4090"
+    source: str | None = None  # where a GPU's figure comes from
+
+    def explained(self) -> str:
+        line = explain_budget(self.bytes, self.given)
+        return line + (f"; {self.source}" if self.source else "")
+
+
+def parse_budget(budget: str | None, gpu_name: str | None) -> Budget:
+    if budget is not None and gpu_name is not None:
+        raise LisaftError("--budget and --gpu both set the memory budget; give one")
+    if gpu_name is not None:
+        card = gpu(gpu_name)
+        return Budget(card.usable_bytes, f"--gpu {card.name}", card.source)
+    text = budget if budget is not None else DEFAULT_BUDGET
+    return Budget(parse_bytes(text), text.strip())
+
+
+def _recipe_device(recipe: Recipe, device: str | None) -> str:
+    """--device, else the recipe's training.device; `auto` estimates for CUDA, the device the
+    estimate exists for."""
+    if device is not None:
+        return device
+    return "cpu" if recipe.training.device == "cpu" else "cuda"
 
 
 def _attention_for(choice: str, device: str, dtype: str) -> str:
@@ -107,8 +124,8 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
                    lisa_layers: int | None, no_lisa: bool, batch_size: int | None,
                    seq_len: int | None, gradient_checkpointing: bool | None,
                    attention: str | None, dtype: str | None, in_backward: bool | None,
-                   budget: str, device: str) -> Settings:
-    """Recipe values first, each flag given on the command line overriding its key."""
+                   budget_bytes: int, device: str | None, overrides: list[str] | None = None) -> Settings:
+    """Recipe values (after --set) first, each flag given on the command line overriding its key."""
     _check_choice("--device", device, ("cuda", "cpu"))
     _check_choice("--optimizer", optimizer, OPTIMIZERS)
     _check_choice("--attention", attention, _ATTENTION)
@@ -118,11 +135,15 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     for key, v in (("--lisa-layers", lisa_layers), ("--batch-size", batch_size), ("--seq-len", seq_len)):
         if v is not None and v < 1:
             raise LisaftError(f"{key}: must be at least 1, got {v}")
-    budget_bytes = parse_bytes(budget)
+    if overrides and recipe is None:
+        raise LisaftError("--set changes a recipe's keys: give a RECIPE, or use the flags with --model")
 
     if recipe is not None:
-        s = settings_from_recipe(load_recipe(recipe), device, budget_bytes, model)
+        r = load_recipe(recipe, overrides or [])
+        device = _recipe_device(r, device)
+        s = settings_from_recipe(r, device, budget_bytes, model)
     elif model is not None:
+        device = device or "cuda"
         config, label = resolve_model(model)
         s = Settings(model_label=label, config=config, device=device, budget_bytes=budget_bytes,
                      expandable_segments=expandable_segments(),
@@ -161,39 +182,76 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     return s
 
 
+@dataclass
+class Report:
+    """Everything estimate-memory says, for the text and the JSON renderings alike."""
+
+    estimate: Estimate
+    budget: Budget
+    changes: list[Change]
+    grid: dict
+    largest_seq_len: int | None
+    largest_batch_size: int | None
+    context_length: int | None
+    weights_fit: bool
+    leanest: Change | None  # when nothing offered fits: the least this model trains in
+    smallest_gpu: str | None
+
+    def to_json(self) -> dict:
+        out = self.estimate.to_json()
+        out.update(
+            budget={"bytes": self.budget.bytes, "given": self.budget.given, "source": self.budget.source,
+                    "GB": round(self.budget.bytes / 1000**3, 2), "GiB": round(self.budget.bytes / 1024**3, 2)},
+            largest_seq_len=self.largest_seq_len, largest_batch_size=self.largest_batch_size,
+            context_length=self.context_length, weights_fit=self.weights_fit,
+            advice=[{"set": c.overrides, "why": c.why, "total_bytes": c.estimate.total_bytes,
+                     "fits": c.estimate.fits} for c in self.changes],
+            smallest_budget_bytes=self.leanest.estimate.total_bytes if self.leanest else None,
+            smallest_gpu=self.smallest_gpu,
+            optimizers={opt: {mode: {"total_bytes": e.total_bytes, "fits": e.fits,
+                                     "paged_host_bytes": e.paged_host_bytes}
+                              for (o, mode), e in self.grid.items() if o == opt}
+                        for opt in OPTIMIZERS},
+        )
+        return out
+
+
+def build_report(s: Settings, budget: Budget) -> Report:
+    from lisaft.models import context_length
+
+    est = compute(s)
+    layers = param_counts(s.config).layer_count
+    weights_fit = est.weights_bytes + est.components.get("cuda_context", 0) <= s.budget_bytes
+    changes = advice(est, layers) if not est.fits and weights_fit else []
+    lean = None
+    if not est.fits and not any(c.estimate.fits for c in changes):
+        lean = leanest(s, layers)
+        changes = [c for c in changes if c.overrides != lean.overrides]
+    gamma = s.active_layers if s.lisa else min(2, layers)
+    card = smallest_gpu(lean.estimate.total_bytes) if lean else None
+    return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "seq_len"),
+                  largest_fitting(s, "batch_size"), context_length(s.config), weights_fit, lean,
+                  card.name if card else None)
+
+
 def estimate_memory_command(recipe: Path | None = None, model: str | None = None,
                             optimizer: str | None = None, lisa_layers: int | None = None,
                             no_lisa: bool = False, batch_size: int | None = None,
                             seq_len: int | None = None, gradient_checkpointing: bool | None = None,
                             attention: str | None = None, dtype: str | None = None,
-                            in_backward: bool | None = None, budget: str = "24GiB",
-                            device: str = "cuda", json_out: bool = False) -> int:
+                            in_backward: bool | None = None, budget: str | None = None,
+                            gpu: str | None = None, device: str | None = None,
+                            overrides: list[str] | None = None, json_out: bool = False) -> int:
+    b = parse_budget(budget, gpu)
     s = build_settings(recipe, model, optimizer, lisa_layers, no_lisa, batch_size, seq_len,
-                       gradient_checkpointing, attention, dtype, in_backward, budget, device)
-    est = compute(s)
-    layers = param_counts(s.config).layer_count
-    changes = [] if est.fits else advice(est, layers)
-    max_seq = largest_fitting(s, "seq_len")
-    max_batch = largest_fitting(s, "batch_size")
-    gamma = s.active_layers if s.lisa else min(2, layers)
-    grid = optimizer_grid(s, gamma)
+                       gradient_checkpointing, attention, dtype, in_backward, b.bytes, device, overrides)
+    report = build_report(s, b)
     if json_out:
-        out = est.to_json()
-        out["largest_seq_len"] = max_seq
-        out["largest_batch_size"] = max_batch
-        out["advice"] = [{"change": c.what, "total_bytes": c.estimate.total_bytes,
-                          "fits": c.estimate.fits} for c in changes]
-        out["optimizers"] = {
-            opt: {mode: {"total_bytes": e.total_bytes, "fits": e.fits,
-                         "paged_host_bytes": e.paged_host_bytes}
-                  for (o, mode), e in grid.items() if o == opt}
-            for opt in OPTIMIZERS
-        }
-        print(json.dumps(out, indent=2))
+        print(json.dumps(report.to_json(), indent=2))
         return 0
     from rich.console import Console
 
     from lisaft.memory.render import render
 
-    Console().print(render(est, changes, grid, max_seq, max_batch))
+    Console().print(render(report))
     return 0

@@ -94,7 +94,7 @@ def paged_lines(est: Estimate) -> Text | None:
 
 def advice_table(changes: list[Change]) -> Table:
     t = Table(title="What brings it under", title_justify="left")
-    t.add_column("change")
+    t.add_column("change (recipe keys; --set key=value)")
     t.add_column("why", style="dim")
     t.add_column("total", justify="right")
     t.add_column("fits")
@@ -103,12 +103,16 @@ def advice_table(changes: list[Change]) -> Table:
     return t
 
 
+def _column_title(key: str) -> str:
+    return "full" if key == "full" else f"LISA γ={key.removeprefix('lisa_')}"
+
+
 def grid_table(grid: dict, budget: int) -> Table:
     columns = sorted({k[1] for k in grid}, key=lambda c: (c != "full", c))
     t = Table(title=f"Optimizers side by side (budget {human(budget)})", title_justify="left")
     t.add_column("optimizer")
     for c in columns:
-        t.add_column(c, justify="right")
+        t.add_column(_column_title(c), justify="right")
     for opt in dict.fromkeys(k[0] for k in grid):
         cells = []
         for c in columns:
@@ -120,21 +124,47 @@ def grid_table(grid: dict, budget: int) -> Table:
     return t
 
 
-def render(est: Estimate, changes: list[Change], grid: dict, max_seq: int, max_batch: int) -> Group:
-    parts: list = [Text(settings_line(est), style="bold"), components_table(est), verdict(est)]
+def _no_budget_fits(report) -> Text:
+    """When nothing offered fits: say so, and name what would."""
+    est, lean = report.estimate, report.leanest
+    head = (f"Even the weights ({human(est.weights_bytes)}) do not fit in {human(est.budget_bytes)}: "
+            "no setting trains this model on this budget."
+            if not report.weights_fit else
+            f"No single change fits it in {human(est.budget_bytes)}.")
+    where = (f"the smallest GPU that could: --gpu {report.smallest_gpu}" if report.smallest_gpu else
+             "more than any GPU in the catalogue: it needs several GPUs (sharded weights)")
+    return Text(f"{head} The leanest setup ({lean.what}) needs {human(lean.estimate.total_bytes)}; "
+                f"{where}.", style="bold red")
+
+
+def _largest_line(report) -> Text:
+    s = report.estimate.settings
+    seq = report.largest_seq_len
+    seq_text = "none" if seq is None else str(seq)
+    if seq is not None and seq == report.context_length:
+        seq_text += " (the model's context length)"
+    batch = "none" if report.largest_batch_size is None else str(report.largest_batch_size)
+    return Text(f"Largest sequence length that fits at batch {s.batch_size}: {seq_text}; "
+                f"largest batch at seq {s.seq_len}: {batch}.")
+
+
+def render(report) -> Group:
+    """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
+    est = report.estimate
+    parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}"),
+                   components_table(est), verdict(est)]
     paged = paged_lines(est)
     if paged is not None:
         parts.append(paged)
     if est.activation_host_bytes:
         parts.append(Text(f"Host memory for offloaded activation checkpoints: "
                           f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))
-    s = est.settings
-    parts.append(Text(
-        f"Largest sequence length that fits at batch {s.batch_size}: {max_seq or 'none'}; "
-        f"largest batch at seq {s.seq_len}: {max_batch or 'none'}."))
-    if changes:
-        parts.append(advice_table(changes))
-    parts.append(grid_table(grid, est.budget_bytes))
+    parts.append(_largest_line(report))
+    if report.changes:
+        parts.append(advice_table(report.changes))
+    if report.leanest is not None:
+        parts.append(_no_budget_fits(report))
+    parts.append(grid_table(report.grid, est.budget_bytes))
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)

@@ -91,3 +91,92 @@ def test_benchmark_quick_mode(tmp_path):
     for key in ("weights", "gradients", "optimizer_states", "activations"):
         assert figures[key]["met"], (key, figures[key])
     assert figures["peak"]["measured"] > 0
+
+
+def _one_line_exit_2(result) -> str:
+    text = result.output.strip()
+    assert result.exit_code == 2, text
+    assert "Traceback" not in text and len(text.splitlines()) == 1, text
+    return text
+
+
+def test_budget_needs_a_unit_and_both_units_are_explained():
+    text = _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--budget", "24"))
+    assert "24GB" in text and "24GiB" in text and "--gpu" in text
+    for budget, explained in (("24GB", "24GB = 24.00 GB = 22.35 GiB"), ("24GiB", "24GiB = 25.77 GB = 24.00 GiB")):
+        result = _invoke("--model", "llama-3.2-1b", "--budget", budget)
+        assert result.exit_code == 0 and explained in " ".join(result.stdout.split()), result.stdout
+
+
+def test_gpu_picks_a_catalogued_budget_with_its_source():
+    out = json.loads(_invoke("--model", "llama-3.2-1b", "--gpu", "rtx-4090", "--json").stdout)
+    assert out["budget_bytes"] == (24564 - 616) * 2**20 and out["budget"]["given"] == "--gpu rtx-4090"
+    assert "nvidia-smi" in out["budget"]["source"]
+    assert "a100-80gb" in _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--gpu", "rtx-9090"))
+    assert "give one" in _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--gpu", "l4", "--budget", "24GB"))
+
+
+def test_json_uses_null_stable_keys_and_set_overrides(tmp_path):
+    out = json.loads(_invoke("--model", "llama-3.1-70b", "--budget", "24GB", "--json").stdout)
+    assert out["largest_seq_len"] is None and out["largest_batch_size"] is None
+    assert out["weights_fit"] is False and out["advice"] == [] and out["smallest_gpu"] is None
+    assert out["smallest_budget_bytes"] > out["sizes"]["weights"]
+    assert set(out["optimizers"]["adamw_32bit"]) == {"full", "lisa_2"}
+
+    out = json.loads(_invoke("--model", "llama-3.1-8b", "--lisa-layers", "2", "--budget", "24GiB",
+                             "--seq-len", "8192", "--json").stdout)
+    assert out["advice"] and all(isinstance(a["set"], dict) for a in out["advice"])
+    # Every piece of advice is a --set that a recipe accepts.
+    recipe = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
+    from lisaft.recipe import load_recipe
+
+    for a in out["advice"]:
+        load_recipe(recipe, [f"{k}={json.dumps(v)}" for k, v in a["set"].items()], resolve_paths=False)
+
+
+def test_weights_that_do_not_fit_are_said_so_with_the_smallest_gpu():
+    text = " ".join(_invoke("--model", "llama-3.1-8b", "--budget", "12GB").stdout.split())
+    assert "Even the weights (14.96 GiB) do not fit in 11.18 GiB" in text
+    assert "the smallest GPU that could: --gpu" in text
+
+
+def test_largest_sequence_stops_at_the_context_length():
+    out = json.loads(_invoke("--model", "phi-3-mini", "--lisa-layers", "1", "--gradient-checkpointing",
+                             "--gpu", "h100-80gb", "--json").stdout)
+    assert out["context_length"] == 4096 and out["largest_seq_len"] == 4096
+
+
+def test_recipe_device_and_set_are_honoured(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=4, vocab_size=500, max_position_embeddings=256).save_pretrained(tmp_path / "model")
+    recipe = {"model": {"config": "model", "tokenizer": "model", "dtype": "float32"},
+              "data": {"train": "train.jsonl", "max_seq_len": 64},
+              "training": {"max_steps": 1, "output_dir": "run", "device": "cpu"}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = json.loads(_invoke(str(path), "--set", "data.max_seq_len=128", "--budget", "8GiB", "--json").stdout)
+    assert out["settings"]["device"] == "cpu" and out["settings"]["seq_len"] == 128
+    assert out["largest_seq_len"] == 256
+    assert "training.batch_sise" in _one_line_exit_2(_invoke(str(path), "--set", "training.batch_sise=2"))
+    assert "--set" in _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--set", "data.max_seq_len=8"))
+
+
+def test_offline_hub_id_answers_at_once(monkeypatch):
+    """Without HF_HUB_OFFLINE, an unreachable hub is found by one short probe, not by retries."""
+    import time
+
+    from huggingface_hub import constants
+
+    from lisaft.models import hub_offline
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub_offline.cache_clear()
+    try:
+        t0 = time.perf_counter()
+        text = _one_line_exit_2(_invoke("--model", "no-such-org/no-such-model"))
+        assert time.perf_counter() - t0 < 15, "an unreachable hub must be answered in seconds"
+        assert "no-such-org/no-such-model" in text
+    finally:
+        hub_offline.cache_clear()

@@ -65,21 +65,36 @@ def _one_error_line(result):
     (["model.attention=flash_attention_2"], "flash_attention_2"),
     (["lisa.active_layers=9"], "lisa.active_layers"),
     (["model.dtype=float16"], "use bfloat16"),
+    (["training.batch_size=true"], "training.batch_size: must be a whole number, not true/false"),
+    (["training.batch_sise=2"], "training.batch_sise: unknown key; did you mean training.batch_size?"),
+    (["training=5"], "training: must be a section of keys (a YAML mapping), got int"),
+    (["data.max_seq_len=100"], "data.max_seq_len: 100 is above the model's context length "
+                               "(max_position_embeddings 64)"),
+    (["training.output_dir=afile/run"], "afile is a file, not a folder"),
+    (["model.config=null", "model.tokenizer=null", "model.name_or_path=./no-such-model"],
+     ("error: model.name_or_path: ", "no-such-model: no such folder")),
+    (["model.config=null", "model.tokenizer=null", "model.name_or_path=empty"],
+     ("error: model.name_or_path: ", "empty: no config.json, so no saved model is in it")),
+    (["model.config=null", "model.name_or_path=no-such-org/no-such-model"],
+     "model.name_or_path: 'no-such-org/no-such-model' is not a local folder and the hub cannot be reached"),
 ])
 def test_bad_input_exits_2_with_one_message(tiny_run, overrides, needle):
     recipe = tiny_run()
+    (tiny_run.dir / "afile").write_text("not a folder")
+    (tiny_run.dir / "empty").mkdir()
     args = ["train", str(recipe)]
     for o in overrides:
         args += ["--set", o]
     out = _one_error_line(runner.invoke(app, args))
-    assert needle in out
+    assert all(n in out for n in ((needle,) if isinstance(needle, str) else needle)), out
     assert not (tiny_run.dir / "run").exists(), "a failed start must not create the run"
 
 
 def test_not_yaml_and_empty_dataset(tiny_run):
     bad = tiny_run.dir / "bad.yaml"
     bad.write_text("model: {config: [\n")
-    assert "not valid YAML" in _one_error_line(runner.invoke(app, ["train", str(bad)]))
+    out = _one_error_line(runner.invoke(app, ["train", str(bad)]))
+    assert out.startswith(f"error: {bad}: line 2, column 1: not valid YAML") and "<unicode string>" not in out
     (tiny_run.dir / "empty.jsonl").write_text("")
     recipe = tiny_run(data={"train": "empty.jsonl"})
     assert "empty.jsonl" in _one_error_line(runner.invoke(app, ["train", str(recipe)]))
@@ -150,3 +165,49 @@ def test_grad_norm_is_the_norm_before_clipping_in_both_modes(tiny_run):
              for name in ("clipped", "unclipped", "ib")}
     assert norms["clipped"] > 1e-3 and math.isclose(norms["clipped"], norms["unclipped"], rel_tol=1e-6)
     assert math.isclose(norms["ib"], norms["unclipped"], rel_tol=1e-4)
+
+
+def test_overwrite_keeps_files_lisaft_did_not_write(tiny_run):
+    recipe = tiny_run(training={"max_steps": 1, "eval_every": 0})
+    assert runner.invoke(app, ["train", str(recipe)]).exit_code == 0
+    run = tiny_run.dir / "run"
+    (run / "notes.txt").write_text("mine")
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    out = _one_error_line(runner.invoke(app, ["train", str(recipe), "--overwrite"]))
+    assert "did not write (notes.txt)" in out and "--force" in out
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    result = runner.invoke(app, ["train", str(recipe), "--overwrite", "--force"])
+    assert result.exit_code == 0, result.output
+    assert (run / "notes.txt").read_text() == "mine" and (run / "final").is_dir()
+
+
+def test_epochs_set_the_run_length_and_resume_keeps_it(tiny_run):
+    from lisaft.recipe import load_recipe
+    from lisaft.trainer import resume, train
+
+    # 96 rows, 4 per step: one epoch is 24 steps, 1.5 epochs 36.
+    recipe = tiny_run(training={"max_steps": None, "epochs": 1.5, "eval_every": 0, "log_every": 6})
+    assert train(recipe, show=False, _stop_at=6) != 0
+    run = tiny_run.dir / "run"
+    saved = load_recipe(run / "recipe.yaml").training
+    assert (saved.epochs, saved.max_steps) == (1.5, 36)
+    assert resume(run, show=False) == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r][-1] == 36
+
+
+def test_max_steps_written_as_1e3_is_a_thousand(tiny_run):
+    from lisaft.recipe import load_recipe
+
+    recipe = tiny_run()
+    recipe.write_text(recipe.read_text().replace("max_steps: 8", "max_steps: 1e3"))
+    assert load_recipe(recipe).training.max_steps == 1000
+
+
+def test_memory_table_compares_offloaded_state_like_with_like(tiny_run):
+    recipe = tiny_run(lisa={"state_policy": "offload_cpu", "interval_steps": 1},
+                      training={"max_steps": 12, "eval_every": 0, "device": "cpu"})
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "optimizer states" in line)
+    difference = row.split("│")[-2].strip()
+    assert abs(float(difference.rstrip("%"))) < 5, row

@@ -367,3 +367,96 @@ def test_collate_right_pads():
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert all(t.dtype == torch.long for t in batch.values())
+
+
+# --- column mapping, roles, template, hub splits, permissions ------------------------------------
+
+
+def test_prompt_completion_columns_map_to_instruction_output(tmp_path, tok):
+    rows = [{"prompt": r["instruction"], "context": r.get("input", ""), "completion": r["output"]} for r in INSTR]
+    mapped, _ = load_splits(split(tmp_path, rows, columns={"prompt": "instruction", "context": "input",
+                                                             "completion": "output"}), tok, seed=0)
+    (tmp_path / "ref").mkdir()
+    direct, _ = load_splits(split(tmp_path / "ref", INSTR), tok, seed=0)
+    assert mapped == direct
+
+
+def test_sharegpt_conversations_with_from_value_and_role_names(tmp_path, tok):
+    share = [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+             for m in CHAT]
+    section = split(tmp_path, [{"conversations": share}], format="chat",
+                    columns={"conversations": "messages", "from": "role", "value": "content"},
+                    roles={"human": "user", "gpt": "assistant"})
+    (ex,), _ = load_splits(section, tok, seed=0)
+    (tmp_path / "ref").mkdir()
+    (ref,), _ = load_splits(split(tmp_path / "ref", [{"messages": CHAT}], format="chat"), tok, seed=0)
+    assert ex == ref
+
+
+@pytest.mark.parametrize("role", ["bot", "model", "Assistant"])
+def test_an_unknown_role_names_the_role_and_the_line(tmp_path, tok, role):
+    bad = [dict(m) for m in CHAT]
+    bad[-1]["role"] = role
+    section = split(tmp_path, [{"messages": CHAT}, {"messages": bad}], format="chat")
+    with pytest.raises(LisaftError, match=rf"train.jsonl: line 2: messages\[{len(CHAT) - 1}\] has role "
+                                          rf"'{role}'.*data.roles"):
+        load_splits(section, tok, seed=0)
+
+
+def test_instruction_template_is_used_for_the_prompt(tmp_path, tok):
+    template = "Q: {instruction} {input}\nA: "
+    (ex, *_), _ = load_splits(split(tmp_path, INSTR, template=template), tok, seed=0)
+    prompt = render_instruction_prompt("Reverse", "abc", template)
+    assert prompt == "Q: Reverse abc\nA: "
+    n_prompt = len([tok.bos_token_id] + enc(tok, prompt))
+    assert ex["input_ids"][:n_prompt] == [tok.bos_token_id] + enc(tok, prompt)
+    assert response_ids(ex) == enc(tok, "cba") + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{input}", "must contain {instruction}"),
+    ("{instruction} {output}", "unknown field {output}"),
+    ("{instruction", "not a valid template"),
+])
+def test_bad_template_is_a_recipe_error(template, needle):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=needle):
+        DataSection(train="x.jsonl", template=template)
+
+
+def test_hub_dataset_subset_and_split_reach_datasets(tmp_path, tok, no_datasets_cache, monkeypatch):
+    """No hub here: load_dataset is replaced to see what lisaft asks of it; a saved DatasetDict
+    shows the split being picked by data.train_split."""
+    from datasets import Dataset, DatasetDict
+
+    asked = []
+
+    def load_dataset(ref, subset):
+        asked.append((ref, subset))
+        return DatasetDict({"train": Dataset.from_list(INSTR[:1]), "test": Dataset.from_list(INSTR)})
+
+    monkeypatch.setattr(no_datasets_cache, "load_dataset", load_dataset)
+    train, evals = load_splits(DataSection(train="org/data", eval="org/data", subset="en", eval_split="test",
+                                           format="instruction"), tok, seed=0)
+    assert asked == [("org/data", "en")] * 2 and (len(train), len(evals)) == (1, 3)
+
+    DatasetDict({"train": Dataset.from_list(INSTR[:1]), "other": Dataset.from_list(INSTR)}).save_to_disk(
+        str(tmp_path / "saved"))
+    train, _ = load_splits(DataSection(train=str(tmp_path / "saved"), format="instruction",
+                                       train_split="other"), tok, seed=0)
+    assert len(train) == 3
+    with pytest.raises(LisaftError, match="data.train_split: .* has no split 'nope'; it has other, train"):
+        load_splits(DataSection(train=str(tmp_path / "saved"), format="instruction", train_split="nope"),
+                    tok, seed=0)
+
+
+def test_unreadable_data_file_is_a_permission_error(tmp_path, tok):
+    from _unprivileged import lisaft_error_as_unprivileged, open_dir
+
+    path = open_dir(tmp_path) / "train.jsonl"
+    write_jsonl(path, INSTR)
+    path.chmod(0)
+    message = lisaft_error_as_unprivileged(lambda: load_splits(DataSection(train=str(path)), tok, seed=0))
+    assert message == f"data.train: {path}: permission denied; make it readable (chmod a+r) or point " \
+                      "data.train to a copy you can read"

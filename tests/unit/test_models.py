@@ -83,3 +83,57 @@ def test_random_init_from_config_and_local_folder_round_trip(tmp_path, tiny_llam
     again = load_model(ModelSection(name_or_path=str(tmp_path / "saved"), dtype="bfloat16"), torch.device("cpu"))
     for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert a.equal(b), n
+
+
+def _tokenizer_section(**kw):
+    from lisaft.recipe import ModelSection
+
+    return ModelSection(attention="sdpa", **kw)
+
+
+def test_a_missing_model_folder_blames_name_or_path_not_tokenizer():
+    from lisaft.models import load_tokenizer
+
+    with pytest.raises(LisaftError, match=r"^model\.name_or_path: \./no-such-model: no such folder$"):
+        load_tokenizer(_tokenizer_section(name_or_path="./no-such-model"))
+
+
+def test_a_folder_without_a_model_says_so(tmp_path, tiny_llama_config):
+    from lisaft.models import load_model, load_tokenizer
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LisaftError, match="model.name_or_path: .*empty: no config.json, so no saved model"):
+        load_tokenizer(_tokenizer_section(name_or_path=str(tmp_path / "empty")))
+    tiny_llama_config.save_pretrained(tmp_path / "config-only")
+    with pytest.raises(LisaftError, match="config-only: no weights .*use model.config instead"):
+        load_model(_tokenizer_section(name_or_path=str(tmp_path / "config-only")), torch.device("cpu"))
+    with pytest.raises(LisaftError, match="model.tokenizer: .*config-only: no tokenizer in it"):
+        load_tokenizer(_tokenizer_section(config=str(tmp_path / "config-only"), tokenizer=str(tmp_path / "config-only")))
+
+
+def test_unreadable_weights_are_a_permission_error(tmp_path, tiny_llama_config):
+    from _unprivileged import lisaft_error_as_unprivileged, open_dir
+    from transformers import AutoModelForCausalLM
+
+    from lisaft.models import load_model
+
+    folder = open_dir(tmp_path) / "m"
+    AutoModelForCausalLM.from_config(tiny_llama_config).save_pretrained(folder)
+    folder.chmod(0o755)
+    (folder / "model.safetensors").chmod(0)
+    message = lisaft_error_as_unprivileged(
+        lambda: load_model(_tokenizer_section(name_or_path=str(folder)), torch.device("cpu")))
+    assert message == f"model.name_or_path: {folder / 'model.safetensors'}: permission denied; make it " \
+                      "readable (chmod a+r)"
+
+
+def test_context_length_error_and_rope_scaling_warning(tiny_llama_config):
+    from lisaft.models import check_context_length
+
+    check_context_length(tiny_llama_config, 128)
+    with pytest.raises(LisaftError, match=r"data.max_seq_len: 129 is above .* \(max_position_embeddings 128\).*"
+                                          r"use 128 or less"):
+        check_context_length(tiny_llama_config, 129)
+    tiny_llama_config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.warns(UserWarning, match="rope_scaling"):
+        check_context_length(tiny_llama_config, 512)

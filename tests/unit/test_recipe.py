@@ -120,3 +120,61 @@ def test_recipe_reference_doc_matches_schema():
 def test_hub_dataset_names_are_not_turned_into_paths(tmp_path):
     r = load_recipe(write(tmp_path, {**BASE, "data": {"train": "imdb", "eval": "org/set"}}))
     assert r.data.train == "imdb" and r.data.eval == "org/set"
+
+
+def _error(tmp_path, data) -> str:
+    with pytest.raises(LisaftError) as e:
+        load_recipe(write(tmp_path, data))
+    return str(e.value)
+
+
+def _with(section: str, **values) -> dict:
+    import copy
+
+    data = copy.deepcopy(BASE)
+    data.setdefault(section, {}).update(values)
+    return data
+
+
+def test_counts_are_strict_and_1e3_is_a_thousand(tmp_path):
+    assert load_recipe(write(tmp_path, _with("training", max_steps="1e3"))).training.max_steps == 1000
+    assert load_recipe(write(tmp_path, _with("training", max_steps=2.0))).training.max_steps == 2
+    assert "training.batch_size: must be a whole number, not true/false" in \
+        _error(tmp_path, _with("training", batch_size=True))
+    assert "training.max_steps: must be a whole number, got 2.5e0" in _error(tmp_path, _with("training", max_steps="2.5e0"))
+    assert "lisa.enabled: must be true or false" in _error(tmp_path, _with("lisa", enabled=1))
+    assert "optimizer.lr: must be a number" in _error(tmp_path, _with("optimizer", lr=True))
+
+
+def test_unknown_keys_get_did_you_mean(tmp_path):
+    assert "lisa.active_layer: unknown key; did you mean lisa.active_layers?" in \
+        _error(tmp_path, _with("lisa", active_layer=2))
+    assert "optimiser: unknown key; did you mean optimizer?" in _error(tmp_path, {**BASE, "optimiser": {}})
+
+
+def test_messages_never_name_internal_classes(tmp_path):
+    message = _error(tmp_path, {**BASE, "training": 5, "lisa": [1]})
+    assert "Section" not in message
+    assert "training: must be a section of keys (a YAML mapping), got int" in message
+
+
+def test_yaml_errors_name_the_file_and_line(tmp_path):
+    path = write(tmp_path, "model:\n  config: x\n data: [\n")
+    with pytest.raises(LisaftError) as e:
+        load_recipe(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: line 3, column 2: not valid YAML") and "<unicode string>" not in message
+
+
+def test_max_steps_or_epochs(tmp_path):
+    data = _with("training")
+    del data["training"]["max_steps"]
+    assert "set training.max_steps (optimizer steps) or training.epochs" in _error(tmp_path, data)
+    data["training"]["epochs"] = 2
+    assert load_recipe(write(tmp_path, data)).training.epochs == 2.0
+    assert "training.epochs" in _error(tmp_path, {**data, "training": {**data["training"], "epochs": 0}})
+
+
+def test_roles_map_only_onto_chat_roles(tmp_path):
+    assert "data.roles: gpt: 'bot' is not one of system, user, assistant" in \
+        _error(tmp_path, _with("data", roles={"gpt": "bot"}))

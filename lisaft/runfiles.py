@@ -1,0 +1,165 @@
+"""The run folder: what lisaft writes there, what --overwrite may remove, and what a user is told
+when a write fails (disk full, quota, read-only disk).
+
+A write can fail in many layers, and each raises its own type: Python's OSError, torch.save's
+RuntimeError from its zip writer ("unexpected pos"), safetensors' SafetensorError ("os error
+28"). `is_write_failure` recognises all of them so that a full disk ends in one message, never in
+a traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+from pathlib import Path
+
+from lisaft.errors import LisaftError, RunFailed
+
+CHECKPOINTS = "checkpoints"
+# Everything lisaft may write into a run folder, and nothing else: --overwrite removes these.
+# A new kind of output (a logging backend's folder) must be added here.
+RUN_ENTRIES = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final", "lisa_offload", "tensorboard",
+               ".final.tmp", ".recipe.yaml.tmp", "metrics.jsonl.tmp")
+# The entries that show a folder holds a lisaft run.
+RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final")
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM,
+                 errno.EIO}
+# How torch's zip writer and safetensors word a failed write; neither keeps the errno.
+_WRITE_WORDS = ("inline_container", "PytorchStreamWriter", "file write failed", "os error",
+                "No space left", "File too large", "Read-only file system", "Disk quota")
+
+
+def is_write_failure(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno in _WRITE_ERRNOS
+    if isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "SafetensorError":
+        return any(w in str(e) for w in _WRITE_WORDS)
+    return False
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f" ({e.filename})" if e.filename else "")
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text
+
+
+def remove_temporaries(run_dir: Path) -> list[str]:
+    """Remove half-written checkpoints and final exports; returns what was being written."""
+    run_dir = Path(run_dir)
+    partial = []
+    root = run_dir / CHECKPOINTS
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.name.startswith(".tmp-"):
+                partial.append(f"checkpoint {p.name.removeprefix('.tmp-')}")
+                shutil.rmtree(p, ignore_errors=True)
+    tmp = run_dir / ".final.tmp"
+    if tmp.exists():
+        partial.append("the final model")
+        shutil.rmtree(tmp, ignore_errors=True)
+    for name in (".recipe.yaml.tmp", "metrics.jsonl.tmp"):
+        (run_dir / name).unlink(missing_ok=True)
+    return partial
+
+
+def write_failed(run_dir: Path, e: BaseException) -> RunFailed:
+    """The one message for a write that failed mid-run, after removing what it left half done."""
+    from lisaft.checkpoint import complete_checkpoints
+
+    run_dir = Path(run_dir)
+    partial = remove_temporaries(run_dir)
+    what = " and ".join(partial) if partial else f"to {run_dir}"
+    complete = complete_checkpoints(run_dir, warn=lambda m: None)
+    if complete:
+        where = (f"the newest complete checkpoint, {complete[0].name}, is intact; once the disk has "
+                 f"room continue with `lisaft resume {run_dir}`")
+    else:
+        where = (f"no checkpoint was completed; once the disk has room start over with "
+                 f"`lisaft train {run_dir / 'recipe.yaml'} --overwrite`")
+    return RunFailed(f"could not write {what}: {_reason(e)}; {where}")
+
+
+def clean_write_failures(run_loop):
+    """Decorates the loop `fn(session, ...)`: a write failure anywhere in it (checkpoint, final
+    export, metrics, offloaded optimizer state, logs) becomes one RunFailed message."""
+
+    @functools.wraps(run_loop)
+    def wrapper(session, *args, **kwargs):
+        try:
+            return run_loop(session, *args, **kwargs)
+        except LisaftError:
+            raise
+        except Exception as e:
+            if not is_write_failure(e):
+                raise
+            raise write_failed(session.run_dir, e) from None
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------
+# before a run: the output folder
+
+
+def looks_like_run(path: Path) -> bool:
+    return any((path / m).exists() for m in RUN_MARKERS)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_dir(run_dir: Path, overwrite: bool, force: bool) -> None:
+    """Refuse, before anything is loaded or written, an output_dir the run cannot use."""
+    key = "training.output_dir"
+    if force and not overwrite:
+        raise LisaftError("--force only goes with --overwrite (start over although other files are there)")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LisaftError(f"{key}: {run_dir} is a file; choose a folder")
+    if not run_dir.exists():
+        base = _nearest_existing(run_dir.absolute().parent)
+        if not base.is_dir():
+            raise LisaftError(f"{key}: {run_dir} cannot be created: {base} is a file, not a folder")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise LisaftError(f"{key}: {run_dir} cannot be created: no permission to write in {base}; "
+                              "choose a folder you can write to")
+        return
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise LisaftError(f"{key}: {run_dir}: no permission to write in it; choose another folder")
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if not entries:
+        return
+    others = [n for n in entries if n not in RUN_ENTRIES]
+    if not looks_like_run(run_dir):
+        raise LisaftError(f"{key}: {run_dir} is not empty and holds no lisaft run; choose another folder")
+    if not overwrite:
+        raise LisaftError(f"{key}: {run_dir} already holds a run; continue it with "
+                          f"`lisaft resume {run_dir}`, or pass --overwrite to start over")
+    if others and not force:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise LisaftError(f"{key}: {run_dir} also holds files lisaft did not write ({shown}); "
+                          "--overwrite removes only lisaft's files: move the others away, or add "
+                          "--force to start over and leave them where they are")
+
+
+def clear_run(run_dir: Path) -> None:
+    """--overwrite: remove what lisaft wrote in run_dir, nothing else."""
+    for name in RUN_ENTRIES:
+        p = run_dir / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+
+def make_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LisaftError(f"training.output_dir: {run_dir} cannot be created: {e.strerror or e}") from None

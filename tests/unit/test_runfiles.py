@@ -1,0 +1,84 @@
+"""The run folder: write failures recognised whatever library raised them, output_dir checks,
+and --overwrite removing only what lisaft wrote."""
+
+import resource
+import signal
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from _unprivileged import lisaft_error_as_unprivileged, open_dir
+
+from lisaft.errors import LisaftError
+from lisaft.runfiles import check_output_dir, clear_run, is_write_failure
+
+
+@contextmanager
+def file_size_limit(nbytes: int):
+    """A real write failure: the kernel refuses to grow a file past nbytes (EFBIG)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def _raised(fn) -> BaseException:
+    with file_size_limit(4096):
+        try:
+            fn()
+        except Exception as e:
+            return e
+    raise AssertionError("the write did not fail")
+
+
+def test_failed_writes_are_recognised_from_every_writer(tmp_path):
+    from safetensors.torch import save_file
+
+    big = torch.zeros(10_000)
+    errors = [
+        _raised(lambda: torch.save({"m": big}, tmp_path / "a.pt")),          # RuntimeError
+        _raised(lambda: save_file({"w": big}, str(tmp_path / "b.st"))),    # SafetensorError
+        _raised(lambda: (tmp_path / "c.txt").write_text("x" * 10_000)),   # OSError
+    ]
+    assert [type(e).__name__ for e in errors] == ["RuntimeError", "SafetensorError", "OSError"]
+    assert all(is_write_failure(e) for e in errors)
+    assert not is_write_failure(RuntimeError("shape mismatch")) and not is_write_failure(ValueError("x"))
+
+
+def test_output_dir_under_a_file_and_a_file_as_output_dir(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(LisaftError, match="afile is a file, not a folder"):
+        check_output_dir(tmp_path / "afile" / "run", overwrite=False, force=False)
+    with pytest.raises(LisaftError, match="is a file; choose a folder"):
+        check_output_dir(tmp_path / "afile", overwrite=False, force=False)
+
+
+def test_output_dir_that_cannot_be_created(tmp_path):
+    locked = open_dir(tmp_path) / "locked"
+    locked.mkdir(mode=0o555)
+    message = lisaft_error_as_unprivileged(lambda: check_output_dir(locked / "run", overwrite=False, force=False))
+    assert message and "cannot be created: no permission to write in" in message, message
+
+
+def test_overwrite_removes_only_lisaft_files_and_refuses_others_without_force(tmp_path):
+    run = tmp_path / "run"
+    for d in ("checkpoints/step-000004", "final", "lisa_offload/rank-0", "tensorboard"):
+        (run / d).mkdir(parents=True)
+    (run / "recipe.yaml").write_text("x")
+    (run / "metrics.jsonl").write_text("{}")
+    with pytest.raises(LisaftError, match="already holds a run"):
+        check_output_dir(run, overwrite=False, force=False)
+    check_output_dir(run, overwrite=True, force=False)  # only lisaft's files: fine
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(LisaftError, match=r"did not write \(notes.txt\).*--force"):
+        check_output_dir(run, overwrite=True, force=False)
+    check_output_dir(run, overwrite=True, force=True)
+    with pytest.raises(LisaftError, match="--force only goes with --overwrite"):
+        check_output_dir(run, overwrite=False, force=True)
+    clear_run(run)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
