@@ -11,6 +11,12 @@ can be regenerated and diffed. What it makes:
 - config.json: a small Llama (random init; the quickstart trains it from scratch).
 - train.jsonl / eval.jsonl: string transforms of short letter strings in the instruction
   format. Eval inputs never occur in train, so eval accuracy measures the rule, not recall.
+
+The same row maker serves other task families: `task_rows(FAMILIES["B"], ...)` makes the new
+tasks of the learning benchmark (benchmarks/learning_bench.py), which fine-tunes a model that
+learned family A (the quickstart's tasks) on them. Family B's task names are not single tokens
+in the tokenizer: they are spelled character by character, which adding tokens here would
+change (and with it the shipped tokenizer).
 """
 
 from __future__ import annotations
@@ -34,6 +40,13 @@ TASKS = {
     "Uppercase": str.upper,
     "Sort": lambda s: "".join(sorted(s)),
 }
+# New tasks over the same letters: per-letter maps and moves unlike any of family A's.
+NEW_TASKS = {
+    "Shift": lambda s: "".join(chr(ord(c) + 1) for c in s),  # a -> b, ..., j -> k
+    "Rotate": lambda s: s[1:] + s[:1],
+    "Double": lambda s: "".join(c + c for c in s),
+}
+FAMILIES = {"A": TASKS, "B": NEW_TASKS}
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 ROLES = ["<|system|>\n", "<|user|>\n", "<|assistant|>\n"]
@@ -108,20 +121,25 @@ def save_tokenizer(tok, folder: Path) -> None:
     (folder / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def make_rows(rng: random.Random) -> tuple[list[dict], list[dict]]:
+def task_rows(tasks: dict, rng: random.Random, n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
+    """Train and eval rows cycling through `tasks`, in the instruction format."""
     # Distinct inputs first, then split: no eval input (under any task) appears in train.
     seen, inputs = set(), []
-    while len(inputs) < N_TRAIN + N_EVAL:
+    while len(inputs) < n_train + n_eval:
         s = "".join(rng.choice(LETTERS) for _ in range(rng.randint(MIN_LEN, MAX_LEN)))
         if s not in seen:
             seen.add(s)
             inputs.append(s)
-    names = list(TASKS)
+    names = list(tasks)
     rows = []
     for k, s in enumerate(inputs):
         name = names[k % len(names)]
-        rows.append({"instruction": name, "input": s, "output": TASKS[name](s)})
-    return rows[:N_TRAIN], rows[N_TRAIN:]
+        rows.append({"instruction": name, "input": s, "output": tasks[name](s)})
+    return rows[:n_train], rows[n_train:]
+
+
+def make_rows(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    return task_rows(TASKS, rng, N_TRAIN, N_EVAL)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
