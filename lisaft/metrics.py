@@ -77,16 +77,23 @@ def _count(n: float) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else f"{n:.0f}"
 
 
+def _memory(n: float) -> str:
+    # One decimal is enough to watch a peak; the full figure is in metrics.jsonl.
+    return f"{n / 2**30:.1f}GiB" if n >= 2**30 else f"{n / 2**20:.0f}MiB"
+
+
 def _cut(text: str, room: int) -> str:
     return text if len(text) <= room else text[: max(room - 1, 1)] + "…"
 
 
 def train_line(rec: dict, total: int, width: int = 80) -> str:
-    """One train record in at most `width` columns: step, loss, lr, tok/s, memory, layers.
-    Fields are spaced by two, or by one when that makes the layers fit; a layer list that still
-    does not fit is cut."""
-    fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.1e}",
-              f"{_count(rec['tokens_per_s'])} tok/s", f"mem {fmt_bytes(rec['peak_memory_bytes'])}"]
+    """One train record in at most `width` columns: step, loss, lr, gradient norm (before
+    clipping), tok/s, memory, layers. Fields are spaced by two, or by one when that makes the
+    layers fit; a layer list that still does not fit is cut."""
+    fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.1e}"]
+    if rec.get("grad_norm") is not None:
+        fields.append(f"gn {rec['grad_norm']:.2g}")
+    fields += [f"{_count(rec['tokens_per_s'])} tok/s", f"mem {_memory(rec['peak_memory_bytes'])}"]
     layers = "all" if rec.get("active_layers") is None else ",".join(map(str, rec["active_layers"]))
     # Spacing is chosen for the widest step counter, so it does not change as the run goes on.
     widest = len(str(total)) - len(str(rec["step"]))

@@ -14,6 +14,7 @@ def test_train_line_fits_80_columns(total, layers):
     line = train_line({**RECORD, "active_layers": layers}, total)
     assert len(line) <= 80, line
     assert line.startswith(f"step 7/{total}") and "loss 1.2346" in line and "tok/s" in line
+    assert "gn 0.5 " in line
     assert "layers " + ("all" if layers is None else "3" if layers[0] == 3 else "0") in line
 
 
