@@ -130,7 +130,8 @@ def _torch_update(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> N
         w.mul_(1.0 - lr * wd)
     m.lerp_(g, 1.0 - b1)
     v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-    denom = (v.sqrt() / math.sqrt(1.0 - b2 ** step)).add_(group["eps"])
+    # In place after the sqrt: one chunk-sized buffer, not two (the same arithmetic as torch).
+    denom = v.sqrt().div_(math.sqrt(1.0 - b2 ** step)).add_(group["eps"])
     w.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** step))
 
 

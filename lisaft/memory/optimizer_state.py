@@ -77,10 +77,10 @@ UPDATE_CHUNK_BYTES_PER_ELEMENT = 12
 
 
 def chunked_update(optimizer: str, dt: int, bf16_update: str) -> bool:
-    """Whether the step goes through lisaft's chunked float32 update: adamw_32bit always (its
-    moments are float32 whatever the weights), any optimizer for bf16 weights taking
-    stochastically rounded updates."""
-    return optimizer == "adamw_32bit" or (dt == 2 and bf16_update == "stochastic")
+    """Whether the step holds float32 chunk buffers: adamw_32bit always (its moments are float32
+    whatever the weights), any optimizer for bf16 weights, which are updated in float32 chunks
+    and written back with either rounding (`bf16_update` only picks how)."""
+    return optimizer == "adamw_32bit" or dt == 2
 
 
 def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str,
