@@ -89,12 +89,8 @@ def test_chunked_update_is_bounded():
     assert step_temporaries("paged_adamw_8bit", 10**9, 4, "cuda") == 0  # float32 weights need no rounding
     assert step_temporaries("adamw_32bit", 1000, 4, "cuda") == 12 * 1000
     s = settings_from_recipe(_recipe())
-    stochastic, nearest = compute(s), compute(s.with_(bf16_update="nearest"))
-    assert stochastic.phases["optimizer_step"] - nearest.phases["optimizer_step"] >= chunk
-    # in_backward: the chunk coexists with activations (layer backward), not with all gradients
-    ib = compute(s.with_(in_backward=True, clipping=False))
-    ibn = compute(s.with_(in_backward=True, clipping=False, bf16_update="nearest"))
-    assert ib.phases["layer_backward"] > ibn.phases["layer_backward"]
+    bf16 = compute(s)
+    assert compute(s.with_(bf16_update="nearest")).phases == bf16.phases  # same buffers either way
 
 
 def test_offloaded_checkpoints_leave_two_layer_inputs_on_the_device():
