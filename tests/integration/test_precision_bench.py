@@ -33,7 +33,8 @@ def test_precision_bench_quick(tmp_path):
     # them in expectation, so only the stochastic run keeps changing its matrices and learning.
     assert sto["share_of_float32_decrease"] >= 0.9, sto
     assert near["share_of_float32_decrease"] < 0.6, near
-    assert sto[f"changed_after_{steps}"]["layer_matrices"] > 2 * near[f"changed_after_{steps}"]["layer_matrices"]
+    changed = f"changed_after_{steps}"
+    assert sto[changed]["layer_matrices"] > 2 * near[changed]["layer_matrices"]
     assert sto["update_cosine_with_float32"] > near["update_cosine_with_float32"]
     assert set(s["update_microbench_ms"]["adamw_32bit"]) == MODES
     assert "| adamw_32bit | bf16_stochastic |" in (tmp_path / "precision.md").read_text()
