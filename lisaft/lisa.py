@@ -23,6 +23,7 @@ import numpy as np
 from torch import nn
 
 from lisaft.errors import LisaftError
+from lisaft.optim import grad_nbytes
 from lisaft.recipe import LisaSection
 from lisaft.units import Unit, UnitOptimizers
 
@@ -140,8 +141,7 @@ class LisaController:
         return sum(p.numel() for p in self.trainable_parameters())
 
     def grad_bytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for u in self.units for p in u.params
-                   if p.grad is not None)
+        return sum(grad_nbytes(p.grad) for u in self.units for p in u.params if p.grad is not None)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -305,6 +305,26 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
     return model
 
 
+def sparse_grad_is_smaller(num_embeddings: int, tokens_per_step: int) -> bool:
+    """A sparse embedding gradient holds a row (and an index) per token, twice while duplicates
+    are summed: it pays while the step has fewer tokens than half the vocabulary."""
+    return 2 * tokens_per_step < num_embeddings
+
+
+def use_sparse_embedding_grad(model: nn.Module, enabled: bool, trains: bool, tokens_per_step: int,
+                              world_size: int) -> bool:
+    """Switch the input embedding to sparse gradients when that is exact and smaller: one
+    process (the gradient all-reduce is dense), an untied nn.Embedding that trains."""
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = out is not None and out.weight is emb.weight
+    on = (enabled and trains and world_size == 1 and isinstance(emb, nn.Embedding) and not tied
+          and sparse_grad_is_smaller(emb.num_embeddings, tokens_per_step))
+    if isinstance(emb, nn.Embedding):
+        emb.sparse = on
+    return on
+
+
 def long_context_memory(model: nn.Module, section: ModelSection, device: torch.device) -> None:
     """model.offload_activations: each checkpointed decoder layer keeps its input in pinned host
     memory instead of on the device; model.mlp_chunk_tokens: MLPs run in checkpointed chunks

@@ -144,6 +144,59 @@ def _mix(*values: int) -> int:
     return h & 0x7FFF_FFFF_FFFF_FFFF
 
 
+class _GradChunks:
+    """A gradient as float32 chunks of at most CHUNK elements. A sparse (row) gradient, as an
+    embedding with sparse=True gives, becomes dense one chunk of whole rows at a time: rows
+    without a gradient get zeros, so every row's moments decay and move exactly as AdamW's."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.sparse = grad.is_sparse
+        if not self.sparse:
+            self.flat, self.chunk = grad.reshape(-1), CHUNK
+            return
+        grad = grad.coalesce()
+        self.rows, self.values = grad.indices()[0], grad.values()
+        self.row_len = math.prod(grad.shape[1:])
+        # Whole rows per chunk, and a whole number of 8-bit blocks.
+        step = BLOCKSIZE // math.gcd(self.row_len, BLOCKSIZE)
+        self.rows_per_chunk = max(step, CHUNK // self.row_len // step * step)
+        self.chunk = self.rows_per_chunk * self.row_len
+        # Where each chunk's rows start among the sorted gradient rows: one search, one sync.
+        starts = torch.arange(0, grad.shape[0] + self.rows_per_chunk, self.rows_per_chunk, device=self.rows.device)
+        self.bounds = torch.searchsorted(self.rows, starts).tolist()
+
+    def slice(self, lo: int, hi: int) -> torch.Tensor:
+        if not self.sparse:
+            g = self.flat[lo:hi]
+            return g.float() if g.dtype != torch.float32 else g
+        r0, r1 = lo // self.row_len, -(-hi // self.row_len)
+        a, b = self.bounds[r0 // self.rows_per_chunk], self.bounds[r0 // self.rows_per_chunk + 1]
+        dense = torch.zeros(r1 - r0, self.row_len, dtype=torch.float32, device=self.values.device)
+        dense[self.rows[a:b] - r0] = self.values[a:b].reshape(b - a, -1).float()
+        return dense.view(-1)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """The total L2 norm of the gradients before clipping; with max_norm, the gradients are
+    scaled by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. A sparse
+    gradient (coalesced) counts by its values."""
+    grads = [g.values() if g.is_sparse else g for g in (p.grad for p in params) if g is not None]
+    if not grads:
+        return 0.0
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return float(total)
+
+
+def grad_nbytes(g: torch.Tensor) -> int:
+    if g.is_sparse:
+        return g._values().numel() * g.element_size() + g._indices().numel() * 8
+    return g.numel() * g.element_size()
+
+
 class Rounding:
     """How float32 results are written into bfloat16 weights.
 
@@ -236,12 +289,13 @@ class AdamW(torch.optim.Optimizer):
             st.update(self._init_state(p))
         st["step"] += 1
         kernel = _torch_update if not (self.eight_bit or self.bnb_32bit) else _bnb_update
-        flat_p, flat_g = p.detach().view(-1), p.grad.detach().reshape(-1)
+        flat_p = p.detach().view(-1)
+        grad = _GradChunks(p.grad.detach())
         low = p.dtype != torch.float32
-        for c, lo in enumerate(range(0, flat_p.numel(), CHUNK)):
-            hi = min(lo + CHUNK, flat_p.numel())
+        for c, lo in enumerate(range(0, flat_p.numel(), grad.chunk)):
+            hi = min(lo + grad.chunk, flat_p.numel())
             w = flat_p[lo:hi].float() if low else flat_p[lo:hi]
-            g = flat_g[lo:hi].float() if flat_g.dtype != torch.float32 else flat_g[lo:hi]
+            g = grad.slice(lo, hi)
             kernel(w, g, st, lo, hi, st["step"], group)
             del g
             if low:

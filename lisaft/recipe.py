@@ -93,6 +93,12 @@ class ModelSection(_Section):
         "checkpointed: its intermediates (4 x intermediate_size per token) exist for one chunk "
         "only. For long context; costs one more MLP forward per step.",
     )
+    sparse_embedding_grad: Bool = Field(
+        True,
+        description="Keep the input embedding's gradient as the rows of the step's tokens only "
+        "(single process, untied embedding, fewer tokens than half the vocabulary); the update "
+        "still moves every row exactly as AdamW does. Saves a dense vocab x hidden gradient.",
+    )
     layers_path: str | None = Field(
         None,
         description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "

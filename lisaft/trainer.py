@@ -25,6 +25,7 @@ from lisaft.errors import LisaftError, RunFailed
 from lisaft.loggers import RunLog, check_backends
 from lisaft.memory.measure import memory_counters
 from lisaft.metrics import Display, MetricsLog
+from lisaft.optim import clip_grad_norm
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
 from lisaft.runfiles import check_output_dir, clean_write_failures, clear_run, make_run_dir, write_failed
 from lisaft.schedules import Plan, lr_for
@@ -101,7 +102,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     from lisaft.data import load_splits
     from lisaft.lisa import LisaController
     from lisaft.models import (check_context_length, decoder_layers_path, load_model, load_tokenizer,
-                               model_parts, resolve_device)
+                               model_parts, resolve_device, use_sparse_embedding_grad)
     from lisaft.units import UnitOptimizers, model_units
 
     t = recipe.training
@@ -118,6 +119,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
     model = load_model(recipe.model, device, seed=t.seed)
     check_context_length(model.config, recipe.data.max_seq_len)
+    use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad,
+                              trains=not recipe.lisa.enabled or recipe.lisa.train_embeddings,
+                              tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
+                              world_size=dist.world_size())
     layers_path = decoder_layers_path(model, recipe.model.layers_path)
     parts = model_parts(model, recipe.model.layers_path)
     if t.shard_optimizer_state and dist.world_size() > 1 and recipe.optimizer.in_backward:
@@ -373,17 +378,16 @@ def train_step(session: Session, step: int, measure_norm: bool = True) -> tuple[
 
 def _clip_and_step(session: Session, measure_norm: bool) -> None:
     trainable = session.controller.trainable_parameters()
+    for p in trainable:
+        if p.grad is not None and p.grad.is_sparse:
+            # Sum the rows of repeated tokens once; the norm and the update read the values.
+            p.grad = p.grad.coalesce()
     dist.all_reduce_grads(trainable)
     session.grad_bytes = session.controller.grad_bytes()
     session.peak_grad_bytes = max(session.peak_grad_bytes, session.grad_bytes)
     max_norm = session.recipe.training.max_grad_norm
-    if max_norm is not None:
-        # clip_grad_norm_ returns the total norm before clipping.
-        session.grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
-    elif measure_norm:
-        grads = [p.grad for p in trainable if p.grad is not None]
-        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]) if grads else torch.zeros(1)
-        session.grad_norm = float(torch.linalg.vector_norm(norms))
+    if max_norm is not None or measure_norm:
+        session.grad_norm = clip_grad_norm(trainable, max_norm)
     session.optimizers.step(session.controller.trainable_units())
 
 

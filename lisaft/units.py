@@ -178,8 +178,11 @@ class UnitOptimizers:
 
     def _step_in_backward(self, p: torch.Tensor) -> None:
         unit = self._unit_of[p]
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
         if self.grad_sq is not None:
-            self.grad_sq += p.grad.detach().float().pow(2).sum()
+            g = p.grad.detach()
+            self.grad_sq += (g.values() if g.is_sparse else g).float().pow(2).sum()
         self.optimizer(unit).step_param(p)
         self.dirty.add(unit.name)
         p.grad = None

@@ -19,6 +19,7 @@ from lisaft.memory.counts import ParamCounts, param_counts
 from lisaft.memory.cuda_process import (CUDA_CONTEXT_BYTES, CUDA_KERNELS_BYTES, allocator_overhead,
                                         cublas_workspace_bytes)
 from lisaft.memory.optimizer_state import state_bytes, step_temporaries
+from lisaft.models import sparse_grad_is_smaller
 
 GiB = 1024**3
 MiB = 1024**2
@@ -54,6 +55,7 @@ class Settings:
     mlp_chunk_tokens: int | None = None  # MLP run in checkpointed chunks of this many positions
     optimizer: str = "adamw_32bit"
     bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
+    sparse_embedding_grad: bool = True  # model.sparse_embedding_grad (single process)
     in_backward: bool = False
     lisa: bool = False
     active_layers: int = 2
@@ -146,7 +148,8 @@ class Estimate:
                 "gradient_checkpointing": s.gradient_checkpointing,
                 "offload_activations": s.offload_activations,
                 "mlp_chunk_tokens": s.mlp_chunk_tokens, "optimizer": s.optimizer,
-                "bf16_update": s.bf16_update, "expandable_segments": s.expandable_segments,
+                "bf16_update": s.bf16_update, "sparse_embedding_grad": s.sparse_embedding_grad,
+                "expandable_segments": s.expandable_segments,
                 "in_backward": s.in_backward, "lisa": s.lisa,
                 "active_layers": s.active_layers if s.lisa else None,
                 "train_embeddings": s.train_embeddings, "train_head": s.train_head,
@@ -189,6 +192,18 @@ def _state_numels(counts: ParamCounts, s: Settings, trainable: list[int]) -> lis
     return trainable
 
 
+def _sparse_embedding_saving(counts: ParamCounts, shape: Shape, s: Settings, dt: int) -> int:
+    """Gradient bytes saved when the input embedding's gradient is sparse (lisaft.models.
+    use_sparse_embedding_grad): its dense vocab x hidden matrix is replaced by a row and an int64
+    index per token of the step, twice while repeated rows are summed."""
+    tokens = s.batch_size * s.seq_len * s.grad_accum_steps
+    trains = not s.lisa or s.train_embeddings
+    if not (s.sparse_embedding_grad and trains and not counts.tied and counts.embeddings
+            and sparse_grad_is_smaller(shape.vocab, tokens)):
+        return 0
+    return counts.embeddings[0] * dt - 2 * tokens * (shape.hidden * dt + 8)
+
+
 def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None = None) -> Estimate:
     counts = counts or param_counts(s.config)
     shape = shape or shape_from_config(s.config)
@@ -199,7 +214,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     trainable_params = sum(trainable)
     weights = counts.total * dt + counts.buffer_bytes_fp32 + \
         (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
-    grads_full = trainable_params * dt
+    grads_full = trainable_params * dt - _sparse_embedding_saving(counts, shape, s, dt)
     state = state_bytes(s.optimizer, _state_numels(counts, s, trainable), dt, s.device)
     largest = max(trainable) if trainable else 0
 

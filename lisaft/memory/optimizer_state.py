@@ -1,7 +1,7 @@
 """Optimizer state bytes per parameter tensor, following the optimizers' own allocation rules.
 
-adamw_32bit keeps two float32 moments whatever the weight dtype (8 B/param) and a float32 step
-counter per tensor. The bitsandbytes optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
+adamw_32bit keeps two float32 moments whatever the weight dtype (8 B/param); every optimizer
+keeps its step count as a Python int (lisaft/optim.py), nothing on the device. The bitsandbytes optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
 - 32-bit (PagedAdamW): two float32 moments, 8 B/param, whatever the weights' dtype.
 - 8-bit (AdamW8bit, PagedAdamW8bit): tensors under min_8bit_size = 4096 elements keep float32
   moments (8 B/param); larger ones keep two uint8 moments (2 B/param) plus one float32 absmax
@@ -47,7 +47,7 @@ def tensor_state(optimizer: str, numel: int, dt: int, device: str) -> StateBytes
     """State bytes for one parameter tensor of `numel` elements and dtype size `dt`."""
     paging = is_paged(optimizer) and device == "cuda" and numel >= PAGED_MIN_NUMEL
     if optimizer == "adamw_32bit":
-        return StateBytes(2 * numel * 4 + 4, 0)
+        return StateBytes(2 * numel * 4, 0)
     if is_8bit(optimizer) and numel >= MIN_8BIT_SIZE:
         blocks = -(-numel // BLOCKSIZE)
         moments = 2 * numel

@@ -3,6 +3,7 @@ learns as the float32 run does; with round-to-nearest most updates are lost. Thi
 default exists."""
 
 import pytest
+import torch
 
 from lisaft.recipe import load_recipe
 from lisaft.trainer import build_session, evaluate, train_step
@@ -31,3 +32,20 @@ def test_bf16_keeps_the_float32_loss_decrease_only_with_stochastic_rounding(tiny
     nearest = _loss_drop(tiny_run, "bfloat16", name, "nearest")
     assert stochastic >= 0.9 * reference, (stochastic, reference)
     assert nearest < 0.6 * reference, (nearest, reference)
+
+
+def test_sparse_embedding_gradient_trains_as_the_dense_one(tiny_run):
+    # 1 x 32 tokens a step against a 110-token vocabulary: the sparse gradient is the smaller.
+    runs = {}
+    for sparse in (True, False):
+        path = tiny_run(f"sparse-{sparse}.yaml", model={"sparse_embedding_grad": sparse},
+                        lisa={"enabled": False}, training={"batch_size": 1, "max_steps": 6})
+        session = build_session(load_recipe(path), tiny_run.dir / f"run-{sparse}")
+        emb = session.model.get_input_embeddings()
+        assert emb.sparse is sparse
+        losses = [train_step(session, step)[0] for step in range(6)]
+        runs[sparse] = (losses, emb.weight.detach().clone(), session.peak_grad_bytes)
+    (ls, ws, gs), (ld, wd, gd) = runs[True], runs[False]
+    assert ls == pytest.approx(ld, rel=1e-5)
+    assert torch.allclose(ws, wd, atol=1e-6)
+    assert gd - gs > 0.5 * wd.numel() * 4  # the dense vocab x hidden gradient is gone

@@ -75,8 +75,7 @@ def test_adamw_32bit_moments_are_float32_for_bf16_weights():
     config, _ = resolve_model("llama-3.1-8b")
     base = Settings(model_label="8b", config=config, dtype="bfloat16", optimizer="adamw_32bit")
     e = compute(base)
-    tensors = 32 * 9 + 3
-    assert e.optimizer_state_bytes == 8 * 8_030_261_248 + 4 * tensors
+    assert e.optimizer_state_bytes == 8 * 8_030_261_248  # the step count is a Python int
     assert e.sizes["transient"] >= step_temporaries("adamw_32bit", 525_336_576, 2, "cuda")
 
 

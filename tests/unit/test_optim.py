@@ -218,3 +218,42 @@ def test_rounding_noise_is_a_pure_function_of_seed_step_and_key():
         assert not torch.equal(once(0, 5, 1, 2, 0), other)
     # Negative values too land on one of the two bf16 neighbours: within one ulp of x.
     assert bool(((once(0, 5, 0).float() - x).abs() <= x.abs() * 2 ** -7).all())
+
+
+# -- sparse embedding gradients -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sparse_row_gradient_updates_every_row_as_its_dense_form(monkeypatch, name, dtype):
+    # 512 rows x 32: chunks of 64 rows, the same 2048 elements as the dense chunks (so the same
+    # rounding noise), with rows without a gradient
+    # among them; their moments must still decay and their weights still move.
+    monkeypatch.setattr(optim, "CHUNK", 2048)
+    torch.manual_seed(0)
+    weight = torch.randn(512, 32).to(dtype)
+    dense_p, sparse_p = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(weight.clone())
+    opts = [build_unit_optimizer([p], section(name, bf16_update="stochastic"), CPU, Rounding("stochastic", 0), 0, None)
+            for p in (dense_p, sparse_p)]
+    for step in range(3):
+        rows = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(step))
+        values = torch.randn(40, 32, generator=torch.Generator().manual_seed(100 + step)).to(dtype)
+        sparse = torch.sparse_coo_tensor(rows[None], values, (512, 32)).coalesce()
+        dense_p.grad, sparse_p.grad = sparse.to_dense(), sparse
+        for opt in opts:
+            opt.rounding.step = step
+            opt.step()
+    assert torch.equal(dense_p, sparse_p)
+    untouched = sorted(set(range(512)) - set(torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()))
+    assert not torch.equal(sparse_p[untouched[0]], weight[untouched[0]])  # momentum moved it
+
+
+def test_clip_grad_norm_counts_sparse_values_and_scales_them():
+    dense = torch.nn.Parameter(torch.zeros(3))
+    emb = torch.nn.Parameter(torch.zeros(5, 2))
+    dense.grad = torch.tensor([3.0, 0.0, 0.0])
+    emb.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), torch.tensor([[4.0, 0.0], [0.0, 12.0]]), (5, 2)).coalesce()
+    assert optim.clip_grad_norm([dense, emb], 1.3) == pytest.approx(13.0)
+    assert torch.allclose(dense.grad, torch.tensor([0.3, 0.0, 0.0]), atol=1e-6)
+    assert torch.allclose(emb.grad.to_dense()[4], torch.tensor([0.0, 1.2]), atol=1e-6)
+    assert optim.grad_nbytes(emb.grad) == 2 * 2 * 4 + 2 * 8
