@@ -47,5 +47,5 @@ def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     assert summary["complete"] and len(summary["runs"]) == 14
-    assert [r["run"] for r in summary["runs"][:3]] == ["headroom", "long-16k", "shipped-default-alloc"]
+    assert [r["run"] for r in summary["runs"][:3]] == ["headroom", "table-g2-s2048", "long-16k"]
     assert all(r["skipped"].startswith("budget") for r in summary["runs"])
