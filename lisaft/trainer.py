@@ -100,8 +100,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     from lisaft.batches import DataOrder, steps_for_epochs
     from lisaft.data import load_splits
     from lisaft.lisa import LisaController
-    from lisaft.models import (check_context_length, decoder_layers_path, load_model, load_tokenizer,
-                               model_parts, resolve_device)
+    from lisaft.models import (check_context_length, compile_layers, decoder_layers_path, load_model,
+                               load_tokenizer, model_parts, resolve_device)
     from lisaft.units import UnitOptimizers, model_units
 
     t = recipe.training
@@ -120,6 +120,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     check_context_length(model.config, recipe.data.max_seq_len)
     layers_path = decoder_layers_path(model, recipe.model.layers_path)
     parts = model_parts(model, recipe.model.layers_path)
+    if t.compile:
+        compile_layers(parts.layers, device)
     if t.shard_optimizer_state and dist.world_size() > 1 and recipe.optimizer.in_backward:
         raise LisaftError("training.shard_optimizer_state needs optimizer.in_backward false")
     units = model_units(parts)
