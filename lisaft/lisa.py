@@ -140,7 +140,8 @@ class LisaController:
         return sum(p.numel() for p in self.trainable_parameters())
 
     def grad_bytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for u in self.units for p in u.params
+        # Only trainable units hold gradients: a switch frees those of the units it freezes.
+        return sum(p.grad.numel() * p.grad.element_size() for u in self._trainable for p in u.params
                    if p.grad is not None)
 
     # -- checkpoints ----------------------------------------------------------------------------
