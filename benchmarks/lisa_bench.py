@@ -32,7 +32,18 @@ switch (`activate_for_step`) as a fraction of its interval's time.
 tokens/s is steady state: the first --warmup steps are left out and the median step time is
 used (the mean over the same steps is reported too).
 
-    python benchmarks/lisa_bench.py              # default shape, about 8 minutes on 2 cores
+Lockstep keeps the comparison fair under load but times only the step inside one process. With
+--processes R (default 2; 0 with --quick) each of PROCESS_RUNS is also run alone in a fresh
+process of N and of 2N steps, R times each, and its per-step time is
+(min wall of the 2N-step runs - min wall of the N-step runs) / N: start-up (imports, model build,
+the Trainer's set-up) cancels, and what remains is what a user pays per step, including any
+per-step cost outside the timed region of the lockstep runs.
+
+Each contender is also reported as a share of this machine's FLOP bound: tokens/s x FLOPs per
+token / the measured float32 matmul rate (see flops_per_token for the counts: 6 x matmul
+parameters for full fine-tuning, less for LISA, where frozen layers compute only input gradients).
+
+    python benchmarks/lisa_bench.py              # default shape, about 12 minutes on 2 cores
     python benchmarks/lisa_bench.py --quick      # tiny shape, seconds (the tests run this)
 
 Needs torch, transformers, pydantic, pyyaml, numpy, and `accelerate` for the Trainer runs
@@ -61,17 +72,22 @@ SHAPES = {
                     num_key_value_heads=8, vocab_size=8192),
     "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512),
+    # The shape of issue 15 (its targets are stated there): 8 layers x 384, seq 256, K=5.
+    "issue15": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
+                    num_key_value_heads=6, vocab_size=8192),
 }
 # steps, K, warm-up steps excluded from tokens/s, batch, sequence length
 SETTINGS = {
     "default": dict(steps=44, interval=4, warmup=3, batch_size=4, seq_len=128),
     "quick": dict(steps=12, interval=2, warmup=2, batch_size=2, seq_len=32),
+    "issue15": dict(steps=20, interval=5, warmup=2, batch_size=4, seq_len=256),
 }
 GAMMA = 2
 LR = 1e-4
 MAX_GRAD_NORM = 1.0
 SEED = 0
 POLICIES = ("discard", "offload_cpu", "offload_disk", "keep")
+PROCESS_RUNS = ("hf_full", "lisaft_full", "hf_lisa_lmflow", "lisaft_lisa_discard")
 RUN_ORDER = ("hf_full", "lisaft_full", "hf_lisa_lmflow") + tuple(f"lisaft_lisa_{p}" for p in POLICIES) \
     + ("lisaft_lisa_discard_frozen_emb",)
 
@@ -335,6 +351,92 @@ class HFRunner:
 # Report
 
 
+def matmul_flops_per_s(threads: int, n: int = 1024, repeats: int = 10) -> float:
+    """The machine's float32 matmul rate: the best of `repeats` n x n products (shared CPU: the
+    fastest run is the least disturbed)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def flops_per_token(counts: dict, cfg: dict, seq_len: int, active_sets: list[list[int]] | None,
+                    train_embeddings: bool = True) -> float:
+    """Matmul FLOPs per trained token. A matmul with P weights costs 2P per token forward, 2P
+    for its input gradient and 2P for its weight gradient. Full fine-tuning: 6P over decoder layers
+    and head (the embedding is a lookup). LISA (active_sets: the layers of each interval; the
+    mean over intervals): every layer runs forward; a layer computes its input gradient when
+    anything below it trains (all layers when the embeddings train) and its weight gradient only
+    when active; the head trains. Attention scores and values add 4·L·d forward per layer (as
+    sdpa computes them, the masked half included) and 8·L·d backward wherever input gradients flow."""
+    n, layer, head = cfg["num_hidden_layers"], counts["per_decoder_layer_matmul"], counts["head"]
+    attn_fwd = 4 * seq_len * cfg["hidden_size"]
+    if active_sets is None:
+        return n * (6 * layer + 3 * attn_fwd) + 6 * head
+    total = 0.0
+    for active in active_sets:
+        lowest = 0 if train_embeddings else min(active)
+        backward_layers = n - lowest
+        # The lowest active layer needs no input gradient when nothing below it trains.
+        input_grads = backward_layers - (0 if train_embeddings else 1)
+        total += (n * (2 * layer + attn_fwd) + input_grads * 2 * layer + backward_layers * 2 * attn_fwd
+                  + len(active) * 2 * layer + 6 * head)
+    return total / len(active_sets)
+
+
+def flop_shares(results: dict, counts: dict, cfg: dict, seq_len: int, rate: float) -> dict:
+    """Per run: FLOPs per token, and tokens/s (lockstep, and whole-process when measured) as a
+    share of the FLOP bound."""
+    out = {}
+    for name, r in results.items():
+        if r.get("status") != "ok":
+            continue
+        sets = None if r["method"] == "full" else [iv["active_layers"] for iv in r["intervals"]]
+        f = flops_per_token(counts, cfg, seq_len, sets, r.get("train_embeddings", True))
+        r["flops_per_token"] = f
+        r["flop_bound_tokens_per_s"] = rate / f
+        r["share_of_flop_bound"] = r["tokens_per_s"] * f / rate
+        if (r.get("whole_process") or {}).get("tokens_per_s"):
+            r["whole_process"]["share_of_flop_bound"] = r["whole_process"]["tokens_per_s"] * f / rate
+        out[name] = f
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole processes
+
+
+def whole_process(name: str, s: dict, threads: int, repeats: int) -> dict:
+    """Per-step time of `name` run alone in fresh processes of N and 2N steps (start-up cancels)."""
+    import subprocess
+
+    n = s["steps"]
+    walls: dict[int, list[float]] = {n: [], 2 * n: []}
+    with tempfile.TemporaryDirectory(prefix="lisa_bench-proc-") as tmp:
+        for _ in range(repeats):
+            for steps in (n, 2 * n):
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--steps", str(steps),
+                       "--interval", str(s["interval"]), "--threads", str(threads), "--processes", "0",
+                       "--out", str(Path(tmp) / "out.json")] + (["--quick"] if s["mode"] == "quick" else
+                                                                ["--shape", s["mode"]])
+                t0 = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                walls[steps].append(time.perf_counter() - t0)
+                if proc.returncode:
+                    raise RuntimeError(f"{name} in its own process failed:\n{proc.stderr[-2000:]}")
+    # Non-positive when N steps are too few to stand out of start-up noise: reported as None.
+    step_s = (min(walls[2 * n]) - min(walls[n])) / n
+    tokens = s["batch_size"] * s["seq_len"]
+    return {"steps": [n, 2 * n], "wall_s": {str(k): v for k, v in walls.items()}, "step_s": step_s,
+            "tokens_per_s": tokens / step_s if step_s > 0 else None}
+
+
 def param_counts(cfg_path: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -343,7 +445,9 @@ def param_counts(cfg_path: Path) -> dict:
         m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(cfg_path)))
     total = sum(p.numel() for p in m.parameters())
     layer = sum(p.numel() for p in m.model.layers[0].parameters())
-    return {"total": total, "per_decoder_layer": layer, "decoder_layers": layer * len(m.model.layers),
+    layer_mm = sum(p.numel() for p in m.model.layers[0].parameters() if p.ndim == 2)
+    return {"total": total, "per_decoder_layer": layer, "per_decoder_layer_matmul": layer_mm,
+            "decoder_layers": layer * len(m.model.layers),
             "embeddings": m.model.embed_tokens.weight.numel(), "head": m.lm_head.weight.numel()}
 
 
@@ -362,6 +466,9 @@ def targets(runs: dict, full_state: int | None) -> dict:
     lf = runs.get("lisaft_full", {})
     if hf.get("tokens_per_s") and lf.get("tokens_per_s"):
         t["lisaft_full_vs_hf_full"] = lf["tokens_per_s"] / hf["tokens_per_s"]
+    t.update(issue_15_targets(runs, "tokens_per_s", ""))
+    t.update(issue_15_targets({k: r.get("whole_process") or {} for k, r in runs.items()
+                               if r.get("status") == "ok"}, "tokens_per_s", "whole_process_"))
     for p in ("discard", "offload_cpu", "offload_disk"):
         states = [iv["device_state_bytes"] for iv in runs.get(f"lisaft_lisa_{p}", {}).get("intervals", [])]
         if states:
@@ -380,21 +487,51 @@ def targets(runs: dict, full_state: int | None) -> dict:
     return t
 
 
+def issue_15_targets(runs: dict, key: str, prefix: str) -> dict:
+    """LISA over the LMFlow-style callback (target >= 1.10), LISA over HF full fine-tuning as a
+    share of its matmul ceiling (FLOPs per token of full FT / of LISA; target >= 0.90), lisaft
+    full over HF full (target >= 1.0)."""
+    t = {}
+    lisa, lmflow, hf, lf = (runs.get(n, {}).get(key) for n in
+                            ("lisaft_lisa_discard", "hf_lisa_lmflow", "hf_full", "lisaft_full"))
+    if lisa and lmflow:
+        t[prefix + "lisa_vs_lmflow"] = lisa / lmflow
+        t[prefix + "lisa_vs_lmflow_1_10x_met"] = lisa / lmflow >= 1.10
+    flops = {n: runs.get(n, {}).get("flops_per_token") for n in ("hf_full", "lisaft_lisa_discard")}
+    if lisa and hf:
+        t[prefix + "lisa_vs_hf_full"] = lisa / hf
+    if lisa and hf and all(flops.values()):
+        ceiling = flops["hf_full"] / flops["lisaft_lisa_discard"]
+        t[prefix + "lisa_matmul_ceiling_over_hf_full"] = ceiling
+        t[prefix + "lisa_share_of_ceiling"] = lisa / hf / ceiling
+        t[prefix + "lisa_share_of_ceiling_90pct_met"] = lisa / hf / ceiling >= 0.90
+    if lf and hf:
+        t[prefix + "lisaft_full_vs_hf_full"] = lf / hf
+        t[prefix + "lisaft_full_at_least_hf_full_met"] = lf >= hf
+    return t
+
+
 def table(runs: list[dict], full_state: int | None) -> str:
     MB = 1e6
-    rows = ["| run | tokens/s (median) | tokens/s (mean) | CPU use | device opt. state, first → last interval (MB) "
+    rows = ["| run | tokens/s (median) | tokens/s (mean) | tokens/s (whole process) | of FLOP bound "
+            "| CPU use | device opt. state, first → last interval (MB) "
             "| of full FT | offloaded, last (MB) | switch / interval (median, max) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         if r["status"] != "ok":
-            rows.append(f"| {r['run']} | skipped: {r.get('note', '')} | | | | | | |")
+            rows.append(f"| {r['run']} | skipped: {r.get('note', '')} | | | | | | | | |")
             continue
+        wp = r.get("whole_process") or {}
+        wps = f"{wp['tokens_per_s']:.0f}" if wp.get("tokens_per_s") else "-"
+        share = f"{r['share_of_flop_bound']:.0%}" if r.get("share_of_flop_bound") else "-"
+        if wp.get("share_of_flop_bound"):
+            share += f" ({wp['share_of_flop_bound']:.0%})"
         ivs = r["intervals"]
         first, last = ivs[0]["device_state_bytes"], ivs[-1]["device_state_bytes"]
         frac = f"{last / full_state:.0%}" if full_state else "-"
         sw = [iv["switch_fraction"] for iv in ivs[1:] if iv.get("switch_fraction") is not None]
         sws = f"{statistics.median(sw):.2%}, {max(sw):.2%}" if sw and r["method"] == "lisa" else "-"
-        rows.append(f"| {r['run']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_mean']:.0f} | "
+        rows.append(f"| {r['run']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_mean']:.0f} | {wps} | {share} | "
                     f"{r['cpu_utilisation']:.0%} | {first / MB:.1f} → {last / MB:.1f} | {frac} | "
                     f"{ivs[-1]['offloaded_state_bytes'] / MB:.1f} | {sws} |")
     return "\n".join(rows)
@@ -403,6 +540,8 @@ def table(runs: list[dict], full_state: int | None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shape, few steps (tests)")
+    ap.add_argument("--shape", choices=("default", "issue15"), default="default",
+                    help="issue15: Llama 8 x 384, seq 256, batch 4, K=5")
     ap.add_argument("--steps", type=int, help="optimizer steps per run")
     ap.add_argument("--interval", type=int, help="LISA interval K in steps")
     ap.add_argument("--warmup", type=int, help="first steps left out of tokens/s")
@@ -410,20 +549,24 @@ def main(argv=None) -> int:
                     "tiny operations gain nothing from a second thread and stall when another process "
                     "holds the other core)")
     ap.add_argument("--only", nargs="+", choices=RUN_ORDER, help="run only these configurations")
+    ap.add_argument("--processes", type=int, help="whole-process repeats per contender and length "
+                    "(default 2; --quick 0: none)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "lisa_bench.json")
     args = ap.parse_args(argv)
 
     import torch
 
-    mode = "quick" if args.quick else "default"
+    mode = "quick" if args.quick else args.shape
     s = dict(SETTINGS[mode])
     for k in ("steps", "interval", "warmup"):
         if getattr(args, k) is not None:
             s[k] = getattr(args, k)
     if s["steps"] // s["interval"] < 2:
         ap.error("need at least two LISA intervals (--steps / --interval >= 2)")
+    s["mode"] = mode
     shape = SHAPES[mode]
     threads = args.threads or (1 if args.quick else 2)
+    processes = args.processes if args.processes is not None else (0 if args.quick else 2)
     torch.set_num_threads(threads)
     try:
         import accelerate  # noqa: F401  (the Trainer needs it)
@@ -468,6 +611,13 @@ def main(argv=None) -> int:
             results[run["run"]] = summarise(run, s["warmup"])
         wall = time.perf_counter() - t0
         counts = param_counts(cfg_path)
+    if processes:
+        for name in PROCESS_RUNS:
+            if results.get(name, {}).get("status") == "ok":
+                print(f"{name}: whole processes of {s['steps']} and {2 * s['steps']} steps", flush=True)
+                results[name]["whole_process"] = whole_process(name, s, threads, processes)
+    rate = matmul_flops_per_s(threads)
+    flop_shares(results, counts, llama_config(shape, s["seq_len"]), s["seq_len"], rate)
 
     full = results.get("lisaft_full") or results.get("hf_full")
     full_state = full["intervals"][-1]["device_state_bytes"] if full and full.get("status") == "ok" else None
@@ -476,12 +626,12 @@ def main(argv=None) -> int:
         "benchmark": "lisa_bench",
         "mode": mode,
         "command": "python benchmarks/lisa_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": threads,
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": threads, "matmul_flops_per_s": rate,
                     "loadavg_1min_before": load0, "loadavg_1min_after": os.getloadavg()[0], "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "transformers": __import__("transformers").__version__},
         "model": {"config": llama_config(shape, s["seq_len"]), "parameters": counts, "dtype": "float32"},
-        "settings": {**s, "active_layers": GAMMA, "lr": LR, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
+        "settings": {**s, "active_layers": GAMMA, "whole_process_repeats": processes, "lr": LR, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
                      "tokens_per_step": s["batch_size"] * s["seq_len"]},
         "full_ft_state_bytes": full_state,
         "lockstep_wall_s": wall,

@@ -141,7 +141,8 @@ class LisaController:
         return sum(p.numel() for p in self.trainable_parameters())
 
     def grad_bytes(self) -> int:
-        return sum(grad_nbytes(p.grad) for u in self.units for p in u.params if p.grad is not None)
+        # Only trainable units hold gradients: a switch frees those of the units it freezes.
+        return sum(grad_nbytes(p.grad) for u in self._trainable for p in u.params if p.grad is not None)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

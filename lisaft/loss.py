@@ -79,9 +79,11 @@ def token_loss_sum(model, batch: dict) -> torch.Tensor:
 
 
 def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = logits[:, :-1].float()
-    targets = labels[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+    # Shift the labels, not the logits: a sliced logits tensor is copied to be flattened, and its
+    # backward zero-fills and copies a logits-sized gradient once more. The last position gets
+    # label -100 and counts for nothing.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=IGNORE, reduction="sum")
 
 

@@ -325,6 +325,22 @@ def use_sparse_embedding_grad(model: nn.Module, enabled: bool, trains: bool, tok
     return on
 
 
+def compile_layers(layers: nn.ModuleList, device: torch.device) -> None:
+    """training.compile: each decoder layer compiled in place (regional compilation: one small
+    graph that every layer reuses, seconds to build rather than the whole model's minutes). The
+    modules keep their parameters and names, so checkpoints and the unit optimizers are unchanged."""
+    import shutil
+
+    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c):
+        raise LisaftError("training.compile: torch.compile on CPU needs a C++ compiler and none is on "
+                          "PATH; install one (g++) or set training.compile false")
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise LisaftError("training.compile: torch.compile on CUDA needs triton, which is not installed; "
+                          "pip install triton or set training.compile false")
+    for layer in layers:
+        layer.compile()
+
+
 def long_context_memory(model: nn.Module, section: ModelSection, device: torch.device) -> None:
     """model.offload_activations: each checkpointed decoder layer keeps its input in pinned host
     memory instead of on the device; model.mlp_chunk_tokens: MLPs run in checkpointed chunks

@@ -265,8 +265,12 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         stepped = False
         for group in self.param_groups:
+            fused = [p for p in group["params"] if self._fusable(p)]
+            if fused:
+                self._fused_update(fused, group)
+                stepped = True
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is not None and not self._fusable(p):
                     self._update(p, group)
                     stepped = True
         if stepped:
@@ -276,8 +280,34 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step_param(self, p: torch.Tensor) -> None:
         """Update one parameter now (step-in-backward: its gradient has just been completed)."""
-        self._update(p, self._group[p])
+        if self._fusable(p):
+            self._fused_update([p], self._group[p])
+        else:
+            self._update(p, self._group[p])
         self._sync()
+
+    def _fusable(self, p: torch.Tensor) -> bool:
+        g = p.grad
+        return (g is not None and p.dtype == g.dtype == torch.float32 and g.layout == torch.strided
+                and not (self.eight_bit or self.bnb_32bit) and p.device.type in ("cpu", "cuda"))
+
+    def _fused_update(self, params: list[torch.Tensor], group: dict) -> None:
+        """float32 weights with float32 moments: torch's fused AdamW kernel, what
+        torch.optim.AdamW(fused=True) runs, over all of them at once. One pass over weight,
+        gradient and moments instead of _torch_update's six, and no chunking: nothing is copied."""
+        states = []
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st.update(self._init_state(p))
+            st["step"] += 1
+            states.append(st)
+        (b1, b2), dev = group["betas"], params[0].device
+        torch._fused_adamw_(params, [p.grad for p in params], [st["exp_avg"].view_as(p) for st, p in zip(states, params)],
+                            [st["exp_avg_sq"].view_as(p) for st, p in zip(states, params)], [],
+                            [torch.tensor(float(st["step"]), device=dev) for st in states], lr=group["lr"],
+                            beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"],
+                            amsgrad=False, maximize=False)
 
     def _sync(self) -> None:
         # Paged kernels run asynchronously on memory the host may touch next (offload, release).

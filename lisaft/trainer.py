@@ -101,8 +101,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
     from lisaft.batches import DataOrder, steps_for_epochs
     from lisaft.data import load_splits
     from lisaft.lisa import LisaController
-    from lisaft.models import (check_context_length, decoder_layers_path, load_model, load_tokenizer,
-                               model_parts, resolve_device, use_sparse_embedding_grad)
+    from lisaft.models import (check_context_length, compile_layers, decoder_layers_path, load_model,
+                               load_tokenizer, model_parts, resolve_device, use_sparse_embedding_grad)
     from lisaft.units import UnitOptimizers, model_units
 
     t = recipe.training
@@ -125,6 +125,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer=None, train_examples:
                               world_size=dist.world_size())
     layers_path = decoder_layers_path(model, recipe.model.layers_path)
     parts = model_parts(model, recipe.model.layers_path)
+    if t.compile:
+        compile_layers(parts.layers, device)
     if t.shard_optimizer_state and dist.world_size() > 1 and recipe.optimizer.in_backward:
         raise LisaftError("training.shard_optimizer_state needs optimizer.in_backward false")
     units = model_units(parts)

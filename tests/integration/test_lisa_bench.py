@@ -65,3 +65,39 @@ def test_lisa_bench_quick(tmp_path):
         assert states("hf_full")[-1] == full
         assert "speedup_discard_vs_hf_full" in summary["targets"]
     assert "| lisaft_lisa_discard |" in proc.stdout
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("lisa_bench", REPO / "benchmarks" / "lisa_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_flops_per_token_counts_what_lisa_skips():
+    bench = _bench_module()
+    cfg = {"num_hidden_layers": 4, "hidden_size": 8}
+    counts = {"per_decoder_layer_matmul": 100, "head": 40}
+    full = bench.flops_per_token(counts, cfg, 16, None)
+    assert full == 4 * (6 * 100 + 3 * 4 * 16 * 8) + 6 * 40
+    # LISA with every layer active is full fine-tuning; with γ = 2 it saves two layers' weight
+    # gradients (2 FLOPs per parameter each), nothing else while the embeddings train.
+    assert bench.flops_per_token(counts, cfg, 16, [[0, 1, 2, 3]]) == full
+    assert bench.flops_per_token(counts, cfg, 16, [[1, 3]]) == full - 2 * 2 * 100
+    # Frozen embeddings: nothing below the lowest active layer runs backward.
+    assert bench.flops_per_token(counts, cfg, 16, [[1, 3]], train_embeddings=False) \
+        < bench.flops_per_token(counts, cfg, 16, [[1, 3]])
+
+
+def test_whole_process_timing_runs_each_contender_at_n_and_2n_steps(tmp_path):
+    out = tmp_path / "lisa_bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lisa_bench.py"), "--quick", "--only",
+                           "lisaft_lisa_discard", "--processes", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    run = summary["runs"][0]
+    n = summary["settings"]["steps"]
+    assert run["whole_process"]["steps"] == [n, 2 * n]
+    assert all(len(v) == 1 and v[0] > 0 for v in run["whole_process"]["wall_s"].values())
+    assert 0 < run["share_of_flop_bound"] < 1 and summary["machine"]["matmul_flops_per_s"] > 0
