@@ -164,14 +164,6 @@ def complete_checkpoints(run_dir: Path, warn=print) -> list[Path]:
     return found
 
 
-def remove_stale_temporaries(run_dir: Path) -> None:
-    root = Path(run_dir) / CHECKPOINTS
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(".tmp-"):
-                shutil.rmtree(p, ignore_errors=True)
-
-
 def save_checkpoint(
     run_dir: Path,
     state: TrainState,

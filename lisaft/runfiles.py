@@ -15,9 +15,9 @@ import os
 import shutil
 from pathlib import Path
 
+from lisaft.checkpoint import CHECKPOINTS, complete_checkpoints
 from lisaft.errors import LisaftError, RunFailed
 
-CHECKPOINTS = "checkpoints"
 # Everything lisaft may write into a run folder, and nothing else: --overwrite removes these.
 # A new kind of output (a logging backend's folder) must be added here.
 RUN_ENTRIES = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final", "lisa_offload", "logs", "plot.png",
@@ -68,8 +68,6 @@ def remove_temporaries(run_dir: Path) -> list[str]:
 
 def write_failed(run_dir: Path, e: BaseException) -> RunFailed:
     """The one message for a write that failed mid-run, after removing what it left half done."""
-    from lisaft.checkpoint import complete_checkpoints
-
     run_dir = Path(run_dir)
     partial = remove_temporaries(run_dir)
     what = " and ".join(partial) if partial else f"to {run_dir}"

@@ -27,7 +27,8 @@ from lisaft.memory.measure import memory_counters
 from lisaft.metrics import Display, MetricsLog
 from lisaft.optim import clip_grad_norm
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
-from lisaft.runfiles import check_output_dir, clean_write_failures, clear_run, make_run_dir, write_failed
+from lisaft.runfiles import (check_output_dir, clean_write_failures, clear_run, make_run_dir, remove_temporaries,
+                             write_failed)
 from lisaft.schedules import Plan, lr_for
 
 
@@ -412,7 +413,7 @@ def _run(session: Session, state: TrainState, base: Path | None, show: bool, sto
     t = session.recipe.training
     changed: set[str] = set()
     if dist.is_main():
-        ckpt_mod.remove_stale_temporaries(session.run_dir)
+        remove_temporaries(session.run_dir)  # what a killed run left half written
     window = state.window or {"loss_sum": 0.0, "steps": 0, "tokens": 0}
     window_t0 = time.perf_counter()
     with StopRequest() as stop, Display(t.max_steps, state.step, enabled=show) as display, \
