@@ -265,14 +265,15 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         stepped = False
         for group in self.param_groups:
-            fused = [p for p in group["params"] if self._fusable(p)]
+            fused, chunked = [], []
+            for p in group["params"]:
+                if p.grad is not None:
+                    (fused if self._fusable(p) else chunked).append(p)
             if fused:
                 self._fused_update(fused, group)
-                stepped = True
-            for p in group["params"]:
-                if p.grad is not None and not self._fusable(p):
-                    self._update(p, group)
-                    stepped = True
+            for p in chunked:
+                self._update(p, group)
+            stepped |= bool(fused or chunked)
         if stepped:
             self._sync()
         return None
@@ -295,13 +296,7 @@ class AdamW(torch.optim.Optimizer):
         """float32 weights with float32 moments: torch's fused AdamW kernel, what
         torch.optim.AdamW(fused=True) runs, over all of them at once. One pass over weight,
         gradient and moments instead of _torch_update's six, and no chunking: nothing is copied."""
-        states = []
-        for p in params:
-            st = self.state[p]
-            if not st:
-                st.update(self._init_state(p))
-            st["step"] += 1
-            states.append(st)
+        states = [self._next_step(p) for p in params]
         (b1, b2), dev = group["betas"], params[0].device
         torch._fused_adamw_(params, [p.grad for p in params], [st["exp_avg"].view_as(p) for st, p in zip(states, params)],
                             [st["exp_avg_sq"].view_as(p) for st, p in zip(states, params)], [],
@@ -314,11 +309,16 @@ class AdamW(torch.optim.Optimizer):
         if self._paged_cuda:
             torch.cuda.synchronize()
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _next_step(self, p: torch.Tensor) -> dict:
+        """p's state, created on its first update, with the step count advanced."""
         st = self.state[p]
         if not st:
             st.update(self._init_state(p))
         st["step"] += 1
+        return st
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        st = self._next_step(p)
         kernel = _torch_update if not (self.eight_bit or self.bnb_32bit) else _bnb_update
         flat_p = p.detach().view(-1)
         grad = _GradChunks(p.grad.detach())
