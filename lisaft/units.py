@@ -270,10 +270,7 @@ class UnitOptimizers:
                 continue
             sd = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True)
             if name in resident:
-                self.resident[name] = opt = build_unit_optimizer(
-                    unit.params, self.section, self.device, self.rounding, unit.index, self.pool)
-                self._set_group_lr(opt)
-                opt.load_state_dict(sd)
+                self.optimizer(unit).load_state_dict(sd)  # a fresh one: all state was cleared above
             elif policy == "offload_cpu":
                 self.host[name] = _pinned(sd) if pin else sd
             elif policy == "offload_disk":
