@@ -17,6 +17,9 @@ eight ways:
   lisaft_lisa_discard_frozen_emb
                             the same with lisa.train_embeddings false: backward stops at the
                             lowest sampled layer (not the paper's default; shows what that saves)
+  lisaft_lisa_discard_compiled
+                            lisaft LISA discard with training.compile: true (each decoder layer
+                            compiled; off by default; not in --quick unless named with --only)
 
 The runs advance in lockstep, one step of each in turn (the order rotated every step), so load
 from other work on a shared machine falls on all of them alike.
@@ -87,9 +90,9 @@ LR = 1e-4
 MAX_GRAD_NORM = 1.0
 SEED = 0
 POLICIES = ("discard", "offload_cpu", "offload_disk", "keep")
-PROCESS_RUNS = ("hf_full", "lisaft_full", "hf_lisa_lmflow", "lisaft_lisa_discard")
+PROCESS_RUNS = ("hf_full", "lisaft_full", "hf_lisa_lmflow", "lisaft_lisa_discard", "lisaft_lisa_discard_compiled")
 RUN_ORDER = ("hf_full", "lisaft_full", "hf_lisa_lmflow") + tuple(f"lisaft_lisa_{p}" for p in POLICIES) \
-    + ("lisaft_lisa_discard_frozen_emb",)
+    + ("lisaft_lisa_discard_frozen_emb", "lisaft_lisa_discard_compiled")
 
 
 class _PadOnly:
@@ -147,7 +150,7 @@ class LisaftRunner:
     """A lisaft session stepped by the benchmark's own loop, as `lisaft train` steps it."""
 
     def __init__(self, name: str, policy: str | None, cfg_path: Path, rows: list, s: dict, workdir: Path,
-                 train_embeddings: bool = True):
+                 train_embeddings: bool = True, compiled: bool = False):
         import torch
 
         from lisaft.recipe import recipe_from_dict
@@ -162,14 +165,16 @@ class LisaftRunner:
             "lisa": {"enabled": policy is not None, "active_layers": GAMMA, "interval_steps": s["interval"],
                      "state_policy": policy or "discard", "train_embeddings": train_embeddings},
             "training": {"seed": SEED, "batch_size": s["batch_size"], "max_steps": s["steps"],
-                         "max_grad_norm": MAX_GRAD_NORM, "output_dir": str(run_dir), "device": "cpu"},
+                         "max_grad_norm": MAX_GRAD_NORM, "output_dir": str(run_dir), "device": "cpu",
+                         "compile": compiled},
         }, "lisa_bench")
         examples = [{"input_ids": r, "labels": list(r)} for r in rows]
         self.session = build_session(recipe, run_dir, tokenizer=_PadOnly(), train_examples=examples,
                                      eval_examples=None)
         self.K = s["interval"]
         self.run = {"run": name, "impl": "lisaft", "method": "lisa" if policy else "full", "state_policy": policy,
-                    "train_embeddings": train_embeddings, "optimizer": recipe.optimizer.name, "status": "ok",
+                    "train_embeddings": train_embeddings, "compiled": compiled,
+                    "optimizer": recipe.optimizer.name, "status": "ok",
                     "step_wall_s": [], "step_cpu_s": [], "switch_s": [], "losses": [], "intervals": [],
                     "threads": torch.get_num_threads()}
 
@@ -505,6 +510,10 @@ def issue_15_targets(runs: dict, key: str, prefix: str) -> dict:
         t[prefix + "lisa_matmul_ceiling_over_hf_full"] = ceiling
         t[prefix + "lisa_share_of_ceiling"] = lisa / hf / ceiling
         t[prefix + "lisa_share_of_ceiling_90pct_met"] = lisa / hf / ceiling >= 0.90
+    compiled = runs.get("lisaft_lisa_discard_compiled", {}).get(key)
+    if compiled and lmflow:
+        # training.compile is off by default; the callback runs eager.
+        t[prefix + "lisa_compiled_vs_lmflow"] = compiled / lmflow
     if lf and hf:
         t[prefix + "lisaft_full_vs_hf_full"] = lf / hf
         t[prefix + "lisaft_full_at_least_hf_full_met"] = lf >= hf
@@ -578,7 +587,9 @@ def main(argv=None) -> int:
             print(f"error: {hf_note}", file=sys.stderr)
             return 2
 
-    wanted = [n for n in RUN_ORDER if n in (args.only or RUN_ORDER)]
+    # Compiling takes longer than the whole --quick run; it runs there only when named.
+    default = [n for n in RUN_ORDER if not (args.quick and n.endswith("_compiled"))]
+    wanted = [n for n in RUN_ORDER if n in (args.only or default)]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="lisa_bench-") as tmp:
         tmp = Path(tmp)
@@ -592,10 +603,11 @@ def main(argv=None) -> int:
             elif name.startswith("hf_"):
                 runners.append(HFRunner(name, name == "hf_lisa_lmflow", cfg_path, rows, s, tmp))
             else:
-                frozen_emb = name.endswith("_frozen_emb")
-                policy = name.removeprefix("lisaft_lisa_").removesuffix("_frozen_emb") \
+                frozen_emb, compiled = name.endswith("_frozen_emb"), name.endswith("_compiled")
+                policy = name.removeprefix("lisaft_lisa_").removesuffix("_frozen_emb").removesuffix("_compiled") \
                     if name.startswith("lisaft_lisa_") else None
-                runners.append(LisaftRunner(name, policy, cfg_path, rows, s, tmp, train_embeddings=not frozen_emb))
+                runners.append(LisaftRunner(name, policy, cfg_path, rows, s, tmp, train_embeddings=not frozen_emb,
+                                            compiled=compiled))
             torch.set_num_threads(threads)  # in case a library changed it
         # Lockstep: step n of every run, then step n+1, the order rotated each step, so load from
         # other work on the machine falls on all runs alike instead of on whichever ran then.

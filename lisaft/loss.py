@@ -50,9 +50,44 @@ def _head_logits(hidden: torch.Tensor, head: torch.nn.Module, softcap: float | N
     return logits
 
 
+class _CrossEntropySum(torch.autograd.Function):
+    """Sum of the cross entropy of logits [N, V] (any float dtype, computed in float32) over the
+    rows whose target is not -100: F.cross_entropy(logits.float(), reduction="sum") with less
+    memory traffic. Backward turns the saved float32 log-probs into the gradient in place
+    (exp, times the row's output gradient, minus it at the target) instead of zero-filling a
+    vocab x tokens NLL gradient and reading it back in log-softmax's backward: one buffer of that
+    size instead of three. On a CPU each fresh buffer of that size also costs its page faults."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        valid = targets != IGNORE
+        safe = targets.masked_fill(~valid, 0)
+        picked = logp.gather(1, safe[:, None]).squeeze(1)
+        ctx.save_for_backward(logp, safe, valid)
+        ctx.logits_dtype, ctx.spent = logits.dtype, False
+        return -torch.where(valid, picked, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if ctx.spent:
+            # The saved log-probs became the first backward's gradient.
+            raise RuntimeError("lisaft's loss supports one backward pass (no retain_graph)")
+        ctx.spent = True
+        logp, safe, valid = ctx.saved_tensors
+        scale = torch.where(valid, grad_out.float(), 0.0)[:, None]
+        grad = logp.exp_().mul_(scale)
+        grad.scatter_add_(1, safe[:, None], -scale)
+        return grad.to(ctx.logits_dtype), None
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Float32 sum of the cross entropy of logits [N, V] over targets [N] that are not -100."""
+    return _CrossEntropySum.apply(logits, targets)
+
+
 def _chunk_loss(hidden, targets, head, softcap):
-    logits = _head_logits(hidden, head, softcap).float()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    return cross_entropy_sum(_head_logits(hidden, head, softcap), targets)
 
 
 def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +118,7 @@ def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # backward zero-fills and copies a logits-sized gradient once more. The last position gets
     # label -100 and counts for nothing.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
+    return cross_entropy_sum(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 @torch.no_grad()
@@ -97,9 +131,9 @@ def eval_sums(model, batch: dict) -> tuple[float, int, int]:
         # One chunk's logits at a time: each is reduced before the next is computed.
         loss = correct = 0.0
         for i in range(0, hidden.size(0), step):
-            logits = _head_logits(hidden[i:i + step], head, cap).float()
+            logits = _head_logits(hidden[i:i + step], head, cap)
             t = targets[i:i + step]
-            loss += F.cross_entropy(logits, t, ignore_index=IGNORE, reduction="sum").item()
+            loss += cross_entropy_sum(logits, t).item()
             correct += ((logits.argmax(-1) == t) & (t != IGNORE)).sum().item()
         return loss, int((targets != IGNORE).sum()), int(correct)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -32,8 +32,8 @@ from lisaft.recipe import OptimizerSection
 # Elements updated at a time: a multiple of bitsandbytes' 256-element quantization block, so
 # chunks of 8-bit state line up with whole blocks.
 CHUNK = 1 << 22
-# Transients of one chunk in the bf16 path: float32 weight, float32 gradient, and the float32
-# denominator (torch) or int32 rounding noise, never more than three at once.
+# Transients of one chunk in the bf16 path: float32 weight, float32 gradient, and the int32
+# rounding noise (or a bitsandbytes kernel's own float32 buffer), never more than three at once.
 ROUNDING_BUFFER_BYTES = 3 * 4 * CHUNK
 # bitsandbytes' rules (bitsandbytes/optim/optimizer.py): 8-bit moments from this many elements,
 # paged buffers from PAGED_MIN_NUMEL, quantization blocks of BLOCKSIZE.
@@ -122,17 +122,15 @@ def _slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 # The update
 
 
-def _torch_update(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
-    """AdamW in the order of torch.optim.AdamW's single-tensor path, on float32 moments."""
+def _fused_chunk(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
+    """torch's fused AdamW kernel (what torch.optim.AdamW(fused=True) runs) on one chunk of a
+    float32 weight, or of a bf16 weight's float32 copy, with float32 moments: one pass over
+    weight, gradient and moments, and no temporaries."""
     m, v = (st[k].view(-1)[lo:hi] for k in MOMENT_KEYS)
-    (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-    if wd:
-        w.mul_(1.0 - lr * wd)
-    m.lerp_(g, 1.0 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-    # In place after the sqrt: one chunk-sized buffer, not two (the same arithmetic as torch).
-    denom = v.sqrt().div_(math.sqrt(1.0 - b2 ** step)).add_(group["eps"])
-    w.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** step))
+    b1, b2 = group["betas"]
+    torch._fused_adamw_([w], [g], [m], [v], [], [torch.tensor(float(step), device=w.device)], lr=group["lr"],
+                        beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"],
+                        amsgrad=False, maximize=False)
 
 
 def _mix(*values: int) -> int:
@@ -184,11 +182,16 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
     grads = [g.values() if g.is_sparse else g for g in (p.grad for p in params) if g is not None]
     if not grads:
         return 0.0
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    by_dtype = defaultdict(list)
+    for g in grads:
+        by_dtype[g.dtype].append(g)
+    # One multi-tensor kernel per dtype, not a launch per tensor.
+    norms = [n for gs in by_dtype.values() for n in torch._foreach_norm(gs)]
+    total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        for dtype, gs in by_dtype.items():
+            torch._foreach_mul_(gs, coef.to(dtype))
     return float(total)
 
 
@@ -288,14 +291,15 @@ class AdamW(torch.optim.Optimizer):
         self._sync()
 
     def _fusable(self, p: torch.Tensor) -> bool:
+        """Whether p steps whole, with the others of its group in one kernel call: a float32
+        weight with a dense float32 gradient and float32 moments. Everything else goes by chunks."""
         g = p.grad
         return (g is not None and p.dtype == g.dtype == torch.float32 and g.layout == torch.strided
-                and not (self.eight_bit or self.bnb_32bit) and p.device.type in ("cpu", "cuda"))
+                and not (self.eight_bit or self.bnb_32bit))
 
     def _fused_update(self, params: list[torch.Tensor], group: dict) -> None:
-        """float32 weights with float32 moments: torch's fused AdamW kernel, what
-        torch.optim.AdamW(fused=True) runs, over all of them at once. One pass over weight,
-        gradient and moments instead of _torch_update's six, and no chunking: nothing is copied."""
+        """float32 weights with float32 moments: torch's fused AdamW kernel over all of them at
+        once, in place: nothing is copied or chunked."""
         states = [self._next_step(p) for p in params]
         (b1, b2), dev = group["betas"], params[0].device
         torch._fused_adamw_(params, [p.grad for p in params], [st["exp_avg"].view_as(p) for st, p in zip(states, params)],
@@ -319,7 +323,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
         st = self._next_step(p)
-        kernel = _torch_update if not (self.eight_bit or self.bnb_32bit) else _bnb_update
+        kernel = _bnb_update if (self.eight_bit or self.bnb_32bit) else _fused_chunk
         flat_p = p.detach().view(-1)
         grad = _GradChunks(p.grad.detach())
         low = p.dtype != torch.float32

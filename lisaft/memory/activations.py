@@ -226,11 +226,11 @@ def activations(
 
 
 def loss_buffers_peak(shape: Shape, batch: int, seq_len: int, dt: int = 2) -> int:
-    """Float32 vocab x tokens buffers alive at the loss's backward: the saved log-probs, the
-    gradient the NLL loss writes, and the log-softmax input gradient (3 x 4 bytes). A chunked
-    loss has them for one chunk only, plus that chunk's recomputed model-dtype logits (and its
-    soft-cap output)."""
+    """vocab x tokens buffers alive at the loss's backward. lisaft's cross entropy turns its saved
+    float32 log-probs into the gradient in place (lisaft/loss.py), then casts it to the model's
+    dtype unless that is float32. A chunked loss has them for one chunk only, and its recompute
+    briefly holds the chunk's model-dtype logits (and soft-cap output) beside the log-probs."""
     chunk = loss_chunk_tokens(shape, batch * seq_len)
     if chunk is None:
-        return batch * seq_len * shape.vocab * 3 * FP32
-    return chunk * shape.vocab * (3 * FP32 + dt * (2 if shape.final_softcap else 1))
+        return batch * seq_len * shape.vocab * (FP32 + (0 if dt == FP32 else dt))
+    return chunk * shape.vocab * (FP32 + dt * (2 if shape.final_softcap else 1))

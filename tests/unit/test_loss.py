@@ -66,3 +66,36 @@ def test_chunking_drops_the_float32_log_probs(monkeypatch):
     tokens = batch["input_ids"].numel()
     # The plain path keeps float32 log-probs of every position: 4 B x tokens x vocabulary.
     assert plain.bytes - meter.bytes >= 0.9 * 4 * tokens * 512
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_sum_matches_torch_in_value_and_gradient(dtype):
+    from lisaft.loss import cross_entropy_sum
+
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(37, 300, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, 300, (37,), generator=g)
+    targets[::5] = -100
+    ours, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = cross_entropy_sum(ours, targets)
+    expected = torch.nn.functional.cross_entropy(ref.float(), targets, ignore_index=-100, reduction="sum")
+    assert loss.dtype == torch.float32
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    # A non-unit output gradient, as the trainer's 1 / (tokens in the step) gives.
+    (loss * 0.37).backward()
+    (expected * 0.37).backward()
+    assert ours.grad.dtype == dtype
+    assert torch.allclose(ours.grad.float(), ref.grad.float(), rtol=1e-5, atol=1e-7)
+    assert not ours.grad[::5].any()  # ignored rows get no gradient
+    # Each valid row's gradient sums to zero (softmax minus one-hot), as cross entropy's does.
+    assert torch.allclose(ours.grad[1:5].float().sum(-1), torch.zeros(4), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_cross_entropy_sum_refuses_a_second_backward():
+    from lisaft.loss import cross_entropy_sum
+
+    logits = torch.randn(4, 10, requires_grad=True)
+    loss = cross_entropy_sum(logits, torch.tensor([1, 2, -100, 3]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()

@@ -171,7 +171,8 @@ def test_loss_buffers_follow_the_chunked_loss():
     est = compute(s)
     chunk = (1 << 24) // 128256
     assert chunk == 130
-    # One chunk's recomputed bf16 logits and three float32 buffers, not 12 B x 2048 x 128256.
-    assert est.sizes["logits_loss"] == chunk * 128256 * (12 + 2)
+    # One chunk's float32 log-probs (which become its gradient) beside its recomputed bf16
+    # logits, not 12 B x 2048 x 128256.
+    assert est.sizes["logits_loss"] == chunk * 128256 * (4 + 2)
     small = compute(s.with_(seq_len=64))  # 64 x 128256 < 2^24: unchunked
-    assert small.sizes["logits_loss"] == 64 * 128256 * 12
+    assert small.sizes["logits_loss"] == 64 * 128256 * (4 + 2)  # the gradient and its bf16 cast
