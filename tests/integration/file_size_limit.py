@@ -3,11 +3,12 @@ first argument, the kernel refuses to grow any file past a size (RLIMIT_FSIZE, S
 so writes fail with EFBIG as they would on a full disk). Nothing is faked: checkpoint, metrics and
 export code meet the failure in whatever library writes the file.
 
-    python file_size_limit.py checkpoint|final|metrics|start|truncate train|resume [args...]
+    python file_size_limit.py checkpoint|final|metrics|start|truncate|offload train|resume [args...]
 
 checkpoint: the second checkpoint write; final: the final export; metrics: the 6th record (4 KiB
 for these three); start: the run folder's recipe.yaml, written by `train` before anything else;
-truncate: the rewrite of metrics.jsonl by `resume` (16 bytes for these two).
+truncate: the rewrite of metrics.jsonl by `resume`; offload: the optimizer state that `resume`
+offloads to disk while loading a checkpoint (16 bytes for these three).
 """
 
 import resource
@@ -72,6 +73,16 @@ def arm(phase: str) -> None:
             return original_truncate(self, step)
 
         metrics.MetricsLog.truncate_after = truncate_after
+    elif phase == "offload":
+        from lisaft import units
+
+        original_load = units.UnitOptimizers.load_checkpoint
+
+        def load_checkpoint(self, *args, **kwargs):
+            limit_files(16)
+            return original_load(self, *args, **kwargs)
+
+        units.UnitOptimizers.load_checkpoint = load_checkpoint
     else:
         raise SystemExit(f"unknown phase {phase}")
 

@@ -85,3 +85,18 @@ def test_train_that_cannot_write_its_recipe_names_the_one_to_start_over_with(tin
     message = _one_failure_line(_with_failure("start", "train", str(run / "recipe.yaml"), "--overwrite"))
     assert f"`lisaft train {run / 'recipe.yaml'} --overwrite`" in message, message
     assert (run / "recipe.yaml").is_file() and not (run / "metrics.jsonl").exists()
+
+
+def test_resume_that_cannot_offload_optimizer_state_does_not_skip_the_checkpoint(tiny_run):
+    from lisaft.trainer import train
+
+    recipe = tiny_run(training={"eval_every": 0, "save_every": 4}, lisa={"state_policy": "offload_disk"})
+    assert train(recipe, show=False) == 0
+    run = tiny_run.dir / "run"
+    # Loading step-000008 writes the inactive layers' moments to lisa_offload/, and that fails:
+    # neither step-000008 nor step-000004 is to blame, so neither is skipped.
+    result = _with_failure("offload", "resume", str(run), "--max-steps", "12")
+    message = _one_failure_line(result)
+    assert "skipping checkpoint" not in result.stdout + result.stderr, message
+    assert message.startswith(f"error: could not write to {run}: "), message
+    assert "step-000008, is intact" in message and f"lisaft resume {run}" in message, message
