@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 from lisaft import dist
+from lisaft.runfiles import naming
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -42,7 +43,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not dist.is_main():
             return
-        with self.path.open("a") as f:
+        with naming(self.path), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -64,8 +65,13 @@ class MetricsLog:
             else:
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, self.path)
+        try:
+            with naming(self.path):
+                tmp.write_text("".join(k + "\n" for k in kept))
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # metrics.jsonl itself is untouched until the replace
+            raise
         return dropped
 
 

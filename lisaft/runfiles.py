@@ -13,6 +13,7 @@ import errno
 import functools
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from lisaft.checkpoint import CHECKPOINTS, complete_checkpoints
@@ -47,6 +48,18 @@ def _reason(e: BaseException) -> str:
     return text
 
 
+@contextmanager
+def naming(path: Path):
+    """A write that fails part way raises an OSError without a file name; the one-line message
+    (`write_failed`) should say which file it was."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
 def remove_temporaries(run_dir: Path) -> list[str]:
     """Remove half-written checkpoints and final exports; returns what was being written."""
     run_dir = Path(run_dir)
@@ -61,13 +74,14 @@ def remove_temporaries(run_dir: Path) -> list[str]:
     if tmp.exists():
         partial.append("the final model")
         shutil.rmtree(tmp, ignore_errors=True)
-    for name in (".recipe.yaml.tmp", "metrics.jsonl.tmp"):
+    for name in (".recipe.yaml.tmp", "metrics.jsonl.tmp", "logs/.wandb-run.json.tmp"):
         (run_dir / name).unlink(missing_ok=True)
     return partial
 
 
-def write_failed(run_dir: Path, e: BaseException) -> RunFailed:
-    """The one message for a write that failed mid-run, after removing what it left half done."""
+def write_failed(run_dir: Path, e: BaseException, recipe_file: Path | None = None) -> RunFailed:
+    """The one message for a write that failed mid-run, after removing what it left half done.
+    `recipe_file` is the recipe that starts the run over (default: the run's own copy)."""
     run_dir = Path(run_dir)
     partial = remove_temporaries(run_dir)
     what = " and ".join(partial) if partial else f"to {run_dir}"
@@ -76,25 +90,33 @@ def write_failed(run_dir: Path, e: BaseException) -> RunFailed:
         where = (f"the newest complete checkpoint, {complete[0].name}, is intact; once the disk has "
                  f"room continue with `lisaft resume {run_dir}`")
     else:
+        recipe_file = recipe_file or run_dir / "recipe.yaml"
         where = (f"no checkpoint was completed; once the disk has room start over with "
-                 f"`lisaft train {run_dir / 'recipe.yaml'} --overwrite`")
+                 f"`lisaft train {recipe_file} --overwrite`")
     return RunFailed(f"could not write {what}: {_reason(e)}; {where}")
 
 
+@contextmanager
+def writes_end_cleanly(run_dir: Path, recipe_file: Path | None = None):
+    """A write failure inside the block (the run's start-up files, the loop's checkpoints,
+    metrics, offloaded optimizer state, logs) becomes one RunFailed message."""
+    try:
+        yield
+    except LisaftError:
+        raise
+    except Exception as e:
+        if not is_write_failure(e):
+            raise
+        raise write_failed(run_dir, e, recipe_file) from None
+
+
 def clean_write_failures(run_loop):
-    """Decorates the loop `fn(session, ...)`: a write failure anywhere in it (checkpoint, final
-    export, metrics, offloaded optimizer state, logs) becomes one RunFailed message."""
+    """Decorates the loop `fn(session, ...)` with `writes_end_cleanly`."""
 
     @functools.wraps(run_loop)
     def wrapper(session, *args, **kwargs):
-        try:
+        with writes_end_cleanly(session.run_dir):
             return run_loop(session, *args, **kwargs)
-        except LisaftError:
-            raise
-        except Exception as e:
-            if not is_write_failure(e):
-                raise
-            raise write_failed(session.run_dir, e) from None
 
     return wrapper
 
@@ -146,9 +168,11 @@ def check_output_dir(run_dir: Path, overwrite: bool, force: bool) -> None:
                           "--force to start over and leave them where they are")
 
 
-def clear_run(run_dir: Path) -> None:
-    """--overwrite: remove what lisaft wrote in run_dir, nothing else."""
+def clear_run(run_dir: Path, keep: tuple[str, ...] = ()) -> None:
+    """--overwrite: remove what lisaft wrote in run_dir, nothing else, except the entries in `keep`."""
     for name in RUN_ENTRIES:
+        if name in keep:
+            continue
         p = run_dir / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

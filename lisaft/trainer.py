@@ -27,8 +27,8 @@ from lisaft.memory.measure import memory_counters
 from lisaft.metrics import Display, MetricsLog
 from lisaft.optim import clip_grad_norm
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
-from lisaft.runfiles import (check_output_dir, clean_write_failures, clear_run, make_run_dir, remove_temporaries,
-                             write_failed)
+from lisaft.runfiles import (check_output_dir, clean_write_failures, clear_run, is_write_failure,
+                             make_run_dir, naming, remove_temporaries, write_failed, writes_end_cleanly)
 from lisaft.schedules import Plan, lr_for
 
 
@@ -169,10 +169,13 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
     session = build_session(recipe, run_dir)
     dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
     if dist.is_main():
-        if overwrite and run_dir.is_dir():
-            clear_run(run_dir)
-        make_run_dir(run_dir)
-        _write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
+        with writes_end_cleanly(run_dir, recipe_file=Path(recipe_path)):
+            if overwrite and run_dir.is_dir():
+                # recipe.yaml is replaced atomically below: when that write fails, the recipe the
+                # message says to start over with (often this very file) still exists.
+                clear_run(run_dir, keep=("recipe.yaml",))
+            make_run_dir(run_dir)
+            _write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
     dist.barrier()
     session.controller.activate_for_step(0)
     state = TrainState(recipe_digest=path_digest(recipe), world_size=dist.world_size())
@@ -224,19 +227,13 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
         raise LisaftError(f"{run_dir}: the run is complete at step {state_preview['step']}; pass "
                           "--max-steps N to train further")
     session = build_session(recipe, run_dir)
-    for i, ckpt in enumerate(candidates):
-        try:
-            state = _load_into(session, ckpt)
-            break
-        except Exception as e:  # a checkpoint that passed the size check but does not load
-            if i + 1 == len(candidates):
-                raise LisaftError(f"{ckpt}: cannot be loaded ({e}); no older complete checkpoint; start "
-                                  f"over with `lisaft train {recipe_file} --overwrite`") from None
-            warn(f"skipping checkpoint {ckpt.name}: cannot be loaded ({e})")
+    ckpt, state = _load_newest(session, candidates, recipe_file, warn)
     schedule_note = _continue_schedule(session, state, reschedule)
-    dropped = MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
+    with writes_end_cleanly(run_dir):
+        dropped = MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
+        if dist.is_main():
+            _write_atomic(recipe_file, recipe.to_yaml())
     if dist.is_main():
-        _write_atomic(recipe_file, recipe.to_yaml())
         msg = f"resuming {run_dir} from {ckpt.name} (step {state.step})"
         if changed:
             msg += "; changed: " + ", ".join(f"{k} {saved_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
@@ -246,6 +243,29 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
             msg += f"; dropped {dropped} metrics records logged after that checkpoint"
         print(msg, flush=True)
     return _run(session, state, base=ckpt, show=show, stop_at=_stop_at)
+
+
+def _load_newest(session: Session, candidates: list[Path], recipe_file: Path, warn) -> tuple[Path, TrainState]:
+    """Load the newest of `candidates` that loads; a checkpoint that passed the size check but
+    does not load is skipped. A failed write while loading (optimizer state offloaded to disk)
+    says nothing against the checkpoint: it ends the resume with the one write-failure message."""
+    for i, ckpt in enumerate(candidates):
+        try:
+            return ckpt, _load_into(session, ckpt)
+        except Exception as e:
+            if is_write_failure(e) and not _names_a_file_in(e, ckpt):
+                raise write_failed(session.run_dir, e) from None
+            if i + 1 == len(candidates):
+                raise LisaftError(f"{ckpt}: cannot be loaded ({e}); no older complete checkpoint; start "
+                                  f"over with `lisaft train {recipe_file} --overwrite`") from None
+            warn(f"skipping checkpoint {ckpt.name}: cannot be loaded ({e})")
+
+
+def _names_a_file_in(e: BaseException, folder: Path) -> bool:
+    # Reading a checkpoint can fail with an errno that also fails writes (EACCES, EIO); that
+    # error names the checkpoint's file, and the checkpoint is the one to skip.
+    filename = getattr(e, "filename", None)
+    return bool(filename) and Path(folder) in Path(filename).parents
 
 
 def _load_into(session: Session, ckpt: Path) -> TrainState:
@@ -288,12 +308,11 @@ def _lr(session: Session, step: int, plan: Plan) -> float:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Callers run it under writes_end_cleanly, which also removes the temporary of a failed write."""
     tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    with naming(path):
         tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_failed(path.parent, e) from None
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
-"""Run `lisaft train` with a real write failure: from the moment named by the first argument, the
-kernel refuses to grow any file past 4 KiB (RLIMIT_FSIZE, SIGXFSZ ignored, so writes fail with
-EFBIG as they would on a full disk). Nothing is faked: checkpoint, metrics and export code meet
-the failure in whatever library writes the file.
+"""Run `lisaft train` or `lisaft resume` with a real write failure: from the moment named by the
+first argument, the kernel refuses to grow any file past a size (RLIMIT_FSIZE, SIGXFSZ ignored,
+so writes fail with EFBIG as they would on a full disk). Nothing is faked: checkpoint, metrics and
+export code meet the failure in whatever library writes the file.
 
-    python file_size_limit.py checkpoint|final|metrics RECIPE [lisaft train args...]
+    python file_size_limit.py checkpoint|final|metrics|start|truncate|offload train|resume [args...]
 
-checkpoint: the second checkpoint write; final: the final export; metrics: the 6th record.
+checkpoint: the second checkpoint write; final: the final export; metrics: the 6th record (4 KiB
+for these three); start: the run folder's recipe.yaml, written by `train` before anything else;
+truncate: the rewrite of metrics.jsonl by `resume`; offload: the optimizer state that `resume`
+offloads to disk while loading a checkpoint (16 bytes for these three).
 """
 
 import resource
@@ -15,9 +18,9 @@ import sys
 LIMIT = 4096
 
 
-def limit_files() -> None:
+def limit_files(nbytes: int = LIMIT) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 def arm(phase: str) -> None:
@@ -54,6 +57,32 @@ def arm(phase: str) -> None:
             return original_write(self, record)
 
         metrics.MetricsLog.write = write
+    elif phase == "start":
+        original_make = trainer.make_run_dir
+
+        def make_run_dir(run_dir):
+            original_make(run_dir)
+            limit_files(16)
+
+        trainer.make_run_dir = make_run_dir
+    elif phase == "truncate":
+        original_truncate = metrics.MetricsLog.truncate_after
+
+        def truncate_after(self, step):
+            limit_files(16)
+            return original_truncate(self, step)
+
+        metrics.MetricsLog.truncate_after = truncate_after
+    elif phase == "offload":
+        from lisaft import units
+
+        original_load = units.UnitOptimizers.load_checkpoint
+
+        def load_checkpoint(self, *args, **kwargs):
+            limit_files(16)
+            return original_load(self, *args, **kwargs)
+
+        units.UnitOptimizers.load_checkpoint = load_checkpoint
     else:
         raise SystemExit(f"unknown phase {phase}")
 
@@ -62,5 +91,5 @@ if __name__ == "__main__":
     arm(sys.argv[1])
     from lisaft.cli import main
 
-    sys.argv = ["lisaft", "train", *sys.argv[2:]]
+    sys.argv = ["lisaft", *sys.argv[2:]]
     main()

@@ -1,6 +1,7 @@
 """The run folder: write failures recognised whatever library raised them, output_dir checks,
 and --overwrite removing only what lisaft wrote."""
 
+import errno
 import resource
 import signal
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ import torch
 from _unprivileged import lisaft_error_as_unprivileged, open_dir
 
 from lisaft.errors import LisaftError
+from lisaft.metrics import MetricsLog
 from lisaft.runfiles import check_output_dir, clear_run, is_write_failure
 
 
@@ -48,6 +50,18 @@ def test_failed_writes_are_recognised_from_every_writer(tmp_path):
     assert [type(e).__name__ for e in errors] == ["RuntimeError", "SafetensorError", "OSError"]
     assert all(is_write_failure(e) for e in errors)
     assert not is_write_failure(RuntimeError("shape mismatch")) and not is_write_failure(ValueError("x"))
+
+
+def test_metrics_truncation_that_cannot_be_written_leaves_metrics_whole(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 11):
+        log.write({"step": step, "loss": 1.0, "pad": "x" * 1000})  # 8 kept records: past 4 KiB
+    before = log.path.read_bytes()
+    error = _raised(lambda: log.truncate_after(8))
+    assert isinstance(error, OSError) and error.errno == errno.EFBIG and is_write_failure(error)
+    assert error.filename == str(log.path)  # the message names metrics.jsonl
+    assert log.path.read_bytes() == before
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
 
 
 def test_output_dir_under_a_file_and_a_file_as_output_dir(tmp_path):
