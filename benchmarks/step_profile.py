@@ -7,7 +7,7 @@ its phases by wrapping the functions it calls, so the step measured is the real 
   collate     lisaft.batches.collate (data and collation)
   forward     trainer._forward_loss (model forward and the token loss sum)
   backward    torch.Tensor.backward
-  clip        torch.nn.utils.clip_grad_norm_
+  clip        lisaft.optim.clip_grad_norm (the total norm, and scaling)
   optimizer   UnitOptimizers.step (the unit AdamWs, and freeing gradients)
   lisa        LisaController.activate_for_step (the switch at interval boundaries; a no-op between)
   metrics     what a logged step adds in the loop: UnitOptimizers.state_bytes() and
@@ -108,7 +108,7 @@ def phase_timer(session, acc: dict):
     wrap(batches, "collate", "collate")
     wrap(trainer, "_forward_loss", "forward")
     wrap(torch.Tensor, "backward", "backward")
-    wrap(torch.nn.utils, "clip_grad_norm_", "clip")
+    wrap(trainer, "clip_grad_norm", "clip")
     wrap(session.optimizers, "step", "optimizer")
     wrap(session.controller, "activate_for_step", "lisa")
     try:
