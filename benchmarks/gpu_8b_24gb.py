@@ -19,7 +19,8 @@ Most important first, so a time budget (--budget-s) cuts the least important:
 
 For each it records NVML-used (polled every 20 ms: the only counter that sees the CUDA context,
 kernel images and paged optimizer state), the allocator's peak allocated and reserved bytes,
-tokens/s, the estimate for the same settings and its error, and what NVML saw beyond reserved +
+tokens/s and their share of the FLOP bound (matmul FLOPs per token, counted as lisa_bench.py
+counts them, times tokens/s, over the device's measured bf16 matmul rate), the estimate for the same settings and its error, and what NVML saw beyond reserved +
 paged state + the bare context (the estimator's `cuda_kernels` term). JSON is rewritten after
 every configuration, so a run cut short keeps what it measured; a markdown copy of the tables
 goes beside it for docs/memory.md.
@@ -44,6 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # lisa_bench: the FLOP count and the matmul rate
 
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
 RECIPE_16K = REPO / "recipes" / "llama3.1-8b-lisa-16k-24gb.yaml"
@@ -229,8 +231,32 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
     if cuda:
         result["torch_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         result["torch_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    # After the peaks are read: the rate's 8192 x 8192 products must not count in them.
+    result.update(_flop_bound(recipe, cuda))
     _derive(result, cuda)
     return result
+
+
+def _flop_bound(recipe, cuda: bool) -> dict:
+    """Matmul FLOPs per token of this configuration (lisa_bench's count: LISA's γ layers take
+    weight gradients, checkpointed layers run forward twice) and the device's measured matmul
+    rate in the model's dtype (bf16 on CUDA: the bf16 FLOP bound)."""
+    import torch
+
+    from lisa_bench import flops_per_token, matmul_flops_per_s, param_counts
+
+    cfg = json.loads(Path(recipe.model.config).read_text())
+    lisa = recipe.lisa
+    active = [list(range(lisa.active_layers))] if lisa.enabled else None
+    flops = flops_per_token(param_counts(Path(recipe.model.config)), cfg, recipe.data.max_seq_len, active,
+                            train_embeddings=not lisa.enabled or lisa.train_embeddings,
+                            recompute=recipe.model.gradient_checkpointing)
+    try:
+        rate = (matmul_flops_per_s(torch.get_num_threads(), n=8192, device="cuda", dtype=torch.bfloat16) if cuda
+                else matmul_flops_per_s(torch.get_num_threads(), n=512))
+    except torch.OutOfMemoryError:  # the model still fills the cap after an OOM'd run
+        rate = None
+    return {"flops_per_token": flops, "matmul_flops_per_s": rate}
 
 
 def _derive(r: dict, cuda: bool) -> None:
@@ -238,6 +264,8 @@ def _derive(r: dict, cuda: bool) -> None:
     if times:
         r["step_time_s"] = sum(times) / len(times)
         r["tokens_per_s"] = r.get("tokens_per_step", 0) / r["step_time_s"]
+        if r.get("flops_per_token") and r.get("matmul_flops_per_s"):
+            r["share_of_flop_bound"] = r["tokens_per_s"] * r["flops_per_token"] / r["matmul_flops_per_s"]
     measured = r["nvml_peak_used_bytes"] if cuda else r["peak_rss_bytes"]
     if measured:
         r["estimate_error"] = r["estimated_total_bytes"] / measured - 1
@@ -260,16 +288,19 @@ def _pct(v) -> str:
 
 
 def tables(results: list[dict]) -> str:
-    rows = ["| run | steps | OOM | torch alloc GiB | torch reserved GiB | NVML used GiB | estimate GiB | error | tokens/s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| run | steps | OOM | torch alloc GiB | torch reserved GiB | NVML used GiB | estimate GiB | error | tokens/s "
+            "| of FLOP bound |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.get("skipped") or r.get("error"):
-            rows.append(f"| {r['run']} | {r.get('skipped') or r.get('error')} | | | | | | | |")
+            rows.append(f"| {r['run']} | {r.get('skipped') or r.get('error')} | | | | | | | | |")
             continue
+        share = r.get("share_of_flop_bound")
         rows.append(f"| {r['run']} | {r['steps_done']}/{r['steps_planned']} | {r['oom']} | "
                     f"{_g(r.get('torch_peak_allocated_bytes'))} | {_g(r.get('torch_peak_reserved_bytes'))} | "
                     f"{_g(r.get('nvml_peak_used_bytes'))} | {_g(r.get('estimated_total_bytes'))} | "
-                    f"{_pct(r.get('estimate_error'))} | {r.get('tokens_per_s', 0):.0f} |")
+                    f"{_pct(r.get('estimate_error'))} | {r.get('tokens_per_s', 0):.0f} | "
+                    f"{'-' if share is None else f'{share:.0%}'} |")
     cells = {(r["gamma"], r["seq_len"]): r for r in results
              if r["run"].startswith("table-") and r.get("steps_done")}
     if cells:

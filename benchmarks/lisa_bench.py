@@ -356,34 +356,39 @@ class HFRunner:
 # Report
 
 
-def matmul_flops_per_s(threads: int, n: int = 1024, repeats: int = 10) -> float:
-    """The machine's float32 matmul rate: the best of `repeats` n x n products (shared CPU: the
-    fastest run is the least disturbed)."""
+def matmul_flops_per_s(threads: int, n: int = 1024, repeats: int = 10, device: str = "cpu", dtype=None) -> float:
+    """The machine's matmul rate: the best of `repeats` n x n products (shared CPU: the fastest
+    run is the least disturbed). float32 on CPU by default; the GPU suite asks for bf16 on CUDA."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype or torch.float32) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.mm(a, b)  # the first call loads kernels
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.mm(a, b)
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
 
 
 def flops_per_token(counts: dict, cfg: dict, seq_len: int, active_sets: list[list[int]] | None,
-                    train_embeddings: bool = True) -> float:
+                    train_embeddings: bool = True, recompute: bool = False) -> float:
     """Matmul FLOPs per trained token. A matmul with P weights costs 2P per token forward, 2P
     for its input gradient and 2P for its weight gradient. Full fine-tuning: 6P over decoder layers
     and head (the embedding is a lookup). LISA (active_sets: the layers of each interval; the
     mean over intervals): every layer runs forward; a layer computes its input gradient when
     anything below it trains (all layers when the embeddings train) and its weight gradient only
     when active; the head trains. Attention scores and values add 4·L·d forward per layer (as
-    sdpa computes them, the masked half included) and 8·L·d backward wherever input gradients flow."""
+    sdpa computes them, the masked half included) and 8·L·d backward wherever input gradients flow.
+    recompute (gradient checkpointing): every layer that backward crosses runs its forward again."""
     n, layer, head = cfg["num_hidden_layers"], counts["per_decoder_layer_matmul"], counts["head"]
     attn_fwd = 4 * seq_len * cfg["hidden_size"]
     if active_sets is None:
-        return n * (6 * layer + 3 * attn_fwd) + 6 * head
+        return n * (6 * layer + 3 * attn_fwd + (2 * layer + attn_fwd) * recompute) + 6 * head
     total = 0.0
     for active in active_sets:
         lowest = 0 if train_embeddings else min(active)
@@ -391,7 +396,7 @@ def flops_per_token(counts: dict, cfg: dict, seq_len: int, active_sets: list[lis
         # The lowest active layer needs no input gradient when nothing below it trains.
         input_grads = backward_layers - (0 if train_embeddings else 1)
         total += (n * (2 * layer + attn_fwd) + input_grads * 2 * layer + backward_layers * 2 * attn_fwd
-                  + len(active) * 2 * layer + 6 * head)
+                  + len(active) * 2 * layer + 6 * head + backward_layers * (2 * layer + attn_fwd) * recompute)
     return total / len(active_sets)
 
 

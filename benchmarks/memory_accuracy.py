@@ -78,6 +78,7 @@ def run_one(cfg: dict) -> dict:
     from lisaft.memory.estimate import Settings, compute
     from lisaft.memory.measure import (grad_bytes, optimizer_state_bytes, peak_rss_bytes,
                                        saved_activations, weight_bytes)
+    from lisaft.loss import token_loss_sum
     from lisaft.models import DTYPES, model_parts
 
     torch.manual_seed(0)
@@ -98,16 +99,18 @@ def run_one(cfg: dict) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = _make_optimizer(cfg["optimizer"], trainable)
     ids = torch.randint(0, config.vocab_size, (cfg["batch"], cfg["seq"]))
+    # lisaft's own loss, which the estimator models (chunked above 2^24 logits), not the model's.
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
 
     measured: dict = {}
     t0 = time.perf_counter()
     for step in range(STEPS):
         if step == STEPS - 1:
             with saved_activations(model) as meter:
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = token_loss_sum(model, batch) / ids.numel()
             measured["activations"] = meter.bytes
         else:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = token_loss_sum(model, batch) / ids.numel()
         loss.backward()
         if step == STEPS - 1:
             measured["gradients"] = grad_bytes(model)

@@ -30,6 +30,7 @@ def test_gpu_suite_tiny_mode_end_to_end(tmp_path):
         assert r["steps_done"] == 3 and not r["oom"]
         assert r["tokens_per_s"] > 0 and r["estimated_total_bytes"] > 0 and r["peak_rss_bytes"] > 0
         assert abs(r["estimate_error"]) < 0.5  # on CPU: against peak RSS
+        assert r["flops_per_token"] > 0 and 0 < r["share_of_flop_bound"] < 1
     long = runs["long-16k"]
     assert long["offload_activations"] and long["lisa"] and long["seq_len"] == 128
     full = runs["full-in-backward"]

@@ -87,6 +87,13 @@ def test_flops_per_token_counts_what_lisa_skips():
     # Frozen embeddings: nothing below the lowest active layer runs backward.
     assert bench.flops_per_token(counts, cfg, 16, [[1, 3]], train_embeddings=False) \
         < bench.flops_per_token(counts, cfg, 16, [[1, 3]])
+    # Gradient checkpointing runs every layer's forward once more (each layer: 2 x 100 + 4 x 16 x 8).
+    layer_fwd = 2 * 100 + 4 * 16 * 8
+    assert bench.flops_per_token(counts, cfg, 16, None, recompute=True) == full + 4 * layer_fwd
+    assert bench.flops_per_token(counts, cfg, 16, [[1, 3]], recompute=True) == full - 2 * 2 * 100 + 4 * layer_fwd
+    # With frozen embeddings only the layers backward crosses (from the lowest active one) recompute.
+    assert bench.flops_per_token(counts, cfg, 16, [[1, 3]], train_embeddings=False, recompute=True) \
+        == bench.flops_per_token(counts, cfg, 16, [[1, 3]], train_embeddings=False) + 3 * layer_fwd
 
 
 def test_whole_process_timing_runs_each_contender_at_n_and_2n_steps(tmp_path):
