@@ -31,3 +31,32 @@ def test_no_cpu_compiler_is_a_one_line_error(monkeypatch):
         compile_layers(model_parts(tiny(layers=1)).layers, torch.device("cpu"))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("training.compile:") and "training.compile false" in msg
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")), reason="no C++ compiler")
+def test_compiled_layers_match_eager_and_lisa_switches_reuse_two_graphs():
+    # Every layer runs the same compiled code; a LISA switch only flips requires_grad, which
+    # costs one more graph (frozen and trainable), not one per layer or per interval: past
+    # dynamo's recompile limit a layer would silently fall back to eager.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = tiny(layers=6), tiny(layers=6)
+    for m in (eager, compiled):
+        m.config.use_cache = False
+    compile_layers(model_parts(compiled).layers, torch.device("cpu"))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for active in ([1, 4], [0, 2], [3, 5], [2, 4]):
+        grads = []
+        for m in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+            for i, layer in enumerate(model_parts(m).layers):
+                layer.requires_grad_(i in active)
+            m(input_ids=ids, labels=ids).loss.backward()
+            grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys()
+        for n, g in grads[0].items():
+            assert torch.allclose(g, grads[1][n], rtol=1e-4, atol=1e-6), n
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
