@@ -12,6 +12,7 @@ Most important first, so a time budget (--budget-s) cuts the least important:
                       checkpoints, chunked MLP)
   shipped-default-alloc  the 24 GiB recipe with PyTorch's default allocator: the baseline the
                       estimator's 9% reserve and kernel-image term were fitted to
+  compiled            the 24 GiB recipe with training.compile: true (tokens/s, FLOP share)
   full-in-backward    full fine-tuning, paged AdamW 8-bit stepped in backward, no clipping
   table-g2-s8192 / offload-8k   plain against offloaded checkpoints at 8,192 tokens (tokens/s)
   table-gG-sS         the estimator-error table, γ in {1, 2, 4} x seq in {512, 2048, 8192}
@@ -87,6 +88,9 @@ CONFIGS = [
     _table_cell(2, 2048, steps=10),  # the recipe as shipped (expandable segments)
     Config("long-16k", recipe=RECIPE_16K, steps=6, expected_s=50.0),
     Config("shipped-default-alloc", env=dict(DEFAULT_ALLOC), steps=12),
+    # training.compile on CUDA (regional: two graphs serve every layer): tokens/s against the
+    # recipe as shipped; the first steps include compiling, which _derive leaves out.
+    Config("compiled", overrides=("training.compile=true",), steps=12, expected_s=90.0),
     Config("full-in-backward", overrides=("lisa.enabled=false", "optimizer.in_backward=true",
                                           "training.max_grad_norm=null"), steps=8, expected_s=40.0),
     _table_cell(2, 8192, steps=6),
