@@ -122,15 +122,21 @@ def _slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 # The update
 
 
-def _fused_chunk(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
-    """torch's fused AdamW kernel (what torch.optim.AdamW(fused=True) runs) on one chunk of a
-    float32 weight, or of a bf16 weight's float32 copy, with float32 moments: one pass over
-    weight, gradient and moments, and no temporaries."""
-    m, v = (st[k].view(-1)[lo:hi] for k in MOMENT_KEYS)
+def _fused_adamw(weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list[int],
+                 group: dict) -> None:
+    """torch's fused AdamW kernel (what torch.optim.AdamW(fused=True) runs) on float32 tensors,
+    in place: one pass over weight, gradient and moments, and no temporaries."""
     b1, b2 = group["betas"]
-    torch._fused_adamw_([w], [g], [m], [v], [], [torch.tensor(float(step), device=w.device)], lr=group["lr"],
-                        beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"],
+    dev = weights[0].device
+    torch._fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [], [torch.tensor(float(s), device=dev) for s in steps],
+                        lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"],
                         amsgrad=False, maximize=False)
+
+
+def _fused_chunk(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
+    """The fused kernel on one chunk of a float32 weight, or of a bf16 weight's float32 copy."""
+    m, v = (st[k].view(-1)[lo:hi] for k in MOMENT_KEYS)
+    _fused_adamw([w], [g], [m], [v], [step], group)
 
 
 def _mix(*values: int) -> int:
@@ -301,12 +307,9 @@ class AdamW(torch.optim.Optimizer):
         """float32 weights with float32 moments: torch's fused AdamW kernel over all of them at
         once, in place: nothing is copied or chunked."""
         states = [self._next_step(p) for p in params]
-        (b1, b2), dev = group["betas"], params[0].device
-        torch._fused_adamw_(params, [p.grad for p in params], [st["exp_avg"].view_as(p) for st, p in zip(states, params)],
-                            [st["exp_avg_sq"].view_as(p) for st, p in zip(states, params)], [],
-                            [torch.tensor(float(st["step"]), device=dev) for st in states], lr=group["lr"],
-                            beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"],
-                            amsgrad=False, maximize=False)
+        _fused_adamw(params, [p.grad for p in params], [st["exp_avg"].view_as(p) for st, p in zip(states, params)],
+                     [st["exp_avg_sq"].view_as(p) for st, p in zip(states, params)], [st["step"] for st in states],
+                     group)
 
     def _sync(self) -> None:
         # Paged kernels run asynchronously on memory the host may touch next (offload, release).
