@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 from lisaft import dist, noise
 from lisaft.errors import LisaftError
 from lisaft.metrics import MetricsLog
 from lisaft.recipe import LoggingSection, Recipe, flatten
+from lisaft.runfiles import write_atomic
 
 LOGS = "logs"  # RUN/logs/: everything the optional backends write
 # backend -> (module that must import, extra that installs it)
@@ -118,9 +118,7 @@ class _WandB:
         self._save_state()
 
     def _save_state(self) -> None:
-        tmp = self.state_file.with_name(f".{self.state_file.name}.tmp")
-        tmp.write_text(json.dumps({"id": self.run.id, "logged_through": self.logged_through}))
-        os.replace(tmp, self.state_file)
+        write_atomic(self.state_file, json.dumps({"id": self.run.id, "logged_through": self.logged_through}))
 
     def log(self, step: int, prefix: str, values: dict[str, float]) -> None:
         if step <= self.skip_through[prefix]:

@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from lisaft import dist
-from lisaft.runfiles import naming
+from lisaft.runfiles import naming, write_atomic
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -64,14 +64,7 @@ class MetricsLog:
                 dropped += 1
             else:
                 kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        try:
-            with naming(self.path):
-                tmp.write_text("".join(k + "\n" for k in kept))
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # metrics.jsonl itself is untouched until the replace
-            raise
+        write_atomic(self.path, "".join(k + "\n" for k in kept), tmp=self.path.with_suffix(".jsonl.tmp"))
         return dropped
 
 

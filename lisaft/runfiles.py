@@ -60,6 +60,19 @@ def naming(path: Path):
         raise
 
 
+def write_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
+    """Replace `path` by `text` all at once: a reader, or a run killed part way, sees the old file
+    or the new one. The temporary (default `.NAME.tmp` beside it) is removed when the write fails."""
+    tmp = tmp or path.with_name(f".{path.name}.tmp")
+    try:
+        with naming(path):
+            tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def remove_temporaries(run_dir: Path) -> list[str]:
     """Remove half-written checkpoints and final exports; returns what was being written."""
     run_dir = Path(run_dir)

@@ -28,7 +28,7 @@ from lisaft.metrics import Display, MetricsLog
 from lisaft.optim import clip_grad_norm
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, load_recipe, path_digest, recipe_from_dict
 from lisaft.runfiles import (check_output_dir, clean_write_failures, clear_run, is_write_failure,
-                             make_run_dir, naming, remove_temporaries, write_failed, writes_end_cleanly)
+                             make_run_dir, remove_temporaries, write_atomic, write_failed, writes_end_cleanly)
 from lisaft.schedules import Plan, lr_for
 
 
@@ -175,7 +175,7 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
                 # message says to start over with (often this very file) still exists.
                 clear_run(run_dir, keep=("recipe.yaml",))
             make_run_dir(run_dir)
-            _write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
+            write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
     dist.barrier()
     session.controller.activate_for_step(0)
     state = TrainState(recipe_digest=path_digest(recipe), world_size=dist.world_size())
@@ -232,7 +232,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     with writes_end_cleanly(run_dir):
         dropped = MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
         if dist.is_main():
-            _write_atomic(recipe_file, recipe.to_yaml())
+            write_atomic(recipe_file, recipe.to_yaml())
     if dist.is_main():
         msg = f"resuming {run_dir} from {ckpt.name} (step {state.step})"
         if changed:
@@ -305,14 +305,6 @@ def _lr(session: Session, step: int, plan: Plan) -> float:
     r = session.recipe
     return lr_for(step, plan, peak_lr=r.optimizer.lr, name=r.scheduler.name,
                   warmup_steps=r.scheduler.warmup_steps, min_lr_ratio=r.scheduler.min_lr_ratio)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Callers run it under writes_end_cleanly, which also removes the temporary of a failed write."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with naming(path):
-        tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
