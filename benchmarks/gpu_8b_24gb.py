@@ -21,8 +21,9 @@ Most important first, so a time budget (--budget-s) cuts the least important:
 For each it records NVML-used (polled every 20 ms: the only counter that sees the CUDA context,
 kernel images and paged optimizer state), the allocator's peak allocated and reserved bytes,
 tokens/s and their share of the FLOP bound (matmul FLOPs per token, counted as lisa_bench.py
-counts them, times tokens/s, over the device's measured bf16 matmul rate), the estimate for the same settings and its error, and what NVML saw beyond reserved +
-paged state + the bare context (the estimator's `cuda_kernels` term). JSON is rewritten after
+counts them, times tokens/s, over the device's measured bf16 matmul rate), the estimate for the
+same settings and its error, and what NVML saw beyond reserved + paged state + the bare context
+(the estimator's `cuda_kernels` term). JSON is rewritten after
 every configuration, so a run cut short keeps what it measured; a markdown copy of the tables
 goes beside it for docs/memory.md.
 
@@ -180,11 +181,12 @@ def _train(session, steps: int, cuda: bool, result: dict) -> None:
     """The trainer's own step, timed; the one place that knows the trainer's API."""
     import torch
 
-    from lisaft.trainer import train_step
+    from lisaft.train import train_step
 
     for step in range(steps):
         t0 = time.perf_counter()
-        loss, tokens = train_step(session, step)
+        stepped = train_step(session, step)
+        loss, tokens = stepped.loss, stepped.tokens
         if cuda:
             torch.cuda.synchronize()
         result["step_times_s"].append(time.perf_counter() - t0)
@@ -199,7 +201,7 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
     from lisaft.memory.command import estimate_for_recipe
     from lisaft.memory.measure import peak_rss_bytes
     from lisaft.recipe import load_recipe
-    from lisaft.trainer import build_session
+    from lisaft.train import build_session
 
     cuda = torch.cuda.is_available() and not tiny
     recipe = load_recipe(cfg.recipe, _overrides(cfg, tiny, workdir, cuda))
@@ -246,7 +248,6 @@ def _flop_bound(recipe, cuda: bool) -> dict:
     weight gradients, checkpointed layers run forward twice) and the device's measured matmul
     rate in the model's dtype (bf16 on CUDA: the bf16 FLOP bound)."""
     import torch
-
     from lisa_bench import flops_per_token, matmul_flops_per_s, param_counts
 
     cfg = json.loads(Path(recipe.model.config).read_text())
@@ -292,8 +293,8 @@ def _pct(v) -> str:
 
 
 def tables(results: list[dict]) -> str:
-    rows = ["| run | steps | OOM | torch alloc GiB | torch reserved GiB | NVML used GiB | estimate GiB | error | tokens/s "
-            "| of FLOP bound |",
+    rows = ["| run | steps | OOM | torch alloc GiB | torch reserved GiB | NVML used GiB | estimate GiB | error "
+            "| tokens/s | of FLOP bound |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if r.get("skipped") or r.get("error"):
@@ -383,8 +384,8 @@ def main(argv=None) -> int:
                 steps = args.steps or (3 if args.tiny else cfg.steps)
                 cfg = Config(**{**cfg.__dict__, "steps": steps})
                 results.append(_child(cfg, args, tmp, remaining))
-                print(f"{cfg.name}: {json.dumps({k: results[-1].get(k) for k in ('steps_done', 'oom', 'error', 'estimate_error', 'tokens_per_s')})}",
-                      flush=True)
+                keys = ("steps_done", "oom", "error", "estimate_error", "tokens_per_s")
+                print(f"{cfg.name}: {json.dumps({k: results[-1].get(k) for k in keys})}", flush=True)
             _write(args, results, complete=False)
     _write(args, results, complete=True)
     print(tables(results))

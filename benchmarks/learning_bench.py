@@ -99,10 +99,10 @@ def pretrain(work: Path, s: dict) -> dict:
     """Family A from random init with lisaft full fine-tuning; saved as an HF folder."""
     import torch
 
-    from benchmarks.learning.arms import load_data, lisaft_recipe, scores
+    from benchmarks.learning.arms import lisaft_recipe, load_data, scores
     from lisaft.data import load_splits
     from lisaft.recipe import DataSection
-    from lisaft.trainer import build_session, train_step
+    from lisaft.train import build_session, train_step
 
     target = work / "pretrained"
     (work / "config.json").write_text(json.dumps(model_config(s), indent=2))
@@ -117,7 +117,7 @@ def pretrain(work: Path, s: dict) -> dict:
                             eval_examples=None)
     t0 = time.perf_counter()
     for step in range(s["pretrain_steps"]):
-        loss, _ = train_step(session, step)
+        loss = train_step(session, step).loss
         if (step + 1) % 100 == 0:
             print(f"pre-train step {step + 1}/{s['pretrain_steps']}  loss {loss:.4f}", flush=True)
     train_s = time.perf_counter() - t0

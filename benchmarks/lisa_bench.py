@@ -154,7 +154,7 @@ class LisaftRunner:
         import torch
 
         from lisaft.recipe import recipe_from_dict
-        from lisaft.trainer import build_session
+        from lisaft.train import build_session
 
         run_dir = workdir / name
         recipe = recipe_from_dict({
@@ -179,14 +179,15 @@ class LisaftRunner:
                     "threads": torch.get_num_threads()}
 
     def step(self, step: int) -> None:
-        from lisaft.trainer import train_step
+        from lisaft.train import train_step
 
         run, ctl = self.run, self.session.controller
         w0, c0 = time.perf_counter(), time.process_time()
         # The switch is timed on its own; train_step's own activate_for_step is then a no-op.
         switched = ctl.activate_for_step(step)
         sw = time.perf_counter() - w0
-        loss, tokens = train_step(self.session, step)
+        result = train_step(self.session, step)
+        loss, tokens = result.loss, result.tokens
         run["step_wall_s"].append(time.perf_counter() - w0)
         run["step_cpu_s"].append(time.process_time() - c0)
         run["switch_s"].append(sw if switched else 0.0)
@@ -644,11 +645,13 @@ def main(argv=None) -> int:
         "mode": mode,
         "command": "python benchmarks/lisa_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": threads, "matmul_flops_per_s": rate,
-                    "loadavg_1min_before": load0, "loadavg_1min_after": os.getloadavg()[0], "platform": platform.platform(),
+                    "loadavg_1min_before": load0, "loadavg_1min_after": os.getloadavg()[0],
+                    "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "transformers": __import__("transformers").__version__},
         "model": {"config": llama_config(shape, s["seq_len"]), "parameters": counts, "dtype": "float32"},
-        "settings": {**s, "active_layers": GAMMA, "whole_process_repeats": processes, "lr": LR, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
+        "settings": {**s, "active_layers": GAMMA, "whole_process_repeats": processes, "lr": LR,
+                     "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
                      "tokens_per_step": s["batch_size"] * s["seq_len"]},
         "full_ft_state_bytes": full_state,
         "lockstep_wall_s": wall,

@@ -75,10 +75,9 @@ def run_one(cfg: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lisaft.memory.estimate import Settings, compute
-    from lisaft.memory.measure import (grad_bytes, optimizer_state_bytes, peak_rss_bytes,
-                                       saved_activations, weight_bytes)
     from lisaft.loss import token_loss_sum
+    from lisaft.memory.estimate import Settings, compute
+    from lisaft.memory.measure import grad_bytes, optimizer_state_bytes, peak_rss_bytes, saved_activations, weight_bytes
     from lisaft.models import DTYPES, model_parts
 
     torch.manual_seed(0)
@@ -120,7 +119,8 @@ def run_one(cfg: dict) -> dict:
         del loss
     measured["weights"] = weight_bytes(model)
     # The two 8-bit code books are shared by every unit, outside any optimizer's state.
-    measured["optimizer_states"] = optimizer_state_bytes(opt) + (2 * 256 * 4 if cfg["optimizer"].endswith("_8bit") else 0)
+    code_books = 2 * 256 * 4 if cfg["optimizer"].endswith("_8bit") else 0
+    measured["optimizer_states"] = optimizer_state_bytes(opt) + code_books
     measured["peak"] = peak_rss_bytes()
     seconds = time.perf_counter() - t0
 

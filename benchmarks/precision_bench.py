@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from lisaft.optim import Rounding, build_unit_optimizer  # noqa: E402
 from lisaft.recipe import recipe_from_dict  # noqa: E402
-from lisaft.trainer import build_session, evaluate, train_step  # noqa: E402
+from lisaft.train import build_session, evaluate, train_step  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart"
 OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
@@ -122,7 +122,8 @@ class _Arm:
 
     def step(self, step: int) -> None:
         t0 = time.perf_counter()
-        loss, n_tokens = train_step(self.session, step)
+        result = train_step(self.session, step)
+        loss, n_tokens = result.loss, result.tokens
         self.step_s.append(time.perf_counter() - t0)
         self.losses.append(loss)
         self.tokens += n_tokens

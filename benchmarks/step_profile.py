@@ -5,7 +5,7 @@ gradient checkpointing) on synthetic rows of exactly L tokens, runs `trainer.tra
 its phases by wrapping the functions it calls, so the step measured is the real one:
 
   collate     lisaft.batches.collate (data and collation)
-  forward     trainer._forward_loss (model forward and the token loss sum)
+  forward     model forward and the token loss sum
   backward    torch.Tensor.backward
   clip        lisaft.optim.clip_grad_norm (the total norm, and scaling)
   optimizer   UnitOptimizers.step (the unit AdamWs, and freeing gradients)
@@ -56,7 +56,7 @@ def build(shape: dict, lisa: bool, workdir: Path, steps: int, compile_layers: bo
     import torch
 
     from lisaft.recipe import recipe_from_dict
-    from lisaft.trainer import build_session
+    from lisaft.train import build_session
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, **shape["model"],
@@ -81,53 +81,31 @@ def build(shape: dict, lisa: bool, workdir: Path, steps: int, compile_layers: bo
     return build_session(recipe, workdir / "run", tokenizer=_PadOnly(), train_examples=examples, eval_examples=None)
 
 
-@contextlib.contextmanager
-def phase_timer(session, acc: dict):
-    """Wraps the functions train_step calls; nested phases (the switch inside train_step) are
-    charged to themselves only."""
-    import torch
+class PhaseTimer:
+    """Times the phases train_step runs through its public seam (lisaft.train.Phases)."""
 
-    import lisaft.batches as batches
-    import lisaft.trainer as trainer
+    def __init__(self) -> None:
+        self.acc: dict = defaultdict(float)
 
-    patched = []
-
-    def wrap(owner, name, phase):
-        orig = getattr(owner, name)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                acc[phase] += time.perf_counter() - t0
-
-        patched.append((owner, name, orig))
-        setattr(owner, name, timed)
-
-    wrap(batches, "collate", "collate")
-    wrap(trainer, "_forward_loss", "forward")
-    wrap(torch.Tensor, "backward", "backward")
-    wrap(trainer, "clip_grad_norm", "clip")
-    wrap(session.optimizers, "step", "optimizer")
-    wrap(session.controller, "activate_for_step", "lisa")
-    try:
-        yield
-    finally:
-        for owner, name, orig in reversed(patched):
-            setattr(owner, name, orig)
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.acc[name] += time.perf_counter() - t0
 
 
 def profile_run(session, steps: int, warmup: int) -> dict:
-    from lisaft.trainer import train_step
+    from lisaft.train import train_step
 
     per_step = defaultdict(list)
     for step in range(steps):
-        acc = defaultdict(float)
-        with phase_timer(session, acc):
-            t0 = time.perf_counter()
-            _, tokens = train_step(session, step)
-            total = time.perf_counter() - t0
+        timer = PhaseTimer()
+        t0 = time.perf_counter()
+        tokens = train_step(session, step, phases=timer).tokens
+        total = time.perf_counter() - t0
+        acc = timer.acc
         t1 = time.perf_counter()
         session.optimizers.state_bytes()
         session.controller.trainable_params()
@@ -143,7 +121,7 @@ def profile_run(session, steps: int, warmup: int) -> dict:
 def torch_profile(session, start: int, steps: int, top: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
-    from lisaft.trainer import train_step
+    from lisaft.train import train_step
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for step in range(start, start + steps):

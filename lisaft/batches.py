@@ -1,6 +1,6 @@
 """Which examples each micro-batch holds, and how they become tensors.
 
-Kept apart from loading (lisaft/data.py): the trainer and the benchmarks need only this, with
+Kept apart from loading (lisaft/data.py): the training step and the benchmarks need only this, with
 examples they made themselves.
 """
 

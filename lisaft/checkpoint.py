@@ -7,7 +7,8 @@ A checkpoint is a folder RUN/checkpoints/step-NNNNNN/ that is complete or absent
                                 (LISA-offloaded ones included; written by the owning rank when
                                 the state is sharded)
     rng-rank<r>.pt              python, numpy, torch and CUDA generator states of each rank
-    state.json                  TrainState: step, counters, data order, logging window
+    state.json                  {"components": {name: state_dict}}: every stateful component of
+                                the run (progress counters, data order, LISA position, LR plan, ...)
     recipe.json                 the resolved recipe it was trained with (resume compares it)
     COMPLETE                    written last: the file list with sizes
 
@@ -17,6 +18,11 @@ so its unit file is hard-linked from the previous checkpoint instead of written 
 an optimizer file whose unit did not step (or the file an offloaded unit already sits in): each
 checkpoint still holds every file (pruning an older one never breaks a newer one), while the disk
 holds each unchanged layer once.
+
+The checkpointer knows no component: it is handed a name -> object mapping of everything with
+state (`state_dict()` / `load_state_dict()`, saved in state.json) and of folder components that
+write their own files (the unit optimizers: `write(folder, base)` / `read(folder)` /
+`committed()`). A new stateful part of a run is one more entry.
 """
 
 from __future__ import annotations
@@ -25,36 +31,38 @@ import json
 import os
 import random
 import shutil
-import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from lisaft import dist
-from lisaft.units import layer_unit
+from lisaft.console import warn
+from lisaft.errors import LisaftError
+from lisaft.units import Unit, state_dict_units
 
 CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
 _PREFIX = "step-"
 
 
-@dataclass
-class TrainState:
-    """Progress saved with every checkpoint (everything the loop needs besides tensors)."""
+STATE_FORMAT = 2
 
-    step: int = 0                     # optimizer steps completed
-    tokens_seen: int = 0              # global non-padding tokens trained on
-    data: dict = field(default_factory=dict)       # DataOrder.state_dict()
-    window: dict = field(default_factory=dict)     # partial logging window (loss sums)
-    recipe_digest: str = ""
-    world_size: int = 1
-    elapsed_s: float = 0.0
-    lisa: dict = field(default_factory=dict)       # LisaController.state_dict(): interval, layers
-    schedule: dict = field(default_factory=dict)   # schedules.Plan: the LR curve being followed
+
+class Component(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
+class FolderComponent(Protocol):
+    def write(self, folder: Path, base: Path | None) -> list[Path]: ...
+
+    def read(self, folder: Path) -> None: ...
+
+    def committed(self) -> None: ...
 
 
 def step_dir_name(step: int) -> str:
@@ -99,19 +107,11 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def unit_of(name: str, layers_prefix: str, head_names: set[str]) -> str:
-    """The checkpoint unit a state-dict entry belongs to."""
-    if name.startswith(layers_prefix):
-        return layer_unit(int(name[len(layers_prefix):].split(".", 1)[0]))
-    return "head" if name in head_names else "embeddings"
-
-
-def split_units(model: torch.nn.Module, layers_path: str, head_params: list) -> tuple[dict, dict]:
+def split_units(model: torch.nn.Module, units: list[Unit]) -> tuple[dict, dict]:
     """{unit: {name: tensor}} of the model's state dict, and {alias: name} for tied tensors that
     are stored once."""
-    head_ids = {id(p) for p in head_params}
-    head_names = {n for n, p in model.named_parameters() if id(p) in head_ids}
-    units: dict[str, dict[str, torch.Tensor]] = {}
+    unit_of = state_dict_units(model, units)
+    by_unit: dict[str, dict[str, torch.Tensor]] = {}
     seen: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
     for name, tensor in model.state_dict().items():
@@ -120,8 +120,8 @@ def split_units(model: torch.nn.Module, layers_path: str, head_params: list) -> 
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        units.setdefault(unit_of(name, layers_path + ".", head_names), {})[name] = tensor
-    return units, aliases
+        by_unit.setdefault(unit_of.get(name, units[0].name), {})[name] = tensor
+    return by_unit, aliases
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -164,39 +164,79 @@ def complete_checkpoints(run_dir: Path, warn=print) -> list[Path]:
     return found
 
 
-def save_checkpoint(
-    run_dir: Path,
-    state: TrainState,
-    model: torch.nn.Module,
-    layers_path: str,
-    head_params: list,
-    write_optimizer: Callable[[Path, Path | None], list[Path]],
-    changed_units: set[str] | None,
-    base: Path | None,
-    keep_last: int,
-    extra_files: dict[str, str] | None = None,
-) -> Path:
-    """Write a complete checkpoint for `state.step` and prune old ones afterwards.
+class Checkpointer:
+    """Writes and reads the run's checkpoints: weights by unit, the components' state, RNG."""
 
-    changed_units: units trained since `base` was written (None: everything may have changed).
-    Units outside it are hard-linked from `base`. write_optimizer(folder, base) runs on every
-    rank and writes that rank's optimizer/<unit>.pt files, returning those it wrote.
-    """
-    root = Path(run_dir) / CHECKPOINTS
-    final = root / step_dir_name(state.step)
-    # No pid in the name: every rank must find the same folder for its RNG file.
-    tmp = root / f".tmp-{step_dir_name(state.step)}"
-    rank = dist.rank()
-    if dist.is_main():
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "weights").mkdir(parents=True)
-        (tmp / "optimizer").mkdir()
-    dist.barrier()
-    written: list[Path] = []
-    if dist.is_main():
-        units, aliases = split_units(model, layers_path, head_params)
-        for unit, tensors in units.items():
+    def __init__(self, run_dir: Path, model: torch.nn.Module, units: list[Unit], keep_last: int,
+                 components: dict[str, Component], folders: dict[str, FolderComponent]) -> None:
+        self.run_dir = Path(run_dir)
+        self.model = model
+        self.units = units
+        self.keep_last = keep_last
+        self.components = components
+        self.folders = folders
+
+    def save(self, step: int, changed_units: set[str] | None, base: Path | None,
+             extra_files: dict[str, str] | None = None) -> Path:
+        """Write a complete checkpoint for `step` and prune old ones afterwards.
+
+        changed_units: units trained since `base` was written (None: everything may have changed);
+        the others are hard-linked from `base`. Every rank calls this: each folder component
+        writes that rank's files."""
+        root = self.run_dir / CHECKPOINTS
+        final = root / step_dir_name(step)
+        # No pid in the name: every rank must find the same folder for its RNG file.
+        tmp = root / f".tmp-{step_dir_name(step)}"
+        if dist.is_main():
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "weights").mkdir(parents=True)
+            for name in self.folders:
+                (tmp / name).mkdir()
+        dist.barrier()
+        written: list[Path] = []
+        if dist.is_main():
+            written += self._write_weights(tmp, changed_units, base)
+            for rel, text in (extra_files or {}).items():
+                (tmp / rel).write_text(text)
+                written.append(tmp / rel)
+            state = {"format": STATE_FORMAT,
+                     "components": {name: c.state_dict() for name, c in self.components.items()}}
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+            written.append(tmp / "state.json")
+        dist.barrier()
+        rng_file = tmp / f"rng-rank{dist.rank()}.pt"
+        torch.save(_rng_state(), rng_file)
+        _fsync_file(rng_file)
+        for name, folder in self.folders.items():
+            for f in folder.write(tmp / name, base):
+                _fsync_file(f)
+        dist.barrier()
+        if dist.is_main():
+            _pause_for_tests(tmp)
+            for f in written:
+                _fsync_file(f)
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            marker = tmp / MARKER
+            marker.write_text(json.dumps({"step": step, "files": files}, indent=1))
+            _fsync_file(marker)
+            for sub in ("weights", *self.folders):
+                _fsync_dir(tmp / sub)
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)  # an incomplete leftover of a killed run at the same step
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            prune(self.run_dir, self.keep_last)
+        dist.barrier()
+        for folder in self.folders.values():
+            folder.committed()
+        return final
+
+    def _write_weights(self, tmp: Path, changed_units: set[str] | None, base: Path | None) -> list[Path]:
+        by_unit, aliases = split_units(self.model, self.units)
+        written = []
+        for unit, tensors in by_unit.items():
             target = tmp / "weights" / f"{unit}.safetensors"
             source = base / "weights" / f"{unit}.safetensors" if base is not None else None
             if changed_units is not None and unit not in changed_units and source is not None and source.is_file():
@@ -209,36 +249,39 @@ def save_checkpoint(
             save_file(cpu, str(target), metadata={"unit": unit})
             written.append(target)
         (tmp / "aliases.json").write_text(json.dumps(aliases))
-        for rel, text in (extra_files or {}).items():
-            (tmp / rel).write_text(text)
-            written.append(tmp / rel)
-        (tmp / "state.json").write_text(json.dumps(asdict(state), indent=1))
-        written += [tmp / "aliases.json", tmp / "state.json"]
-    dist.barrier()
-    rng_file = tmp / f"rng-rank{rank}.pt"
-    torch.save(_rng_state(), rng_file)
-    _fsync_file(rng_file)
-    for f in write_optimizer(tmp / "optimizer", base):
-        _fsync_file(f)
-    dist.barrier()
-    if dist.is_main():
-        _pause_for_tests(tmp)
-        for f in written:
-            _fsync_file(f)
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        marker = tmp / MARKER
-        marker.write_text(json.dumps({"step": state.step, "files": files}, indent=1))
-        _fsync_file(marker)
-        _fsync_dir(tmp / "weights")
-        _fsync_dir(tmp / "optimizer")
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)  # an incomplete leftover of a killed run at the same step
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        prune(run_dir, keep_last)
-    dist.barrier()
-    return final
+        return [*written, tmp / "aliases.json"]
+
+    def load(self, ckpt: Path) -> None:
+        """Weights into the model, every component's state, then each folder component's files
+        and the RNG states of this rank. Raises on anything that does not match."""
+        components = read_components(ckpt)
+        missing = [name for name in self.components if name not in components]
+        if missing:
+            raise LisaftError(f"{ckpt.name} was written by an older lisaft (one optimizer for the whole model, "
+                              f"no {missing[0]} state); it cannot be resumed by this version (docs/resume.md)")
+        _load_weights(ckpt, self.model)
+        for name, component in self.components.items():
+            component.load_state_dict(components[name])
+        for name, folder in self.folders.items():
+            folder.read(ckpt / name)
+        rng_file = ckpt / f"rng-rank{dist.rank()}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        else:
+            warn(f"{ckpt.name} has no RNG state for rank {dist.rank()}")
+
+
+def read_components(ckpt: Path) -> dict[str, dict]:
+    """{component: state_dict} of a checkpoint's state.json. The first format (one flat record of
+    counters, data order, LISA position and LR plan) is read into the same components."""
+    raw = json.loads((ckpt / "state.json").read_text())
+    if "components" in raw:
+        return raw["components"]
+    components = {"progress": {k: raw[k] for k in ("step", "tokens_seen", "world_size", "window") if k in raw}}
+    for name in ("data", "lisa", "schedule"):
+        if raw.get(name):
+            components[name] = raw[name]
+    return components
 
 
 def _pause_for_tests(tmp: Path) -> None:
@@ -265,9 +308,7 @@ def prune(run_dir: Path, keep_last: int) -> None:
             shutil.rmtree(ckpt, ignore_errors=True)
 
 
-def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> TrainState:
-    """Load weights into `model` and restore RNG states. The unit optimizers read their files
-    from ckpt/optimizer themselves (UnitOptimizers.load_checkpoint)."""
+def _load_weights(ckpt: Path, model: torch.nn.Module) -> None:
     aliases = json.loads((ckpt / "aliases.json").read_text())
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted((ckpt / "weights").glob("*.safetensors")):
@@ -277,10 +318,3 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module) -> TrainState:
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    state = TrainState(**json.loads((ckpt / "state.json").read_text()))
-    rng_file = ckpt / f"rng-rank{dist.rank()}.pt"
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
-    else:
-        warnings.warn(f"{ckpt.name} has no RNG state for rank {dist.rank()}", stacklevel=2)
-    return state

@@ -39,9 +39,13 @@ def _global(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit.", **FLAG),
 ) -> None:
+    import warnings
+
     from lisaft import noise
 
     noise.configure(show_everything=verbose)
+    # Here as well as in main(): the app is also run without main() (tests, `python -m lisaft`).
+    warnings.showwarning = _one_line_warning
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -63,7 +67,7 @@ def train(
                                "holds files lisaft did not write (they are left alone).", **FLAG),
 ) -> None:
     """Fine-tune as RECIPE says."""
-    from lisaft.trainer import train as run_train
+    from lisaft.train import train as run_train
 
     try:
         code = run_train(recipe, overrides=set_ or [], overwrite=overwrite, force=force)
@@ -85,7 +89,7 @@ def resume(
         "and are refused."),
 ) -> None:
     """Continue a run from its newest complete checkpoint, exactly."""
-    from lisaft.trainer import resume as run_resume
+    from lisaft.train import resume as run_resume
 
     try:
         code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [], reschedule=reschedule)

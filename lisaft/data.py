@@ -50,12 +50,11 @@ import warnings
 
 import numpy as np
 
-from lisaft.batches import (  # noqa: F401 (DataOrder, collate, eval_index_batches re-exported)
-    _ORDER_SALT, IGNORE_INDEX, DataOrder, Example, collate, eval_index_batches)
+from lisaft.batches import _ORDER_SALT, IGNORE_INDEX, DataOrder, Example, collate, eval_index_batches  # noqa: F401 (DataOrder, collate, eval_index_batches re-exported)
+from lisaft.console import LisaftWarning, first_line
 from lisaft.errors import LisaftError
 from lisaft.recipe import CHAT_ROLES, DataSection
-from lisaft.rows import Rows, first_line, read_rows, rename_columns
-
+from lisaft.rows import Rows, read_rows, rename_columns
 
 # The instruction template. Pieces, not one format string, so a tokenizer can hold each as a
 # single added token (the quickstart tokenizer does).
@@ -64,7 +63,7 @@ INPUT_HEADER = "\n\n### Input:\n"
 RESPONSE_HEADER = "\n\n### Response:\n"
 
 
-class DataWarning(UserWarning):
+class DataWarning(LisaftWarning):
     """Something was changed or dropped in the data; the run goes on."""
 
 

@@ -81,27 +81,27 @@ def all_reduce_grads(params: list) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     by_dtype: dict = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for group in by_dtype.values():
-        flat = _flatten_dense_tensors(group)
+        # One collective per dtype over a flat copy, not one per tensor.
+        flat = torch.cat([g.reshape(-1) for g in group])
         torch_dist.all_reduce(flat)
-        for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
-            g.copy_(reduced)
+        _copy_back(flat, group)
 
 
 @torch.no_grad()
 def broadcast_from_owners(params: list, owner: dict) -> None:
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     groups: dict = {}
     for p in params:
         groups.setdefault((owner[id(p)], p.dtype), []).append(p.data)
     for (src, _), tensors in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        flat = _flatten_dense_tensors(tensors)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
         torch_dist.broadcast(flat, src=src)
-        for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-            t.copy_(new)
+        _copy_back(flat, tensors)
+
+
+def _copy_back(flat: torch.Tensor, tensors: list) -> None:
+    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))

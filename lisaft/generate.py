@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
 FORMATS = ("text", "instruction", "chat")
@@ -126,7 +127,7 @@ def _load(model_dir: Path):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     except (OSError, ValueError) as e:
-        raise LisaftError(f"{model_dir}: cannot load the model: {str(e).splitlines()[0]}") from None
+        raise LisaftError(f"{model_dir}: cannot load the model: {first_line(e)}") from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return model.to(device).eval(), tokenizer
 

@@ -150,8 +150,8 @@ class LisaController:
         return {"interval": self._interval, "active_layers": self.active_layers}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore the interval and its active set; the caller then loads the unit optimizers
-        for `trainable_units()`."""
+        """Restore the interval and its active set. The checkpoint's optimizer files are read after
+        this (lisaft/optimizer_files.py), placing moments by `resident_units()`."""
         interval = sd.get("interval")
         if interval is None:
             self._interval, self._active, self._trainable = None, [], []

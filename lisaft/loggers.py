@@ -155,7 +155,7 @@ class RunLog:
         if "wandb" in names:
             self.backends.append(_WandB(Path(run_dir), recipe, start_step, noise.verbose()))
 
-    def __enter__(self) -> "RunLog":
+    def __enter__(self) -> RunLog:
         return self
 
     def __exit__(self, *exc) -> None:

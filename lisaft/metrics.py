@@ -123,7 +123,7 @@ class Display:
         self._progress = None
         self._task = None
 
-    def __enter__(self) -> "Display":
+    def __enter__(self) -> Display:
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
-import socket
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 from torch import nn
 
+from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError
+from lisaft.hub import hub_error, hub_offline, is_local
 from lisaft.recipe import ModelSection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,53 +127,6 @@ def resolve_attention(choice: str, device: torch.device, dtype: str) -> str:
     return choice
 
 
-def _is_local(ref: str) -> bool:
-    return Path(ref).exists()
-
-
-def _looks_like_local_path(ref: str) -> bool:
-    # Hub ids are "name" or "org/name"; anything else can only have meant a folder.
-    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref
-
-
-@functools.lru_cache(maxsize=1)
-def hub_offline() -> bool:
-    """Whether the hub is out of reach: HF_HUB_OFFLINE is set, or a connection to its endpoint
-    does not open within 3 s. Asked once, before a library spends tens of seconds on retries."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return True
-    url = urlparse(constants.ENDPOINT)
-    result: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-            result.append(True)
-        except OSError:
-            pass
-
-    # A thread bounds name resolution too, which socket timeouts do not cover.
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(4)
-    return not result
-
-
-def _hub_error(key: str, ref: str, err: Exception) -> LisaftError:
-    if _looks_like_local_path(ref):
-        return LisaftError(f"{key}: {ref}: no such folder")
-    if hub_offline():
-        return LisaftError(
-            f"{key}: {ref!r} is not a local folder and the hub cannot be reached from here (offline), "
-            "nor is it in the local cache; point it to a folder saved with save_pretrained")
-    return LisaftError(
-        f"{key}: {ref!r} is not a local folder and could not be fetched from the hub "
-        f"(no such repository, or it needs a login): {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-    )
-
-
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "vocab.txt", "spiece.model")
@@ -194,16 +145,12 @@ def _check_folder(path: Path, key: str, what: str) -> None:
             raise LisaftError(f"{key}: {path}: no weights (model.safetensors) in it; for a random "
                               "init from its config.json use model.config instead")
     elif not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        fix = "set model.tokenizer to a tokenizer folder" if key == "model.name_or_path" else "point it to a tokenizer folder"
+        fix = ("set model.tokenizer to a tokenizer folder" if key == "model.name_or_path"
+               else "point it to a tokenizer folder")
         raise LisaftError(f"{key}: {path}: no tokenizer in it (none of {', '.join(_TOKENIZER_FILES[:3])}); {fix}")
     for f in sorted(path.iterdir()):
         if f.is_file() and not os.access(f, os.R_OK):
             raise LisaftError(f"{key}: {f}: permission denied; make it readable (chmod a+r)")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def load_config(ref: str):
@@ -237,8 +184,8 @@ def check_context_length(config, max_seq_len: int) -> None:
     scaling = get("rope_parameters") or get("rope_scaling")
     # transformers fills in {"rope_type": "default"} for an unscaled model.
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        warnings.warn(f"data.max_seq_len: {max_seq_len} is above the model's max_position_embeddings "
-                      f"{limit}; relying on its rope_scaling {scaling}")
+        warn(f"data.max_seq_len: {max_seq_len} is above the model's max_position_embeddings "
+             f"{limit}; relying on its rope_scaling {scaling}")
         return
     raise LisaftError(f"data.max_seq_len: {max_seq_len} is above the model's context length "
                       f"(max_position_embeddings {limit}) and its config sets no rope_scaling; use "
@@ -250,16 +197,16 @@ def load_tokenizer(section: ModelSection):
 
     ref = section.tokenizer or section.name_or_path
     key = "model.tokenizer" if section.tokenizer else "model.name_or_path"
-    if _is_local(ref):
+    if is_local(ref):
         if key == "model.name_or_path":  # an empty or wrong folder is a model problem first
             _check_folder(Path(ref), key, "model")
         _check_folder(Path(ref), key, "tokenizer")
     try:
-        tok = AutoTokenizer.from_pretrained(ref, local_files_only=not _is_local(ref) and hub_offline())
+        tok = AutoTokenizer.from_pretrained(ref, local_files_only=not is_local(ref) and hub_offline())
     except Exception as e:
-        if _is_local(ref):
-            raise LisaftError(f"{key}: {ref}: cannot load a tokenizer from it: {_first_line(e)}") from None
-        raise _hub_error(key, ref, e) from None
+        if is_local(ref):
+            raise LisaftError(f"{key}: {ref}: cannot load a tokenizer from it: {first_line(e)}") from None
+        raise hub_error(key, ref, e) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok
@@ -280,15 +227,15 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     else:
         ref = section.name_or_path
-        if _is_local(ref):
+        if is_local(ref):
             _check_folder(Path(ref), "model.name_or_path", "model")
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                ref, dtype=dtype, attn_implementation=attn, local_files_only=not _is_local(ref) and hub_offline())
+                ref, dtype=dtype, attn_implementation=attn, local_files_only=not is_local(ref) and hub_offline())
         except Exception as e:
-            if _is_local(ref):
-                raise LisaftError(f"model.name_or_path: {ref}: cannot load a model from it: {_first_line(e)}") from None
-            raise _hub_error("model.name_or_path", ref, e) from None
+            if is_local(ref):
+                raise LisaftError(f"model.name_or_path: {ref}: cannot load a model from it: {first_line(e)}") from None
+            raise hub_error("model.name_or_path", ref, e) from None
     model.to(device)
     if section.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs, so no enable_input_require_grads
@@ -331,7 +278,8 @@ def compile_layers(layers: nn.ModuleList, device: torch.device) -> None:
     modules keep their parameters and names, so checkpoints and the unit optimizers are unchanged."""
     import shutil
 
-    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c):
+    compilers = (os.environ.get("CXX", ""), "c++", "g++", "clang++")
+    if device.type == "cpu" and not any(shutil.which(c) for c in compilers if c):
         raise LisaftError("training.compile: torch.compile on CPU needs a C++ compiler and none is on "
                           "PATH; install one (g++) or set training.compile false")
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:

@@ -29,7 +29,7 @@ class _Slot:
     """One layer input: its host copy, and the device copy while it is being brought back."""
 
     host: torch.Tensor | None
-    prev: "_Slot | None"
+    prev: _Slot | None
     device_copy: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
 

@@ -22,19 +22,22 @@ outlives its chunk, so the extra memory is bounded (ROUNDING_BUFFER_BYTES).
 from __future__ import annotations
 
 import math
-import warnings
 from collections import defaultdict
 
 import torch
 
+from lisaft import internals
+from lisaft.console import warn
 from lisaft.recipe import OptimizerSection
+from lisaft.rounding import Rounding
 
 # Elements updated at a time: a multiple of bitsandbytes' 256-element quantization block, so
 # chunks of 8-bit state line up with whole blocks.
 CHUNK = 1 << 22
 # Transients of one chunk in the bf16 path: float32 weight, float32 gradient, and the int32
 # rounding noise (or a bitsandbytes kernel's own float32 buffer), never more than three at once.
-ROUNDING_BUFFER_BYTES = 3 * 4 * CHUNK
+CHUNK_BYTES_PER_ELEMENT = 3 * 4
+ROUNDING_BUFFER_BYTES = CHUNK_BYTES_PER_ELEMENT * CHUNK
 # bitsandbytes' rules (bitsandbytes/optim/optimizer.py): 8-bit moments from this many elements,
 # paged buffers from PAGED_MIN_NUMEL, quantization blocks of BLOCKSIZE.
 MIN_8BIT_NUMEL = 4096
@@ -42,7 +45,18 @@ PAGED_MIN_NUMEL = 100_000
 BLOCKSIZE = 256
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
+QUANTIZATION_MAP_BYTES = 2 * 256 * 4  # the signed and unsigned code books of 8-bit Adam
+
 _warned_cpu_paging: set[str] = set()
+
+
+def holds_chunk_buffers(weight_bytes: int, sparse_grad: bool = False) -> bool:
+    """Whether stepping a tensor holds float32 chunk buffers (at most CHUNK_BYTES_PER_ELEMENT x
+    CHUNK bytes): a weight that is not float32 is updated through a float32 copy of each chunk and
+    a sparse gradient is made dense a chunk at a time, while a float32 weight with a dense gradient
+    is updated in place, by torch's fused kernel or bitsandbytes' on its own buffers. The memory
+    estimator reads this rule."""
+    return weight_bytes != 4 or sparse_grad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,12 +72,10 @@ class PagedPool:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        import bitsandbytes.functional as F
-
         key = (numel, dtype, device.index)
-        buf = self._free[key].pop() if self._free[key] else F.get_paged(numel, dtype=dtype, device=device)
-        _mark_paged(buf, device.index)
-        F.fill(buf, 0)
+        buf = self._free[key].pop() if self._free[key] else internals.get_paged(numel, dtype=dtype, device=device)
+        internals.mark_paged(buf, device.index)
+        internals.fill_paged(buf, 0)
         return buf
 
     def give(self, t: torch.Tensor) -> None:
@@ -71,13 +83,6 @@ class PagedPool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
-
-
-def _mark_paged(t: torch.Tensor, device_index: int | None) -> torch.Tensor:
-    # bitsandbytes recognises unified-memory tensors by these attributes; views do not inherit them.
-    t.is_paged = True
-    t.page_deviceid = device_index
-    return t
 
 
 def is_paged(t: torch.Tensor) -> bool:
@@ -90,32 +95,27 @@ _code_books: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def _quantization_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The signed and unsigned dynamic maps of bitsandbytes' 8-bit Adam, shared by every tensor."""
     if device not in _code_books:
-        import bitsandbytes.functional as F
-
-        _code_books[device] = (F.create_dynamic_map(signed=True).to(device),
-                               F.create_dynamic_map(signed=False).to(device))
+        _code_books[device] = internals.dynamic_maps(device)
     return _code_books[device]
 
 
 def _bnb_update(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
     """bitsandbytes' fused AdamW kernel on elements lo:hi (decoupled weight decay, as AdamW)."""
-    import bitsandbytes.functional as F
-
     m, v = (_slice(st[k], lo, hi) for k in MOMENT_KEYS)
-    (b1, b2), kw = group["betas"], dict(weight_decay=group["weight_decay"])
+    b1, b2 = group["betas"]
+    kw = dict(beta1=b1, beta2=b2, eps=group["eps"], step=step, lr=group["lr"], weight_decay=group["weight_decay"])
     if m.dtype == torch.uint8:
         q1, q2 = _quantization_maps(w.device)
         blo, bhi = lo // BLOCKSIZE, -(-hi // BLOCKSIZE)
-        F.optimizer_update_8bit_blockwise("adam", g, w, m, v, b1, b2, 0.0, 0.0, group["eps"], step,
-                                          group["lr"], q1, q2, st["absmax1"][blo:bhi],
-                                          st["absmax2"][blo:bhi], **kw)
+        internals.adam_update_8bit_blockwise(g, w, m, v, code1=q1, code2=q2, absmax1=st["absmax1"][blo:bhi],
+                                             absmax2=st["absmax2"][blo:bhi], **kw)
     else:
-        F.optimizer_update_32bit("adam", g, w, m, b1, group["eps"], step, group["lr"], v, b2, **kw)
+        internals.adam_update_32bit(g, w, m, v, **kw)
 
 
 def _slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     view = t.view(-1)[lo:hi]
-    return _mark_paged(view, t.page_deviceid) if is_paged(t) else view
+    return internals.mark_paged(view, t.page_deviceid) if is_paged(t) else view
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,25 +128,14 @@ def _fused_adamw(weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list, 
     in place: one pass over weight, gradient and moments, and no temporaries."""
     b1, b2 = group["betas"]
     dev = weights[0].device
-    torch._fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [], [torch.tensor(float(s), device=dev) for s in steps],
-                        lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"],
-                        amsgrad=False, maximize=False)
+    internals.fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [torch.tensor(float(s), device=dev) for s in steps],
+                           lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"])
 
 
 def _fused_chunk(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> None:
     """The fused kernel on one chunk of a float32 weight, or of a bf16 weight's float32 copy."""
     m, v = (st[k].view(-1)[lo:hi] for k in MOMENT_KEYS)
     _fused_adamw([w], [g], [m], [v], [step], group)
-
-
-def _mix(*values: int) -> int:
-    """splitmix64 over the values: a well-spread 63-bit seed from small integers."""
-    h = 0x9E3779B97F4A7C15
-    for x in values:
-        h = (h ^ (x & 0xFFFF_FFFF_FFFF_FFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFF_FFFF_FFFF_FFFF
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFF_FFFF_FFFF_FFFF
-        h ^= h >> 29
-    return h & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class _GradChunks:
@@ -192,50 +181,20 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
     for g in grads:
         by_dtype[g.dtype].append(g)
     # One multi-tensor kernel per dtype, not a launch per tensor.
-    norms = [n for gs in by_dtype.values() for n in torch._foreach_norm(gs)]
+    norms = [n for gs in by_dtype.values() for n in internals.foreach_norm(gs)]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for dtype, gs in by_dtype.items():
-            torch._foreach_mul_(gs, coef.to(dtype))
+            internals.foreach_mul_(gs, coef.to(dtype))
     return float(total)
 
 
 def grad_nbytes(g: torch.Tensor) -> int:
     if g.is_sparse:
-        return g._values().numel() * g.element_size() + g._indices().numel() * 8
+        values, indices = internals.sparse_sizes(g)
+        return values * g.element_size() + indices * 8
     return g.numel() * g.element_size()
-
-
-class Rounding:
-    """How float32 results are written into bfloat16 weights.
-
-    stochastic: round up with probability equal to the distance to the lower bf16 neighbour, so
-    an update far below one ulp still moves the weight by its expected value. The noise for each
-    chunk comes from a generator re-seeded with (training.seed, optimizer step, unit, parameter,
-    chunk): a pure function of the run's position, like LISA's sampler, so resume, data-parallel
-    replicas, sharded state and offloading all see the same noise with no generator state to
-    save."""
-
-    def __init__(self, mode: str, seed: int) -> None:
-        self.mode = mode
-        self.seed = int(seed)
-        self.step = 0
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def write(self, dst: torch.Tensor, src: torch.Tensor, *key: int) -> None:
-        """dst (bf16) <- src (float32, consumed)."""
-        if self.mode == "stochastic" and dst.dtype == torch.bfloat16:
-            gen = self._generators.get(src.device)
-            if gen is None:
-                gen = self._generators[src.device] = torch.Generator(device=src.device)
-            gen.manual_seed(_mix(self.seed, self.step, *key))
-            noise = torch.randint(0, 1 << 16, src.shape, generator=gen, device=src.device, dtype=torch.int32)
-            # Adding below the 16 bits bf16 keeps, then truncating, rounds the magnitude up with
-            # exactly the probability of its discarded fraction (sign-magnitude floats).
-            src.view(torch.int32).add_(noise).bitwise_and_(-65536)
-            del noise
-        dst.copy_(src)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -329,7 +288,7 @@ class AdamW(torch.optim.Optimizer):
         kernel = _bnb_update if (self.eight_bit or self.bnb_32bit) else _fused_chunk
         flat_p = p.detach().view(-1)
         grad = _GradChunks(p.grad.detach())
-        low = p.dtype != torch.float32
+        low = p.dtype != torch.float32  # holds_chunk_buffers: a float32 copy per chunk
         for c, lo in enumerate(range(0, flat_p.numel(), grad.chunk)):
             hi = min(lo + grad.chunk, flat_p.numel())
             w = flat_p[lo:hi].float() if low else flat_p[lo:hi]
@@ -414,9 +373,8 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
     paged = section.name.startswith("paged_")
     if paged and device.type != "cuda" and section.name not in _warned_cpu_paging:
         _warned_cpu_paging.add(section.name)
-        warnings.warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "
-                      f"{device.type} the optimizer runs unpaged (same updates, ordinary memory)",
-                      UserWarning, stacklevel=2)
+        warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "
+             f"{device.type} the optimizer runs unpaged (same updates, ordinary memory)")
     return AdamW(groups, lr=section.lr, betas=section.betas, eps=section.eps,
                  weight_decay=section.weight_decay, eight_bit=section.name.endswith("_8bit"),
                  paged=paged, bnb_32bit=section.name == "paged_adamw_32bit", rounding=rounding,

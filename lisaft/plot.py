@@ -119,7 +119,8 @@ def _figure(plt, runs: list[RunData]):
         steps, values = run.series("peak_memory_bytes")
         mem.plot(steps, [v / 2**20 for v in values], color=color, label=f"{run.label} measured peak")
         if run.estimate_bytes is not None:
-            mem.axhline(run.estimate_bytes / 2**20, color=color, linestyle=":", label=f"{run.label} {run.estimate_note}")
+            mem.axhline(run.estimate_bytes / 2**20, color=color, linestyle=":",
+                        label=f"{run.label} {run.estimate_note}")
         else:
             mem.text(0.02, 0.9 - 0.1 * i, run.estimate_note, transform=mem.transAxes, fontsize=7)
     for ax, title in ((loss, "loss"), (acc, "eval token accuracy"), (lr, "learning rate"),

@@ -8,7 +8,6 @@ loose dict inside the package. Unknown keys are errors (extra="forbid") so that 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import re
 import string
@@ -16,10 +15,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from lisaft.console import first_line
 from lisaft.errors import LisaftError
+from lisaft.hub import can_only_be_path
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
@@ -116,7 +125,7 @@ class ModelSection(_Section):
         return v
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelSection":
+    def _one_source(self) -> ModelSection:
         if (self.name_or_path is None) == (self.config is None):
             raise ValueError("set exactly one of model.name_or_path and model.config")
         if self.config is not None and self.tokenizer is None:
@@ -257,7 +266,7 @@ class TrainingSection(_Section):
     )
 
     @model_validator(mode="after")
-    def _length(self) -> "TrainingSection":
+    def _length(self) -> TrainingSection:
         if self.max_steps is None and self.epochs is None:
             raise ValueError("set training.max_steps (optimizer steps) or training.epochs (passes "
                              "over the train set)")
@@ -297,7 +306,7 @@ class Recipe(_Section):
     logging: LoggingSection = LoggingSection()
 
     @model_validator(mode="after")
-    def _combinations(self) -> "Recipe":
+    def _combinations(self) -> Recipe:
         if self.optimizer.in_backward:
             if self.training.grad_accum_steps > 1:
                 raise ValueError(
@@ -317,12 +326,6 @@ class Recipe(_Section):
 
 
 
-# Keys whose change alters the training path: a resumed run must keep them.
-PATH_KEYS = (
-    "model", "data", "optimizer", "scheduler", "lisa",
-    "training.seed", "training.batch_size", "training.grad_accum_steps",
-    "training.max_grad_norm",
-)
 # Keys a resume may change; the change is reported. Gradient checkpointing recomputes the same
 # activations, so turning it on after an out-of-memory stop continues the same run.
 CADENCE_KEYS = (
@@ -382,8 +385,7 @@ def _resolve_paths(data: dict, base: Path) -> None:
         # the recipe; a value that can only be a path ("./x", "a/b/c", "x.jsonl") is resolved
         # even when missing, so the error names the full path.
         if key in ("name_or_path", "tokenizer", "train", "eval") and not candidate.exists() \
-                and not value.startswith(".") \
-                and value.count("/") <= 1 and not (section == "data" and p.suffix):
+                and not can_only_be_path(value, data_file=section == "data"):
             continue
         sec[key] = str(candidate.resolve())
 
@@ -418,7 +420,8 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         # A failed Annotated/Literal/union member adds a non-key part to loc; keep the key path.
-        loc = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
+        loc = ".".join(str(p) for p in e["loc"]
+                       if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
         lines.append(f"{loc}: {_message(e)}" if loc else _message(e))
     return f"{source}: invalid recipe: " + "; ".join(dict.fromkeys(lines))
 
@@ -440,7 +443,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_pa
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        what = getattr(e, "problem", None) or first_line(e)
         raise LisaftError(f"{path}: {where}not valid YAML: {what}") from None
     except UnicodeDecodeError:
         raise LisaftError(f"{path}: not a text file") from None
@@ -472,17 +475,6 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def path_view(recipe: Recipe) -> dict[str, Any]:
-    """The flattened keys that define the training path (what a resume must not change)."""
-    flat = flatten(recipe.model_dump(mode="json"))
-    return {k: v for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in PATH_KEYS)}
-
-
-def path_digest(recipe: Recipe) -> str:
-    blob = json.dumps(path_view(recipe), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def reference_markdown() -> str:

@@ -9,9 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lisaft.console import first_line
 from lisaft.errors import LisaftError
+from lisaft.hub import DATA_FILE_SUFFIXES, can_only_be_path
 
-_FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+_FILE_KINDS = {suffix: suffix[1:] for suffix in DATA_FILE_SUFFIXES}  # ".jsonl" -> "jsonl"
 
 
 class Rows:
@@ -27,18 +29,10 @@ class Rows:
     def where(self, i: int) -> str:
         return f"{self.key}: {self.source}: {self.unit} {self.numbers[i]}"
 
-    def subset(self, indices: list[int]) -> "Rows":
+    def subset(self, indices: list[int]) -> Rows:
         out = Rows([self.rows[i] for i in indices], self.key, self.source, self.unit)
         out.numbers = [self.numbers[i] for i in indices]
         return out
-
-
-def _looks_like_path(ref: str) -> bool:
-    p = Path(ref)
-    return (
-        p.is_absolute() or ref.startswith((".", "~")) or p.suffix.lower() in _FILE_KINDS
-        or "\\" in ref or ref.count("/") > 1
-    )
 
 
 def _read_jsonl(path: Path, key: str) -> Rows:
@@ -109,11 +103,6 @@ def _pick_split(ds: Any, key: str, source: str, split: str | None = None) -> Any
     raise LisaftError(f"{key}: {source}: has splits {sorted(ds)}, none of {list(wanted)}")
 
 
-def first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _read_with_datasets(ref: str, kind: str, key: str, split: str | None = None,
                         subset: str | None = None) -> Rows:
     try:
@@ -125,7 +114,7 @@ def _read_with_datasets(ref: str, kind: str, key: str, split: str | None = None,
     if kind == "hub":
         from huggingface_hub import constants
 
-        from lisaft.models import hub_offline
+        from lisaft.hub import hub_offline
 
         # With HF_HUB_OFFLINE set, datasets answers from its cache at once; without it, an
         # unreachable hub would cost a long series of retries before the same answer.
@@ -186,7 +175,7 @@ def read_rows(ref: str, key: str, subset: str | None = None, split: str | None =
             rows = _read_json(path, key)
         else:
             rows = _read_with_datasets(str(path), kind, key)
-    elif _looks_like_path(ref):
+    elif can_only_be_path(ref, data_file=True):
         raise LisaftError(f"{key}: {ref}: no such file or folder")
     else:
         rows = _read_with_datasets(ref, "hub", key, split, subset)

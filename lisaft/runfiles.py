@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lisaft.checkpoint import CHECKPOINTS, complete_checkpoints
+from lisaft.console import first_line
 from lisaft.errors import LisaftError, RunFailed
 
 # Everything lisaft may write into a run folder, and nothing else: --overwrite removes these.
@@ -44,8 +45,7 @@ def is_write_failure(e: BaseException) -> bool:
 def _reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         return e.strerror + (f" ({e.filename})" if e.filename else "")
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text
+    return first_line(e)
 
 
 @contextmanager

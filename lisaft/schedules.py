@@ -1,9 +1,13 @@
-"""Learning rate as a pure function of the optimizer step: resume needs no scheduler state."""
+"""Learning rate as a pure function of the optimizer step and the plan being followed.
+
+The plan (`Plan`: the horizon, and where a resume re-planned the decay) is the only state, and
+`Schedule` saves it with every checkpoint, so a resume that changes training.max_steps keeps the
+curve it was on unless asked to re-plan it."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 def lr_at(step: int, *, peak_lr: float, max_steps: int, name: str = "cosine",
@@ -59,3 +63,27 @@ def lr_for(step: int, plan: Plan, *, peak_lr: float, name: str, warmup_steps: in
                      warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
     return replanned_lr_at(step, start_step=plan.start_step, start_lr=plan.start_lr,
                            end_step=plan.horizon, floor_lr=peak_lr * min_lr_ratio, name=name)
+
+
+class Schedule:
+    """The run's learning rate: the recipe's curve along the current plan; saves the plan."""
+
+    def __init__(self, peak_lr: float, section, horizon: int) -> None:
+        self.peak_lr = peak_lr
+        self.section = section            # recipe.SchedulerSection: name, warmup_steps, min_lr_ratio
+        self.plan = Plan(horizon=horizon)
+
+    def lr(self, step: int, plan: Plan | None = None) -> float:
+        s = self.section
+        return lr_for(step, plan or self.plan, peak_lr=self.peak_lr, name=s.name,
+                      warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio)
+
+    @property
+    def floor_lr(self) -> float:
+        return self.peak_lr * self.section.min_lr_ratio
+
+    def state_dict(self) -> dict:
+        return asdict(self.plan)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.plan = Plan(**sd)

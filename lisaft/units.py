@@ -25,15 +25,17 @@ import torch
 from torch import nn
 
 from lisaft import dist
-from lisaft.errors import LisaftError
 from lisaft.models import ModelParts
 from lisaft.optim import (
-    AdamW, PagedPool, Rounding, build_unit_optimizer, host_state_dict, state_dict_bytes,
+    QUANTIZATION_MAP_BYTES,
+    AdamW,
+    PagedPool,
+    Rounding,
+    build_unit_optimizer,
+    host_state_dict,
+    state_dict_bytes,
 )
 from lisaft.recipe import OptimizerSection
-
-# The two 256-entry float32 code books every 8-bit moment shares (counted once, as resident).
-_CODE_BOOK_BYTES = 2 * 256 * 4
 
 
 def layer_unit(index: int) -> str:
@@ -55,6 +57,32 @@ def model_units(parts: ModelParts) -> list[Unit]:
     return [u for u in units if u.params]
 
 
+def state_dict_units(model: nn.Module, units: list[Unit]) -> dict[str, str]:
+    """{model.state_dict() name: unit name}, derived from the units' own parameters, so the
+    checkpoint files a tensor under the unit that trains it. A buffer belongs to the unit of the
+    innermost module around it whose parameters all belong to one unit; any other to the first
+    unit (the embeddings)."""
+    unit_of_param = {id(p): u.name for u in units for p in u.params}
+    names = {n: unit_of_param[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
+             if id(p) in unit_of_param}
+    module_units: dict[str, set[str]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        module_units[mod_name] = {unit_of_param[id(p)] for p in module.parameters() if id(p) in unit_of_param}
+    for name, _ in model.named_buffers(remove_duplicate=False):
+        owner = units[0].name
+        prefix = name.rsplit(".", 1)[0] if "." in name else ""
+        while True:
+            found = module_units.get(prefix, set())
+            if len(found) == 1:
+                owner = next(iter(found))
+                break
+            if len(found) > 1 or not prefix:
+                break
+            prefix = prefix.rsplit(".", 1)[0] if "." in prefix else ""
+        names[name] = owner
+    return names
+
+
 class UnitOptimizers:
     def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
                  offload_dir: Path, seed: int, shard: bool = False) -> None:
@@ -70,11 +98,6 @@ class UnitOptimizers:
         self.host: dict[str, dict] = {}
         self.disk: dict[str, tuple[Path, int]] = {}
         self.dirty: set[str] = set()          # state changed since the last checkpoint
-        self.grad_sq: torch.Tensor | None = None  # in-backward gradient norm², when measured
-        self._unit_of = {p: u for u in units for p in u.params}
-        self._hooks = []
-        if section.in_backward:
-            self._register_hooks()
         # Files a crashed run of this rank left behind are stale: a resume rewrites what it needs.
         if self.offload_dir.is_dir():
             for stale in self.offload_dir.glob("*.pt*"):
@@ -167,26 +190,6 @@ class UnitOptimizers:
             params = [p for u in units for p in u.params]
             dist.broadcast_from_owners(params, self.owner_of_params(units))
 
-    def _register_hooks(self) -> None:
-        for p, unit in self._unit_of.items():
-            # torch refuses hooks on a tensor that does not require grad, but the hook stays with
-            # the tensor: a layer frozen now gets its updates once LISA samples it.
-            trains = p.requires_grad
-            p.requires_grad_(True)
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._step_in_backward))
-            p.requires_grad_(trains)
-
-    def _step_in_backward(self, p: torch.Tensor) -> None:
-        unit = self._unit_of[p]
-        if p.grad.is_sparse:
-            p.grad = p.grad.coalesce()
-        if self.grad_sq is not None:
-            g = p.grad.detach()
-            self.grad_sq += (g.values() if g.is_sparse else g).float().pow(2).sum()
-        self.optimizer(unit).step_param(p)
-        self.dirty.add(unit.name)
-        p.grad = None
-
     # -- statistics -----------------------------------------------------------------------------
 
     def state_bytes(self) -> tuple[int, int]:
@@ -194,45 +197,24 @@ class UnitOptimizers:
         resident = sum(opt.resident_bytes() for opt in self.resident.values())
         if any(v.dtype == torch.uint8 for opt in self.resident.values() for st in opt.state.values()
                for v in st.values() if torch.is_tensor(v)):
-            resident += _CODE_BOOK_BYTES
+            resident += QUANTIZATION_MAP_BYTES  # shared by every 8-bit moment
         if self.pool is not None:
             resident += self.pool.nbytes()
         offloaded = sum(state_dict_bytes(sd) for sd in self.host.values())
         offloaded += sum(nbytes for _, nbytes in self.disk.values())
         return resident, offloaded
 
-    # -- checkpoints ----------------------------------------------------------------------------
+    # -- what a checkpoint reads and restores (lisaft/optimizer_files.py) ------------------------
 
-    def _saves(self, unit: Unit) -> bool:
-        return self.owns(unit) if self.shard else dist.is_main()
-
-    def write_checkpoint(self, folder: Path, base: Path | None) -> list[Path]:
-        """optimizer/<unit>.pt for each unit with state that this rank saves. A unit unchanged
-        since `base` is hard-linked from it, an offloaded one from its offload file."""
-        written = []
-        for name, unit in self.units.items():
-            if not self._saves(unit):
-                continue
-            target = folder / f"{name}.pt"
-            previous = base / "optimizer" / f"{name}.pt" if base is not None else None
-            if name not in self.dirty and previous is not None and self._has_state(name) \
-                    and _link(previous, target):
-                continue
-            # An offload file is immutable (a restore reads and removes it): link it as it is.
-            if name in self.disk and _link(self.disk[name][0], target):
-                continue
-            sd = self._host_state(name)
-            if sd is None:
-                continue
-            torch.save(sd, target)
-            written.append(target)
-        return written
-
-    def _has_state(self, name: str) -> bool:
+    def has_state(self, name: str) -> bool:
         opt = self.resident.get(name)
         return bool(opt is not None and opt.state) or name in self.host or name in self.disk
 
-    def _host_state(self, name: str) -> dict | None:
+    def offload_file(self, name: str) -> Path | None:
+        return self.disk[name][0] if name in self.disk else None
+
+    def host_state(self, name: str) -> dict | None:
+        """The unit's optimizer state_dict in host memory, wherever it lives; None without state."""
         if name in self.host:
             return self.host[name]
         if name in self.disk:
@@ -244,18 +226,8 @@ class UnitOptimizers:
             torch.cuda.synchronize(self.device)
         return host_state_dict(opt)
 
-    def saved(self) -> None:
-        """The checkpoint just written holds every unit's current state."""
-        self.dirty.clear()
-
-    def load_checkpoint(self, folder: Path, resident: set[str], policy: str) -> None:
-        """Replace all state with a checkpoint's: units in `resident` get optimizers on the
-        device, the others go where `policy` keeps inactive units (nowhere for discard)."""
-        names = {f.name[:-3] for f in folder.glob("*.pt")} if folder.is_dir() else set()
-        unknown = sorted(names - set(self.units))
-        if unknown:
-            raise LisaftError(f"checkpoint {folder.parent.name} holds optimizer state for units this model "
-                              f"does not have: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
+    def clear(self) -> None:
+        """Forget every unit's state, wherever it is held."""
         for opt in self.resident.values():
             opt.release()
         self.resident.clear()
@@ -263,30 +235,19 @@ class UnitOptimizers:
         for path, _ in self.disk.values():
             path.unlink(missing_ok=True)
         self.disk.clear()
-        pin = self.device.type == "cuda"
-        for name in sorted(names):
-            unit = self.units[name]
-            if not self.owns(unit):
-                continue
-            sd = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True)
-            if name in resident:
-                self.optimizer(unit).load_state_dict(sd)  # a fresh one: all state was cleared above
-            elif policy == "offload_cpu":
-                self.host[name] = _pinned(sd) if pin else sd
-            elif policy == "offload_disk":
-                self.disk[name] = (self._write_offload(name, sd), state_dict_bytes(sd))
-        self.dirty.clear()
+
+    def restore(self, name: str, sd: dict, resident: bool, policy: str) -> None:
+        """Install a checkpoint's state for one unit: on the device, or where `policy` keeps an
+        inactive unit's moments (nowhere for discard). Call after clear()."""
+        if resident:
+            self.optimizer(self.units[name]).load_state_dict(sd)
+        elif policy == "offload_cpu":
+            self.host[name] = _pinned(sd) if self.device.type == "cuda" else sd
+        elif policy == "offload_disk":
+            self.disk[name] = (self._write_offload(name, sd), state_dict_bytes(sd))
 
 
 def _pinned(sd: dict) -> dict:
     pin = lambda v: v.pin_memory() if torch.is_tensor(v) else v  # noqa: E731
     return {"state": {i: {k: pin(v) for k, v in st.items()} for i, st in sd["state"].items()},
             "param_groups": sd["param_groups"]}
-
-
-def _link(source: Path, target: Path) -> bool:
-    try:
-        os.link(source, target)
-        return True
-    except OSError:
-        return False  # missing, or a filesystem without hard links: write the file

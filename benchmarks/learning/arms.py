@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.learning.measure import (exact_match, peak_rss_bytes, reset_peak_rss, tensor_bytes,
-                                         token_accuracy)
+from benchmarks.learning.measure import exact_match, peak_rss_bytes, reset_peak_rss, tensor_bytes, token_accuracy
 
 # name -> how it trains. "lisaft" arms are recipes; the rest are plain loops.
 ARMS = {
@@ -94,7 +93,7 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
 
 class LisaftArm:
     def __init__(self, job: dict, spec: dict, data: Data, run_dir: Path):
-        from lisaft.trainer import build_session
+        from lisaft.train import build_session
 
         recipe = lisaft_recipe(job, spec, {"name_or_path": job["pretrained"]}, run_dir,
                                job["settings"]["steps"], job["lr"])
@@ -103,13 +102,15 @@ class LisaftArm:
         self.model = self.session.model
 
     def step(self, step: int) -> tuple[float, int]:
-        from lisaft.trainer import train_step
+        from lisaft.train import train_step
 
-        return train_step(self.session, step)
+        result = train_step(self.session, step)
+        self.grad_bytes = result.grad_bytes
+        return result.loss, result.tokens
 
     def memory(self) -> dict:
         resident, offloaded = self.session.optimizers.state_bytes()
-        return {"optimizer_state_bytes": resident + offloaded, "grad_bytes": self.session.grad_bytes,
+        return {"optimizer_state_bytes": resident + offloaded, "grad_bytes": self.grad_bytes,
                 "master_copy_bytes": 0}
 
     def trainable_params(self) -> int:

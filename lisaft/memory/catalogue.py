@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
 CATALOGUE_DIR = Path(__file__).parent / "catalogue"
@@ -85,7 +86,7 @@ def resolve_model(ref: str, key: str = "--model"):
         raise LisaftError(f"{key}: {ref}: no such folder or config.json (catalogue names: {known})")
     from transformers import AutoConfig
 
-    from lisaft.models import hub_offline
+    from lisaft.hub import hub_offline
 
     if hub_offline():
         raise LisaftError(f"{key}: {ref!r} is not a catalogue name or a local folder, and the hub cannot "
@@ -93,7 +94,7 @@ def resolve_model(ref: str, key: str = "--model"):
     try:
         return AutoConfig.from_pretrained(ref), ref
     except Exception as e:  # offline, no such repository, gated: all the same to the user
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = first_line(e)
         raise LisaftError(
             f"{key}: {ref!r} is not a catalogue name, a local folder or a reachable hub id "
             f"({first}); catalogue names: {known}"

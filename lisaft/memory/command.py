@@ -8,12 +8,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from lisaft.allocator import expandable_segments
 from lisaft.errors import LisaftError
 from lisaft.memory.advice import Change, advice, largest_fitting, leanest, optimizer_grid
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
-from lisaft.allocator import expandable_segments
-from lisaft.memory.estimate import DTYPE_BYTES, GiB, Estimate, Settings, compute
+from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
 from lisaft.memory.optimizer_state import OPTIMIZERS
 from lisaft.recipe import Recipe, load_recipe

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
 
@@ -52,7 +53,7 @@ def build_meta_model(config):
         except Exception as e:  # unsupported architectures raise ValueError/KeyError/TypeError
             raise LisaftError(
                 f"cannot build model type {getattr(config, 'model_type', '?')!r} to count its "
-                f"parameters: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                f"parameters: {first_line(e)}"
             ) from None
 
 

@@ -13,11 +13,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lisaft.memory.activations import (Shape, activations, loss_buffers_peak, mlp_chunked,
-                                       offloaded_host_bytes, shape_from_config)
+from lisaft.memory.activations import (
+    Shape,
+    activations,
+    loss_buffers_peak,
+    mlp_chunked,
+    offloaded_host_bytes,
+    shape_from_config,
+)
 from lisaft.memory.counts import ParamCounts, param_counts
-from lisaft.memory.cuda_process import (CUDA_CONTEXT_BYTES, CUDA_KERNELS_BYTES, allocator_overhead,
-                                        cublas_workspace_bytes)
+from lisaft.memory.cuda_process import (
+    CUDA_CONTEXT_BYTES,
+    CUDA_KERNELS_BYTES,
+    allocator_overhead,
+    cublas_workspace_bytes,
+)
 from lisaft.memory.optimizer_state import state_bytes, step_temporaries
 from lisaft.models import sparse_grad_is_smaller
 
@@ -71,7 +81,7 @@ class Settings:
     datasets_imported: bool = False  # on CPU, the process baseline includes `datasets`
     expandable_segments: bool = True  # CUDA allocator setting (lisaft sets it unless the user did)
 
-    def with_(self, **changes) -> "Settings":
+    def with_(self, **changes) -> Settings:
         return replace(self, **changes)
 
 
@@ -254,7 +264,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         grads_in_layers = max(grads_at_loss, head_grad)
         step_phase = grads_full
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
-    step_temp = step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update)
+    sparse_numel = counts.embeddings[0] if _sparse_embedding_saving(counts, shape, s, dt) else 0
+    step_temp = step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
     in_bwd_step = step_temp if s.in_backward else 0
     if s.clipping and not s.in_backward:
         step_temp += 8 * len(trainable)  # one float32 norm per tensor, and their stack

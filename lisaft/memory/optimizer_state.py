@@ -1,7 +1,8 @@
 """Optimizer state bytes per parameter tensor, following the optimizers' own allocation rules.
 
 adamw_32bit keeps two float32 moments whatever the weight dtype (8 B/param); every optimizer
-keeps its step count as a Python int (lisaft/optim.py), nothing on the device. The bitsandbytes optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
+keeps its step count as a Python int (lisaft/optim.py), nothing on the device. The bitsandbytes
+optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
 - 32-bit (PagedAdamW): two float32 moments, 8 B/param, whatever the weights' dtype.
 - 8-bit (AdamW8bit, PagedAdamW8bit): tensors under min_8bit_size = 4096 elements keep float32
   moments (8 B/param); larger ones keep two uint8 moments (2 B/param) plus one float32 absmax
@@ -9,24 +10,24 @@ keeps its step count as a Python int (lisaft/optim.py), nothing on the device. T
 - Paging (on CUDA only): a moment buffer is allocated in CUDA unified memory when its tensor has
   at least 1e5 elements; smaller buffers and every absmax stay ordinary device allocations.
 
-How a step runs (lisaft/optim.py) decides its transient memory, not its state: adamw_32bit is
-not torch's fused AdamW but a chunked float32 update, on CPU and CUDA alike; bf16 weights take
-their update through the same chunked path (stochastic rounding by default, `nearest` for
-comparison), whichever optimizer keeps the moments. A chunk holds at most 4,194,304 elements,
-so the step's extra buffers are bounded (48 MiB) whatever the tensor's size.
+How a step runs (lisaft/optim.py) decides its transient memory, not its state, and this module
+takes those rules from there (`holds_chunk_buffers`, the chunk size and the bitsandbytes
+thresholds) rather than restating them: a float32 weight with a dense gradient steps in place;
+bf16 weights take their update through float32 chunks (stochastic rounding by default, `nearest`
+for comparison), whichever optimizer keeps the moments. A chunk holds at most 4,194,304
+elements, so the step's extra buffers are bounded (48 MiB) whatever the tensor's size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lisaft.optim import BLOCKSIZE, CHUNK, CHUNK_BYTES_PER_ELEMENT, MIN_8BIT_NUMEL, PAGED_MIN_NUMEL, holds_chunk_buffers
+from lisaft.optim import QUANTIZATION_MAP_BYTES as QMAP_BYTES
+
 OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
 BF16_UPDATES = ("stochastic", "nearest")
 
-MIN_8BIT_SIZE = 4096
-BLOCKSIZE = 256
-QMAP_BYTES = 2 * 256 * 4
-PAGED_MIN_NUMEL = 100_000
 
 
 def is_paged(optimizer: str) -> bool:
@@ -48,7 +49,7 @@ def tensor_state(optimizer: str, numel: int, dt: int, device: str) -> StateBytes
     paging = is_paged(optimizer) and device == "cuda" and numel >= PAGED_MIN_NUMEL
     if optimizer == "adamw_32bit":
         return StateBytes(2 * numel * 4, 0)
-    if is_8bit(optimizer) and numel >= MIN_8BIT_SIZE:
+    if is_8bit(optimizer) and numel >= MIN_8BIT_NUMEL:
         blocks = -(-numel // BLOCKSIZE)
         moments = 2 * numel
         return StateBytes(moments + 2 * 4 * blocks, moments if paging else 0)
@@ -64,7 +65,7 @@ def state_bytes(optimizer: str, numels, dt: int, device: str) -> StateBytes:
         s = tensor_state(optimizer, n, dt, device)
         total += s.total
         paged += s.paged
-        quantized |= is_8bit(optimizer) and n >= MIN_8BIT_SIZE
+        quantized |= is_8bit(optimizer) and n >= MIN_8BIT_NUMEL
     if quantized:
         total += QMAP_BYTES
     return StateBytes(total, paged)
@@ -72,19 +73,12 @@ def state_bytes(optimizer: str, numels, dt: int, device: str) -> StateBytes:
 
 # The float32 update runs over at most this many elements at a time (lisaft/optim.py): a float32
 # copy of the weight chunk, the float32 gradient chunk and int32 rounding noise, 12 B/element.
-UPDATE_CHUNK_ELEMENTS = 4_194_304
-UPDATE_CHUNK_BYTES_PER_ELEMENT = 12
-
-
-def chunked_update(optimizer: str, dt: int, bf16_update: str) -> bool:
-    """Whether the step holds float32 chunk buffers: adamw_32bit always (its moments are float32
-    whatever the weights), any optimizer for bf16 weights, which are updated in float32 chunks
-    and written back with either rounding (`bf16_update` only picks how)."""
-    return optimizer == "adamw_32bit" or dt == 2
+UPDATE_CHUNK_ELEMENTS = CHUNK
+UPDATE_CHUNK_BYTES_PER_ELEMENT = CHUNK_BYTES_PER_ELEMENT
 
 
 def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str,
-                     bf16_update: str = "stochastic") -> int:
+                     bf16_update: str = "stochastic", sparse_numel: int = 0) -> int:
     """Extra bytes on the training device while one unit is being stepped.
 
     The chunked float32 update holds one chunk's buffers, `12 x min(n_max, 4,194,304)` bytes
@@ -95,8 +89,10 @@ def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str,
     dequantized moments, the float32 gradient, sqrt and denominator (20 B/elem); either adds a
     float32 copy of a non-float32 parameter. So the largest trainable tensor sets the peak."""
     chunk = 0
-    if chunked_update(optimizer, dt, bf16_update):
+    if holds_chunk_buffers(dt):
         chunk = min(largest_numel, UPDATE_CHUNK_ELEMENTS) * UPDATE_CHUNK_BYTES_PER_ELEMENT
+    elif sparse_numel and holds_chunk_buffers(dt, sparse_grad=True):
+        chunk = min(sparse_numel, UPDATE_CHUNK_ELEMENTS) * 4  # one float32 chunk of the densified rows
     if device == "cuda" or optimizer == "adamw_32bit":
         return chunk
     per_elem = 20 if is_8bit(optimizer) else 12

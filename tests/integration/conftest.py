@@ -30,6 +30,16 @@ def _rows(n: int, seed: int) -> list[dict]:
 @pytest.fixture
 def tiny_run(tmp_path: Path):
     """Returns a function(**sections) that writes a recipe and returns its path."""
+    return make_tiny_run(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_tiny_run(tmp_path_factory):
+    """tiny_run for a module whose tests share runs (one folder for the whole module)."""
+    return make_tiny_run(tmp_path_factory.mktemp("shared"))
+
+
+def make_tiny_run(tmp_path: Path):
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=_vocab_size(), hidden_size=32, intermediate_size=64,

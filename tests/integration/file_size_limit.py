@@ -24,26 +24,27 @@ def limit_files(nbytes: int = LIMIT) -> None:
 
 
 def arm(phase: str) -> None:
-    from lisaft import checkpoint, metrics, trainer
+    from lisaft import checkpoint, metrics, runfiles
+    from lisaft.train import export
 
     if phase == "checkpoint":
-        original, calls = checkpoint.save_checkpoint, []
+        original, calls = checkpoint.Checkpointer.save, []
 
-        def save(*args, **kwargs):
+        def save(self, *args, **kwargs):
             calls.append(1)
             if len(calls) == 2:
                 limit_files()
-            return original(*args, **kwargs)
+            return original(self, *args, **kwargs)
 
-        checkpoint.save_checkpoint = save
+        checkpoint.Checkpointer.save = save
     elif phase == "final":
-        original_final = trainer._save_final
+        original_final = export.save_final
 
         def save_final(session):
             limit_files()
             return original_final(session)
 
-        trainer._save_final = save_final
+        export.save_final = save_final
     elif phase == "metrics":
         original_write, records = metrics.MetricsLog.write, []
 
@@ -58,13 +59,13 @@ def arm(phase: str) -> None:
 
         metrics.MetricsLog.write = write
     elif phase == "start":
-        original_make = trainer.make_run_dir
+        original_make = runfiles.make_run_dir
 
         def make_run_dir(run_dir):
             original_make(run_dir)
             limit_files(16)
 
-        trainer.make_run_dir = make_run_dir
+        runfiles.make_run_dir = make_run_dir
     elif phase == "truncate":
         original_truncate = metrics.MetricsLog.truncate_after
 
@@ -74,15 +75,15 @@ def arm(phase: str) -> None:
 
         metrics.MetricsLog.truncate_after = truncate_after
     elif phase == "offload":
-        from lisaft import units
+        from lisaft import optimizer_files
 
-        original_load = units.UnitOptimizers.load_checkpoint
+        original_read = optimizer_files.OptimizerFiles.read
 
-        def load_checkpoint(self, *args, **kwargs):
+        def read(self, *args, **kwargs):
             limit_files(16)
-            return original_load(self, *args, **kwargs)
+            return original_read(self, *args, **kwargs)
 
-        units.UnitOptimizers.load_checkpoint = load_checkpoint
+        optimizer_files.OptimizerFiles.read = read
     else:
         raise SystemExit(f"unknown phase {phase}")
 

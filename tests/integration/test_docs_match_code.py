@@ -22,7 +22,7 @@ def _documented_fields(kind: str) -> set[str]:
 
 
 def test_metrics_fields_in_the_readme_are_the_records_fields(tiny_run):
-    from lisaft.trainer import train
+    from lisaft.train import train
 
     recipe = tiny_run(training={"max_steps": 2, "eval_every": 2})
     assert train(recipe, show=False) == 0

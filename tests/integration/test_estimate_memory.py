@@ -169,7 +169,7 @@ def test_offline_hub_id_answers_at_once(monkeypatch):
 
     from huggingface_hub import constants
 
-    from lisaft.models import hub_offline
+    from lisaft.hub import hub_offline
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     hub_offline.cache_clear()

@@ -7,7 +7,7 @@ import torch
 
 from lisaft.lisa import LayerSampler
 from lisaft.recipe import recipe_from_dict
-from lisaft.trainer import build_session, train_step
+from lisaft.train import build_session, train_step
 
 N_LAYERS, K = 4, 2
 

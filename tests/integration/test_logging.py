@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.trainer import resume, train
+from lisaft.train import resume, train
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from lisaft.cli import app
 from lisaft.metrics import read_metrics
-from lisaft.trainer import resume, train
+from lisaft.train import resume, train
 
 runner = CliRunner()
 
@@ -145,18 +145,21 @@ def test_changing_max_steps_on_resume_keeps_the_lr_curve_unless_replanned(tiny_r
 
 
 def test_corrupt_newest_checkpoint_is_skipped(tiny_run):
-    common = dict(training={"max_steps": 6, "save_every": 2, "keep_last": 3})
-    ref = tiny_run("ref.yaml", **common)
-    assert train(ref, overrides=["training.output_dir=ref"], show=False) == 0
-    run = tiny_run.dir / "ref"
-    newest = run / "checkpoints" / "step-000006"
-    opt = newest / "optimizer" / "head.pt"
-    opt.write_bytes(opt.read_bytes()[:100])
-    reference = losses(run)
+    common = dict(training={"max_steps": 8, "save_every": 2, "keep_last": 3})
+    assert train(tiny_run("ref.yaml", **common), overrides=["training.output_dir=ref"], show=False) == 0
+    cut = tiny_run("cut.yaml", **common)
+    assert train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=6) != 0
+    run = tiny_run.dir / "cut"
+    opt = run / "checkpoints" / "step-000006" / "optimizer" / "head.pt"
+    # Same size, so the completeness check passes and only loading it can tell.
+    data = bytearray(opt.read_bytes())
+    data[:64] = bytes(64)
+    opt.write_bytes(bytes(data))
     result = runner.invoke(app, ["resume", str(run)])
     assert result.exit_code == 0, result.output
-    assert "skipping checkpoint step-000006" in result.output
-    assert losses(run) == reference
+    assert "skipping checkpoint step-000006: cannot be loaded" in result.output
+    assert "from step-000004" in result.output
+    assert_same_run(run, tiny_run.dir / "ref")
 
 
 def test_no_complete_checkpoint_says_how_to_start_over(tiny_run):
@@ -243,23 +246,23 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_run_resumable(tiny_run):
 def test_out_of_memory_says_what_to_do_and_resumes_with_checkpointing(tiny_run, monkeypatch):
     import torch
 
-    import lisaft.trainer as trainer_mod
+    import lisaft.train.loop as loop
 
     recipe = tiny_run(training={"max_steps": 6, "save_every": 2, "eval_every": 0})
-    real_step = trainer_mod.train_step
+    real_step = loop.train_step
 
     def step_or_oom(session, step, **kw):
         if step == 3:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_step(session, step, **kw)
 
-    monkeypatch.setattr(trainer_mod, "train_step", step_or_oom)
+    monkeypatch.setattr(loop, "train_step", step_or_oom)
     result = runner.invoke(app, ["train", str(recipe)])
     assert result.exit_code == 1, result.output
     out = result.output
     assert "out of memory in step 4" in out and "lisaft estimate-memory" in out and "Traceback" not in out
     assert "--set model.gradient_checkpointing=true" in out and "step-000002" in out
-    monkeypatch.setattr(trainer_mod, "train_step", real_step)
+    monkeypatch.setattr(loop, "train_step", real_step)
     run = tiny_run.dir / "run"
     result = runner.invoke(app, ["resume", str(run), "--set", "model.gradient_checkpointing=true"])
     assert result.exit_code == 0, result.output
@@ -290,3 +293,44 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tiny_run, monkeypa
     monkeypatch.setattr(ckpt_mod, "save_file", real_save)
     assert runner.invoke(app, ["resume", str(run)]).exit_code == 0
     assert sorted(losses(run)) == [1, 2, 3, 4, 5, 6]
+
+
+def _rewrite_state(ckpt: Path, state: dict) -> None:
+    """Replace a checkpoint's state.json and its size in the completion marker."""
+    import json
+
+    (ckpt / "state.json").write_text(json.dumps(state))
+    marker = json.loads((ckpt / "COMPLETE").read_text())
+    marker["files"]["state.json"] = (ckpt / "state.json").stat().st_size
+    (ckpt / "COMPLETE").write_text(json.dumps(marker))
+
+
+def test_the_flat_state_format_of_the_previous_version_resumes_exactly(tiny_run):
+    import json
+
+    common = dict(training={"max_steps": 6, "eval_every": 3})
+    assert train(tiny_run("ref.yaml", **common), overrides=["training.output_dir=ref"], show=False) == 0
+    cut = tiny_run("cut.yaml", **common)
+    assert train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=4) != 0
+    ckpt = tiny_run.dir / "cut" / "checkpoints" / "step-000004"
+    components = json.loads((ckpt / "state.json").read_text())["components"]
+    flat = {**components["progress"], "data": components["data"], "lisa": components["lisa"],
+            "schedule": components["schedule"], "recipe_digest": "0" * 16, "elapsed_s": 0.0}
+    _rewrite_state(ckpt, flat)
+    assert resume(tiny_run.dir / "cut", show=False) == 0
+    assert_same_run(tiny_run.dir / "cut", tiny_run.dir / "ref")
+
+
+def test_a_checkpoint_without_a_component_is_refused_in_one_line(tiny_run):
+    import json
+
+    cut = tiny_run(training={"max_steps": 6})
+    assert train(cut, show=False, _stop_at=2) != 0
+    ckpt = tiny_run.dir / "run" / "checkpoints" / "step-000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["components"]["lisa"]
+    _rewrite_state(ckpt, state)
+    result = runner.invoke(app, ["resume", str(tiny_run.dir / "run")])
+    assert result.exit_code == 2, result.output
+    assert "step-000002 was written by an older lisaft" in result.output and "--overwrite" in result.output
+    assert "Traceback" not in result.output

@@ -126,7 +126,7 @@ def test_chunked_loss_trains_like_the_plain_loss(tiny_run, monkeypatch, in_backw
     import torch
 
     from lisaft import loss as loss_mod
-    from lisaft.trainer import train
+    from lisaft.train import train
 
     extra = {"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}} if in_backward else {}
     recipe = tiny_run(lisa={"enabled": False}, **{
@@ -148,7 +148,7 @@ def test_chunked_loss_trains_like_the_plain_loss(tiny_run, monkeypatch, in_backw
 def test_grad_norm_is_the_norm_before_clipping_in_both_modes(tiny_run):
     import math
 
-    from lisaft.trainer import train
+    from lisaft.train import train
 
     common = {"lisa": {"enabled": False}, "scheduler": {"name": "constant"},
               "optimizer": {"name": "adamw_32bit", "lr": 1e-3}}
@@ -183,7 +183,7 @@ def test_overwrite_keeps_files_lisaft_did_not_write(tiny_run):
 
 def test_epochs_set_the_run_length_and_resume_keeps_it(tiny_run):
     from lisaft.recipe import load_recipe
-    from lisaft.trainer import resume, train
+    from lisaft.train import resume, train
 
     # 96 rows, 4 per step: one epoch is 24 steps, 1.5 epochs 36.
     recipe = tiny_run(training={"max_steps": None, "epochs": 1.5, "eval_every": 0, "log_every": 6})

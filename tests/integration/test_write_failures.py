@@ -55,7 +55,7 @@ def test_a_real_write_failure_is_one_message(tiny_run, phase, what, intact):
 
 
 def test_resume_that_cannot_rewrite_metrics_keeps_them_and_stays_resumable(tiny_run):
-    from lisaft.trainer import resume, train
+    from lisaft.train import resume, train
 
     recipe = tiny_run(training={"eval_every": 0, "save_every": 4})
     assert train(recipe, show=False) == 0
@@ -88,7 +88,7 @@ def test_train_that_cannot_write_its_recipe_names_the_one_to_start_over_with(tin
 
 
 def test_resume_that_cannot_offload_optimizer_state_does_not_skip_the_checkpoint(tiny_run):
-    from lisaft.trainer import train
+    from lisaft.train import train
 
     recipe = tiny_run(training={"eval_every": 0, "save_every": 4}, lisa={"state_policy": "offload_disk"})
     assert train(recipe, show=False) == 0

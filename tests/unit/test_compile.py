@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-
 from _tiny import tiny
 
 from lisaft.errors import LisaftError

@@ -6,9 +6,9 @@ import pytest
 
 from lisaft.batches import IGNORE_INDEX
 from lisaft.data import build_examples
-from lisaft.rows import Rows
 from lisaft.errors import LisaftError
 from lisaft.generate import prompt_and_reference, resolve_target
+from lisaft.rows import Rows
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "quickstart" / "tokenizer"
 

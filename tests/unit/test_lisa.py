@@ -12,13 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from _tiny import tiny as _tiny
 
 from lisaft.errors import LisaftError
+from lisaft.in_backward import StepInBackward
 from lisaft.lisa import LayerSampler, LisaController
 from lisaft.models import model_parts
 from lisaft.optim import is_paged
+from lisaft.optimizer_files import OptimizerFiles
 from lisaft.recipe import LisaSection, OptimizerSection
 from lisaft.units import UnitOptimizers, model_units
 
@@ -39,7 +40,8 @@ def setup(tmp_path, name="adamw_32bit", in_backward=False, layers=6, seed=0, mod
     opts = UnitOptimizers(units, section, device, tmp_path / "offload", seed)
     sec = LisaSection(**{"enabled": True, "active_layers": 2, "interval_steps": 2, **lisa})
     ctrl = LisaController(units, opts, sec, seed)
-    return SimpleNamespace(model=model, opts=opts, ctrl=ctrl)
+    hooks = StepInBackward(units, opts) if in_backward else None
+    return SimpleNamespace(model=model, opts=opts, ctrl=ctrl, files=OptimizerFiles(opts, ctrl), hooks=hooks)
 
 
 def run(h, start: int, stop: int, after_step=None, vocab: int = 128) -> list[float]:
@@ -357,15 +359,15 @@ def test_backward_stops_at_the_lowest_trainable_layer(tmp_path):
 
 def _save(h, folder, base=None):
     folder.mkdir(parents=True)
-    h.opts.write_checkpoint(folder, base)
-    h.opts.saved()
+    h.files.write(folder, base)
+    h.files.committed()
     return {"model": {k: v.clone() for k, v in h.model.state_dict().items()}, "lisa": h.ctrl.state_dict()}
 
 
 def _load(h, ckpt, folder):
     h.model.load_state_dict(ckpt["model"])
     h.ctrl.load_state_dict(ckpt["lisa"])
-    h.opts.load_checkpoint(folder, h.ctrl.resident_units(), h.ctrl.policy)
+    h.files.read(folder)
 
 
 def _resume_matches(tmp_path, name, policy, in_backward=False, stop=7, total=11, **lisa):
@@ -459,7 +461,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     _save(h, folder)
     (folder / "layer-00099.pt").write_bytes((folder / "head.pt").read_bytes())
     with pytest.raises(LisaftError, match="layer-00099"):
-        h.opts.load_checkpoint(folder, set(), "discard")
+        h.files.read(folder)
 
 
 def test_stale_offload_files_are_cleared(tmp_path):

@@ -10,8 +10,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from lisaft.memory import estimated_vs_measured_table
 from lisaft.memory.estimate import Settings, compute
-from lisaft.memory.measure import (grad_bytes, optimizer_state_bytes, peak_memory, peak_rss_bytes,
-                                   saved_activations, tensor_bytes, weight_bytes)
+from lisaft.memory.measure import (
+    grad_bytes,
+    optimizer_state_bytes,
+    peak_memory,
+    peak_rss_bytes,
+    saved_activations,
+    tensor_bytes,
+    weight_bytes,
+)
 from lisaft.models import DTYPES, model_parts
 
 _BASE = dict(hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,

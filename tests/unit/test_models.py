@@ -10,8 +10,17 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 
 def _configs():
-    from transformers import (Gemma2Config, GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
-                              MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
+    from transformers import (
+        Gemma2Config,
+        GemmaConfig,
+        GPT2Config,
+        GPTNeoXConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     yield "llama", LlamaConfig(**SMALL)
     yield "mistral", MistralConfig(**SMALL)
@@ -108,7 +117,8 @@ def test_a_folder_without_a_model_says_so(tmp_path, tiny_llama_config):
     with pytest.raises(LisaftError, match="config-only: no weights .*use model.config instead"):
         load_model(_tokenizer_section(name_or_path=str(tmp_path / "config-only")), torch.device("cpu"))
     with pytest.raises(LisaftError, match="model.tokenizer: .*config-only: no tokenizer in it"):
-        load_tokenizer(_tokenizer_section(config=str(tmp_path / "config-only"), tokenizer=str(tmp_path / "config-only")))
+        folder = str(tmp_path / "config-only")
+        load_tokenizer(_tokenizer_section(config=folder, tokenizer=folder))
 
 
 def test_unreadable_weights_are_a_permission_error(tmp_path, tiny_llama_config):

@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-
 from _tiny import tiny as _tiny
 
 from lisaft import optim
@@ -81,10 +80,17 @@ def test_chunks_give_the_whole_tensor_update(monkeypatch, name, dtype):
     # Round-to-nearest: stochastic rounding draws its noise per chunk, by design.
     a, b = tiny(dtype=dtype), tiny(dtype=dtype)
     whole = train(a, make(a, name, rounding="nearest"), 3)
-    # 512 elements: chunks end inside every matrix, on 8-bit block boundaries.
+    # 512 elements: chunks end inside every matrix, on 8-bit block boundaries. float32 weights of
+    # adamw_32bit step whole through the fused kernel; turning that off makes them go by chunks.
     monkeypatch.setattr(optim, "CHUNK", 512)
+    monkeypatch.setattr(optim.AdamW, "_fusable", lambda self, p: False)
+    slices = []
+    real_slice = optim._GradChunks.slice
+    monkeypatch.setattr(optim._GradChunks, "slice", lambda self, lo, hi: slices.append(lo) or real_slice(self, lo, hi))
     assert train(b, make(b, name, rounding="nearest"), 3) == whole
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    big = [p for p in b.parameters() if p.numel() > 512]
+    assert big and sum(1 for lo in slices if lo > 0) >= 3 * len(big)  # every large matrix in pieces
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -246,7 +252,8 @@ def test_a_sparse_row_gradient_updates_every_row_as_its_dense_form(monkeypatch, 
             opt.rounding.step = step
             opt.step()
     assert torch.equal(dense_p, sparse_p)
-    untouched = sorted(set(range(512)) - set(torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()))
+    touched = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    untouched = sorted(set(range(512)) - set(touched))
     assert not torch.equal(sparse_p[untouched[0]], weight[untouched[0]])  # momentum moved it
 
 
@@ -254,8 +261,30 @@ def test_clip_grad_norm_counts_sparse_values_and_scales_them():
     dense = torch.nn.Parameter(torch.zeros(3))
     emb = torch.nn.Parameter(torch.zeros(5, 2))
     dense.grad = torch.tensor([3.0, 0.0, 0.0])
-    emb.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), torch.tensor([[4.0, 0.0], [0.0, 12.0]]), (5, 2)).coalesce()
+    rows = torch.tensor([[4.0, 0.0], [0.0, 12.0]])
+    emb.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), rows, (5, 2)).coalesce()
     assert optim.clip_grad_norm([dense, emb], 1.3) == pytest.approx(13.0)
     assert torch.allclose(dense.grad, torch.tensor([0.3, 0.0, 0.0]), atol=1e-6)
     assert torch.allclose(emb.grad.to_dense()[4], torch.tensor([0.0, 1.2]), atol=1e-6)
     assert optim.grad_nbytes(emb.grad) == 2 * 2 * 4 + 2 * 8
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_estimators_chunk_buffer_rule_is_what_the_step_does(monkeypatch, name, dtype):
+    """memory/optimizer_state.py counts float32 chunk buffers exactly when holds_chunk_buffers says
+    so; here the step itself shows whether it updates a copy or the weight in place."""
+    model = tiny(dtype=dtype)
+    opt = make(model, name, rounding="nearest")
+    copies = []
+    for kernel in ("_fused_chunk", "_bnb_update"):
+        real = getattr(optim, kernel)
+
+        def spy(w, g, st, lo, hi, step, group, real=real):
+            copies.append(w.dtype == torch.float32 and w.untyped_storage().data_ptr() not in storages)
+            return real(w, g, st, lo, hi, step, group)
+
+        monkeypatch.setattr(optim, kernel, spy)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    train(model, opt, 1)
+    assert any(copies) == optim.holds_chunk_buffers(torch.finfo(dtype).bits // 8)

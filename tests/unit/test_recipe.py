@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from lisaft.errors import LisaftError
-from lisaft.recipe import Recipe, apply_overrides, load_recipe, path_digest
+from lisaft.recipe import Recipe, apply_overrides, load_recipe
 
 BASE = {
     "model": {"config": "cfg/config.json", "tokenizer": "tok"},
@@ -96,11 +96,19 @@ def test_model_source_exclusive(tmp_path):
         load_recipe(write(tmp_path, data))
 
 
-def test_path_digest_ignores_cadence(tmp_path):
-    a = load_recipe(write(tmp_path, BASE))
-    b = load_recipe(write(tmp_path, BASE), ["training.log_every=5", "training.max_steps=99"])
-    c = load_recipe(write(tmp_path, BASE), ["training.seed=7"])
-    assert path_digest(a) == path_digest(b) != path_digest(c)
+def test_resume_accepts_cadence_changes_and_refuses_the_rest(tmp_path):
+    import json
+
+    from lisaft.train.resume import recipe_changes
+
+    ckpt = tmp_path / "step-000002"
+    ckpt.mkdir()
+    saved = load_recipe(write(tmp_path, BASE))
+    (ckpt / "recipe.json").write_text(json.dumps(saved.model_dump(mode="json")))
+    cadence = load_recipe(write(tmp_path, BASE), ["training.log_every=5", "training.max_steps=99"])
+    assert [k for k, _, _ in recipe_changes(ckpt, cadence)] == ["training.log_every", "training.max_steps"]
+    with pytest.raises(LisaftError, match="training.seed: cannot change on resume"):
+        recipe_changes(ckpt, load_recipe(write(tmp_path, BASE), ["training.seed=7"]))
 
 
 def test_every_shipped_recipe_validates():
@@ -141,7 +149,8 @@ def test_counts_are_strict_and_1e3_is_a_thousand(tmp_path):
     assert load_recipe(write(tmp_path, _with("training", max_steps=2.0))).training.max_steps == 2
     assert "training.batch_size: must be a whole number, not true/false" in \
         _error(tmp_path, _with("training", batch_size=True))
-    assert "training.max_steps: must be a whole number, got 2.5e0" in _error(tmp_path, _with("training", max_steps="2.5e0"))
+    assert "training.max_steps: must be a whole number, got 2.5e0" in \
+        _error(tmp_path, _with("training", max_steps="2.5e0"))
     assert "lisa.enabled: must be true or false" in _error(tmp_path, _with("lisa", enabled=1))
     assert "optimizer.lr: must be a number" in _error(tmp_path, _with("optimizer", lr=True))
 

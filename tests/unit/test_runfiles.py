@@ -8,7 +8,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-
 from _unprivileged import lisaft_error_as_unprivileged, open_dir
 
 from lisaft.errors import LisaftError

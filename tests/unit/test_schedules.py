@@ -1,5 +1,3 @@
-import math
-
 import pytest
 
 from lisaft.schedules import lr_at
@@ -24,7 +22,19 @@ def test_linear_and_constant():
     assert all(lr_at(s, peak_lr=3.0, max_steps=5, name="constant") == 3.0 for s in range(5))
 
 
-def test_pure_function_of_step():
-    kw = dict(peak_lr=1e-3, max_steps=50, name="cosine", warmup_steps=5)
-    assert [lr_at(s, **kw) for s in range(50)] == [lr_at(s, **kw) for s in range(50)]
-    assert math.isclose(lr_at(5, **kw), 1e-3)
+def test_schedule_follows_its_plan_and_saves_it():
+    from lisaft.recipe import SchedulerSection
+    from lisaft.schedules import Plan, Schedule
+
+    section = SchedulerSection(name="cosine", warmup_steps=5, min_lr_ratio=0.1)
+    schedule = Schedule(1e-3, section, horizon=50)
+    kw = dict(peak_lr=1e-3, max_steps=50, name="cosine", warmup_steps=5, min_lr_ratio=0.1)
+    assert [schedule.lr(s) for s in range(60)] == [lr_at(s, **kw) for s in range(60)]
+    assert schedule.lr(49) == pytest.approx(1e-4) and schedule.lr(55) == pytest.approx(1e-4)
+    # A re-planned curve starts at the LR reached and still ends at the floor.
+    schedule.plan = Plan(horizon=80, start_step=30, start_lr=schedule.lr(30))
+    restored = Schedule(1e-3, section, horizon=50)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.plan == schedule.plan
+    assert restored.lr(30) == pytest.approx(lr_at(30, **kw))
+    assert restored.lr(79) == pytest.approx(1e-4) and restored.lr(50) > lr_at(50, **kw)

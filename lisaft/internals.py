@@ -1,0 +1,89 @@
+"""The one adapter for other libraries' private or undocumented internals that lisaft needs.
+
+Each entry says why no public form serves and which version it was checked against. Everything
+else in lisaft uses public APIs; a library upgrade that breaks one of these breaks it here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# -- torch (checked against 2.13) -------------------------------------------------------------
+
+
+def fused_adamw_(weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float,
+                 beta1: float, beta2: float, weight_decay: float, eps: float) -> None:
+    """torch's fused AdamW kernel, the one torch.optim.AdamW(fused=True) runs. The public optimizer
+    owns its own state; lisaft keeps per-unit moments (offloaded, sharded, stepped by chunks), so it
+    calls the kernel on its own tensors."""
+    torch._fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One multi-tensor kernel for many norms. torch.nn.utils.get_total_norm (2.6+) wraps it but
+    the project supports torch 2.4 and needs the per-dtype grouping kept for the scaling below."""
+    return list(torch._foreach_norm(tensors))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """In-place scaling of many tensors in one kernel. clip_grads_with_norm_ (2.6+) scales a bf16
+    gradient by a float32 factor; lisaft casts the factor to the gradient's dtype first, as its
+    bf16 tests pin down."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def sparse_sizes(g: torch.Tensor) -> tuple[int, int]:
+    """(value elements, index elements) of a sparse COO tensor, coalesced or not. The public
+    values()/indices() refuse an uncoalesced tensor, and coalescing only to count would copy it."""
+    return g._values().numel(), g._indices().numel()
+
+
+# -- bitsandbytes (checked against 0.50) --------------------------------------------------------
+
+
+def mark_paged(t: torch.Tensor, device_index: int | None) -> torch.Tensor:
+    """bitsandbytes recognises unified-memory tensors by these attributes (its optimizers set them
+    on what F.get_paged returns); views do not inherit them."""
+    t.is_paged = True
+    t.page_deviceid = device_index
+    return t
+
+
+def get_paged(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor in CUDA unified memory, as bitsandbytes' paged optimizers allocate their state."""
+    import bitsandbytes.functional as F
+
+    return F.get_paged(numel, dtype=dtype, device=device)
+
+
+def fill_paged(t: torch.Tensor, value: float) -> None:
+    """Fill a paged tensor where it lives: a torch fill_ would fault every page onto the GPU."""
+    import bitsandbytes.functional as F
+
+    F.fill(t, value)
+
+
+def dynamic_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signed and unsigned dynamic code books of bitsandbytes' 8-bit Adam."""
+    import bitsandbytes.functional as F
+
+    return F.create_dynamic_map(signed=True).to(device), F.create_dynamic_map(signed=False).to(device)
+
+
+def adam_update_8bit_blockwise(g, w, m, v, *, beta1: float, beta2: float, eps: float, step: int, lr: float,
+                               code1, code2, absmax1, absmax2, weight_decay: float) -> None:
+    """bitsandbytes' fused 8-bit blockwise Adam kernel on one chunk: its optimizer classes own
+    their state and step whole tensors, lisaft steps chunks of per-unit state."""
+    import bitsandbytes.functional as F
+
+    F.optimizer_update_8bit_blockwise("adam", g, w, m, v, beta1, beta2, 0.0, 0.0, eps, step, lr, code1, code2,
+                                      absmax1, absmax2, weight_decay=weight_decay)
+
+
+def adam_update_32bit(g, w, m, v, *, beta1: float, beta2: float, eps: float, step: int, lr: float,
+                      weight_decay: float) -> None:
+    """bitsandbytes' fused 32-bit Adam kernel on one chunk (paged state; see above)."""
+    import bitsandbytes.functional as F
+
+    F.optimizer_update_32bit("adam", g, w, m, beta1, eps, step, lr, v, beta2, weight_decay=weight_decay)

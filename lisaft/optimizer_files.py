@@ -1,0 +1,84 @@
+"""The unit optimizers' part of a checkpoint: optimizer/<unit>.pt, one file per unit with state.
+
+A unit whose moments did not change since the previous checkpoint is hard-linked from it, and a
+unit LISA offloaded to disk is linked from its offload file, so each checkpoint holds every file
+while the disk holds each unchanged state once. With sharded data-parallel state each rank writes
+and reads the units it owns.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from lisaft import dist
+from lisaft.errors import LisaftError
+from lisaft.lisa import LisaController
+from lisaft.units import UnitOptimizers
+
+
+class OptimizerFiles:
+    """A checkpoint folder component (checkpoint.FolderComponent) for the unit optimizers."""
+
+    def __init__(self, optimizers: UnitOptimizers, controller: LisaController) -> None:
+        self.optimizers = optimizers
+        self.controller = controller
+
+    def _saves(self, name: str) -> bool:
+        opts = self.optimizers
+        return opts.owns(opts.units[name]) if opts.shard else dist.is_main()
+
+    def write(self, folder: Path, base: Path | None) -> list[Path]:
+        """optimizer/<unit>.pt for each unit with state that this rank saves; returns the files
+        written (linked ones need no fsync)."""
+        opts = self.optimizers
+        written = []
+        for name in opts.units:
+            if not self._saves(name):
+                continue
+            target = folder / f"{name}.pt"
+            previous = base / "optimizer" / f"{name}.pt" if base is not None else None
+            if name not in opts.dirty and previous is not None and opts.has_state(name) and _link(previous, target):
+                continue
+            # An offload file is immutable (a restore reads and removes it): link it as it is.
+            offload = opts.offload_file(name)
+            if offload is not None and _link(offload, target):
+                continue
+            sd = opts.host_state(name)
+            if sd is None:
+                continue
+            torch.save(sd, target)
+            written.append(target)
+        return written
+
+    def committed(self) -> None:
+        """The checkpoint just written holds every unit's current state."""
+        self.optimizers.dirty.clear()
+
+    def read(self, folder: Path) -> None:
+        """Replace all state with the checkpoint's: the units LISA keeps resident (the controller
+        is loaded first) get optimizers on the device, the others go where lisa.state_policy keeps
+        inactive units (nowhere for discard)."""
+        opts = self.optimizers
+        names = {f.name[:-3] for f in folder.glob("*.pt")} if folder.is_dir() else set()
+        unknown = sorted(names - set(opts.units))
+        if unknown:
+            raise LisaftError(f"checkpoint {folder.parent.name} holds optimizer state for units this model "
+                              f"does not have: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
+        opts.clear()
+        resident = self.controller.resident_units()
+        for name in sorted(names):
+            if opts.owns(opts.units[name]):
+                sd = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True)
+                opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
+        opts.dirty.clear()
+
+
+def _link(source: Path, target: Path) -> bool:
+    try:
+        os.link(source, target)
+        return True
+    except OSError:
+        return False  # missing, or a filesystem without hard links: write the file

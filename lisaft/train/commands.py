@@ -1,0 +1,93 @@
+"""The `lisaft train` and `lisaft resume` entry points."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from lisaft import dist, runfiles
+from lisaft.console import say
+from lisaft.errors import LisaftError
+from lisaft.loggers import check_backends
+from lisaft.metrics import MetricsLog
+from lisaft.recipe import load_recipe
+from lisaft.train import resume as policy
+from lisaft.train.loop import run
+from lisaft.train.session import build_session
+
+
+def _in_process_group(fn):
+    """Run a command inside the torchrun process group when launched by torchrun."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        joined = dist.init_from_env()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if joined:
+                dist.shutdown()
+
+    return wrapper
+
+
+@_in_process_group
+def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite: bool = False,
+          show: bool = True, _stop_at: int | None = None, force: bool = False) -> int:
+    """`lisaft train`: returns the process exit code. `_stop_at` (tests) stops as a signal would
+    after that many optimizer steps."""
+    recipe = load_recipe(recipe_path, overrides or [])
+    check_backends(recipe.logging)
+    run_dir = Path(recipe.training.output_dir)
+    runfiles.check_output_dir(run_dir, overwrite, force)
+    session = build_session(recipe, run_dir)
+    dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
+    if dist.is_main():
+        with runfiles.writes_end_cleanly(run_dir, recipe_file=Path(recipe_path)):
+            if overwrite and run_dir.is_dir():
+                # recipe.yaml is replaced atomically below: when that write fails, the recipe the
+                # message says to start over with (often this very file) still exists.
+                runfiles.clear_run(run_dir, keep=("recipe.yaml",))
+            runfiles.make_run_dir(run_dir)
+            runfiles.write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
+    dist.barrier()
+    session.controller.activate_for_step(0)
+    return run(session, base=None, show=show, stop_at=_stop_at)
+
+
+@_in_process_group
+def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[str] | None = None,
+           show: bool = True, reschedule: bool = False, _stop_at: int | None = None) -> int:
+    """`lisaft resume`: continue RUN_DIR from its newest complete checkpoint. A changed
+    max_steps keeps the saved LR curve unless `reschedule` re-plans it from the current step."""
+    run_dir = Path(run_dir).resolve()
+    recipe_file = run_dir / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise LisaftError(f"{run_dir}: not a lisaft run (no recipe.yaml)")
+    overrides = list(overrides or [])
+    if max_steps is not None:
+        overrides.append(f"training.max_steps={max_steps}")
+    # The run lives where it is now, even if the folder was moved since.
+    overrides.append(f"training.output_dir={run_dir}")
+    recipe = load_recipe(recipe_file, overrides)
+    check_backends(recipe.logging)
+    candidates = policy.checkpoints_to_try(run_dir, recipe_file)
+    changed = policy.recipe_changes(candidates[0], recipe)
+    policy.check_resumable(run_dir, candidates[0], recipe)
+    session = build_session(recipe, run_dir)
+    ckpt = policy.load_newest(session, candidates, recipe_file)
+    schedule_note = policy.continue_schedule(session, reschedule)
+    with runfiles.writes_end_cleanly(run_dir):
+        dropped = MetricsLog(run_dir / "metrics.jsonl").truncate_after(session.progress.step)
+        if dist.is_main():
+            runfiles.write_atomic(recipe_file, recipe.to_yaml())
+    if dist.is_main():
+        msg = f"resuming {run_dir} from {ckpt.name} (step {session.progress.step})"
+        if changed:
+            msg += "; changed: " + ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed)
+        if schedule_note:
+            msg += "; " + schedule_note
+        if dropped:
+            msg += f"; dropped {dropped} metrics records logged after that checkpoint"
+        say(msg)
+    return run(session, base=ckpt, show=show, stop_at=_stop_at)

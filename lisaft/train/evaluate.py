@@ -1,0 +1,33 @@
+"""Evaluation: loss and teacher-forced token accuracy on the response tokens of data.eval."""
+
+from __future__ import annotations
+
+import torch
+
+from lisaft import dist
+from lisaft.batches import collate, eval_index_batches
+from lisaft.loss import eval_sums
+from lisaft.train.session import Session
+
+
+@torch.no_grad()
+def evaluate(session: Session) -> dict:
+    """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
+    examples = session.eval_examples or []
+    t = session.recipe.training
+    batches = eval_index_batches(len(examples), t.batch_size)
+    if t.eval_batches is not None:
+        batches = batches[: t.eval_batches]
+    batches = batches[dist.rank():: dist.world_size()]
+    model = session.model
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    for idx in batches:
+        batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id)
+        batch = {k: v.to(session.device) for k, v in batch.items()}
+        loss_sum, n_tokens, n_correct = eval_sums(model, batch)
+        totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
+    model.train()
+    totals = dist.all_reduce_sum(totals.to(session.device)).cpu()
+    n = max(totals[1].item(), 1.0)
+    return {"eval_loss": totals[0].item() / n, "eval_token_accuracy": totals[2].item() / n}

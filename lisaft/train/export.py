@@ -1,0 +1,28 @@
+"""The final export: RUN/final, a Hugging Face folder that AutoModelForCausalLM loads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from lisaft import dist
+from lisaft.train.session import Session
+
+
+def save_final(session: Session) -> None:
+    """Written beside the run as .final.tmp and renamed into place: final/ is complete or absent."""
+    if not dist.is_main():
+        dist.barrier()
+        return
+    final = session.run_dir / "final"
+    tmp = session.run_dir / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    session.model.save_pretrained(tmp, safe_serialization=True)
+    session.tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    dist.barrier()

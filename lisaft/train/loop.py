@@ -1,0 +1,128 @@
+"""The loop: steps, logging, evaluation, checkpoints, stopping on a signal, the final export."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from lisaft import dist
+from lisaft.checkpoint import Checkpointer
+from lisaft.loggers import RunLog
+from lisaft.memory.measure import memory_counters
+from lisaft.metrics import Display
+from lisaft.runfiles import clean_write_failures, remove_temporaries
+from lisaft.train import export, report
+from lisaft.train.evaluate import evaluate
+from lisaft.train.session import Session
+from lisaft.train.step import StepResult, train_step
+from lisaft.train.stop import StopRequest
+
+_EMPTY_WINDOW = {"loss_sum": 0.0, "steps": 0, "tokens": 0}
+
+
+def _train_record(session: Session, result: StepResult, window: dict, elapsed: float) -> dict:
+    dev_state, off_state = session.optimizers.state_bytes()
+    session.peaks.state_bytes = max(session.peaks.state_bytes, dev_state)
+    return {
+        "step": session.progress.step,
+        "loss": window["loss_sum"] / window["steps"],
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+        "active_layers": session.controller.active_layers,
+        "trainable_params": session.controller.trainable_params(),
+        "grad_bytes": result.grad_bytes,
+        "optimizer_state_bytes": dev_state,
+        "offloaded_state_bytes": off_state,
+        **memory_counters(session.device),
+    }
+
+
+def _add(window: dict, result: StepResult) -> None:
+    window["loss_sum"] += result.loss
+    window["steps"] += 1
+    window["tokens"] += result.tokens
+
+
+def _record_peaks(session: Session, result: StepResult) -> None:
+    peaks = session.peaks
+    peaks.grad_bytes = max(peaks.grad_bytes, result.grad_bytes)
+    if result.activation_bytes is not None:
+        peaks.activation_bytes = result.activation_bytes
+        peaks.activation_seq_len = result.activation_seq_len
+
+
+def _save(session: Session, checkpointer: Checkpointer, base: Path | None, changed: set[str]) -> Path:
+    # A failed write leaves the older checkpoints untouched; run()'s guard reports it.
+    recipe_json = json.dumps(session.recipe.model_dump(mode="json"), indent=1)
+    return checkpointer.save(session.progress.step, changed, base, extra_files={"recipe.json": recipe_json})
+
+
+def _evaluate(session: Session, metrics: RunLog, display: Display) -> None:
+    rec = {"step": session.progress.step, **evaluate(session)}
+    metrics.write(rec)
+    display.eval(rec)
+
+
+@clean_write_failures
+def run(session: Session, base: Path | None, show: bool, stop_at: int | None) -> int:
+    """Train from session.progress to training.max_steps; returns the exit code. `base` is the
+    checkpoint the run continues from (None for a new run); `stop_at` (tests) stops as a signal
+    would after that many optimizer steps."""
+    t = session.recipe.training
+    progress = session.progress
+    checkpointer = session.checkpointer()
+    changed: set[str] = set()
+    if dist.is_main():
+        remove_temporaries(session.run_dir)  # what a killed run left half written
+    window = dict(progress.window or _EMPTY_WINDOW)
+    window_t0 = time.perf_counter()
+    with StopRequest() as stop, Display(t.max_steps, progress.step, enabled=show) as display, \
+            RunLog(session.run_dir, session.recipe, progress.step) as metrics:
+        report.announce(session, display)
+        if progress.step == 0 and session.eval_examples and t.eval_every:
+            _evaluate(session, metrics, display)  # the untrained model's score: where the curve starts
+        while progress.step < t.max_steps:
+            step = progress.step
+            logs = (step + 1) % t.log_every == 0 or step + 1 == t.max_steps
+            try:
+                result = train_step(session, step, measure_norm=logs,
+                                    measure_activations=session.peaks.activation_bytes is None)
+            except torch.OutOfMemoryError:
+                raise report.out_of_memory(session, step, base) from None
+            _record_peaks(session, result)
+            changed |= {u.name for u in session.controller.trainable_units()}
+            progress.step += 1
+            progress.tokens_seen += result.tokens
+            _add(window, result)
+            if logs:
+                rec = _train_record(session, result, window, time.perf_counter() - window_t0)
+                metrics.write(rec)
+                display.train(rec)
+                window, window_t0 = dict(_EMPTY_WINDOW), time.perf_counter()
+            if session.eval_examples and (
+                (t.eval_every and progress.step % t.eval_every == 0) or progress.step == t.max_steps
+            ):
+                _evaluate(session, metrics, display)
+            stopping = dist.any_rank(stop.requested or (stop_at is not None and progress.step >= stop_at))
+            if (t.save_every and progress.step % t.save_every == 0) or stopping or progress.step == t.max_steps:
+                progress.window = window
+                base = _save(session, checkpointer, base, changed)
+                changed = set()
+            if stopping and progress.step < t.max_steps:
+                why = signal.Signals(stop.signum).name if stop.signum else "stop requested"
+                if stop.signum is None and stop_at is None:
+                    why = "another rank was stopped"
+                display.print(f"stopped ({why}) at step {progress.step}; checkpoint {base.name} written. "
+                              f"Continue with: lisaft resume {session.run_dir}")
+                return 128 + stop.signum if stop.signum else 3
+
+        export.save_final(session)
+        if dist.is_main() and show:
+            report.memory_report(session, metrics)
+            display.print(f"done: {progress.step} steps; model saved to {session.run_dir / 'final'}")
+    return 0

@@ -1,0 +1,87 @@
+"""What a run says besides its progress: the banner, the end-of-run memory report, and the
+out-of-memory message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lisaft.errors import LisaftError, RunFailed
+from lisaft.loggers import RunLog
+from lisaft.metrics import Display
+from lisaft.train.session import Session
+
+
+def announce(session: Session, display: Display) -> None:
+    r = session.recipe
+    n_params = sum(p.numel() for p in session.model.parameters())
+    lisa = (f"LISA γ={r.lisa.active_layers} of {len(session.parts.layers)} layers every "
+            f"{r.lisa.interval_steps} steps, state {r.lisa.state_policy}" if r.lisa.enabled else "full fine-tuning")
+    display.print(
+        f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
+        f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}; "
+        f"{len(session.train_examples)} train examples"
+        + (f", {len(session.eval_examples)} eval" if session.eval_examples else "")
+        + f"; steps {session.progress.step}->{r.training.max_steps}; run {session.run_dir}"
+    )
+
+
+def memory_report(session: Session, metrics: RunLog) -> None:
+    """The run's own memory, measured, beside what `lisaft estimate-memory` predicts for it."""
+    from rich.console import Console
+
+    from lisaft.memory.command import estimate_for_recipe
+    from lisaft.memory.measure import peak_memory
+    from lisaft.memory.render import estimated_vs_measured_table
+
+    recipe = session.recipe
+    peaks = session.peaks
+    seq_len = peaks.activation_seq_len or recipe.data.max_seq_len
+    if seq_len != recipe.data.max_seq_len:
+        # Rows are padded to the longest in the batch, not to max_seq_len: compare like with like.
+        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_seq_len": seq_len})})
+    try:
+        estimate = estimate_for_recipe(recipe, device=session.device.type)
+    except LisaftError as e:  # e.g. an architecture the estimator does not model
+        print(f"memory estimate unavailable: {e}")
+        return
+    dev_state, off_state = session.optimizers.state_bytes()
+    if session.device.type == "cpu" and session.recipe.lisa.state_policy == "offload_cpu":
+        # Offloaded moments sit in the CPU device's own memory, where the estimate counts them.
+        dev_state += off_state
+    peaks.state_bytes = max(peaks.state_bytes, dev_state)
+    peak = peak_memory(session.device)
+    if session.device.type == "cuda":
+        # Paged optimizer state lives in unified memory, outside the allocator's counters.
+        paged = peaks.state_bytes if "paged" in session.recipe.optimizer.name else 0
+        peak_bytes = peak.cuda_reserved_bytes + paged
+    else:
+        peak_bytes = peak.rss_bytes
+    measured = {
+        "weights_bytes": sum(p.numel() * p.element_size() for p in session.model.parameters()),
+        "grad_bytes": peaks.grad_bytes,
+        "optimizer_state_bytes": peaks.state_bytes,
+        "activation_bytes": peaks.activation_bytes,
+        "peak_bytes": peak_bytes,
+    }
+    metrics.memory(estimate, measured)
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(estimated_vs_measured_table(estimate, measured))
+    console.print(f"(estimated for batches of {recipe.training.batch_size} x {seq_len} tokens, the shape "
+                  f"measured; data.max_seq_len is {session.recipe.data.max_seq_len})", markup=False)
+
+
+def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:
+    """What a user needs after an OOM: where the run stands and what to change."""
+    recipe_file = session.run_dir / "recipe.yaml"
+    if base is None:
+        where = f"no checkpoint was written yet; start over with `lisaft train {recipe_file} --overwrite`"
+    elif not session.recipe.model.gradient_checkpointing:
+        where = (f"continue from {base.name} with checkpointing on: `lisaft resume {session.run_dir} "
+                 "--set model.gradient_checkpointing=true`")
+    else:
+        where = (f"the newest checkpoint is {base.name}; other changes alter the run: start over with "
+                 f"`lisaft train {recipe_file} --overwrite`")
+    return RunFailed(
+        f"out of memory in step {step + 1} on {session.device}; `lisaft estimate-memory {recipe_file}` "
+        f"shows where the memory goes and what brings it under (gradient checkpointing, paged_adamw_8bit, "
+        f"a smaller lisa.active_layers or data.max_seq_len); {where}")

@@ -1,0 +1,148 @@
+"""Set-up shared by `train` and `resume`: everything a run needs, built from the recipe alone.
+
+Every stateful piece of a run saves itself (state_dict / load_state_dict) and `Session.components`
+hands them to the checkpointer by name; a new stateful component is one more entry there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lisaft import dist
+from lisaft.batches import DataOrder
+from lisaft.checkpoint import Checkpointer
+from lisaft.errors import LisaftError
+from lisaft.in_backward import StepInBackward
+from lisaft.lisa import LisaController
+from lisaft.models import ModelParts
+from lisaft.optimizer_files import OptimizerFiles
+from lisaft.recipe import Recipe
+from lisaft.schedules import Schedule
+from lisaft.units import Unit, UnitOptimizers
+
+
+class Tokenizer(Protocol):
+    """What training needs of a tokenizer; benchmarks pass an object with just a pad id."""
+
+    pad_token_id: int
+
+
+@dataclass
+class Progress:
+    """The run's counters, saved with every checkpoint."""
+
+    step: int = 0                     # optimizer steps completed
+    tokens_seen: int = 0              # global non-padding tokens trained on
+    world_size: int = 1               # processes that wrote the checkpoint
+    window: dict = field(default_factory=dict)  # the logging window not yet written (loss sums)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd["step"])
+        self.tokens_seen = int(sd.get("tokens_seen", 0))
+        self.world_size = int(sd.get("world_size", 1))
+        self.window = dict(sd.get("window") or {})
+
+
+@dataclass
+class MemoryPeaks:
+    """What the end-of-run table compares with the estimate: the largest figures seen."""
+
+    grad_bytes: int = 0
+    state_bytes: int = 0
+    activation_bytes: int | None = None   # saved for backward, measured on the first micro-batch
+    activation_seq_len: int = 0           # that micro-batch's padded length
+
+
+@dataclass
+class Session:
+    """Everything set up for a run; built identically by `train` and `resume`."""
+
+    recipe: Recipe
+    run_dir: Path
+    device: torch.device
+    tokenizer: Tokenizer
+    model: nn.Module
+    parts: ModelParts
+    units: list[Unit]
+    optimizers: UnitOptimizers
+    controller: LisaController
+    train_examples: list[dict[str, Any]]
+    eval_examples: list[dict[str, Any]] | None
+    order: DataOrder
+    schedule: Schedule
+    progress: Progress
+    in_backward: StepInBackward | None = None
+    peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
+
+    def checkpointer(self) -> Checkpointer:
+        """The checkpointer, handed every stateful component. JSON components load in the order
+        given (the LISA position before the optimizer files, which place moments by it)."""
+        t = self.recipe.training
+        return Checkpointer(
+            self.run_dir, self.model, self.units, keep_last=t.keep_last,
+            components={"progress": self.progress, "data": self.order, "lisa": self.controller,
+                        "schedule": self.schedule},
+            folders={"optimizer": OptimizerFiles(self.optimizers, self.controller)},
+        )
+
+
+def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = None,
+                  train_examples: list | None = None, eval_examples: list | None = None) -> Session:
+    """Load tokenizer, data and model and build optimizer and LISA controller. Raises
+    LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
+    tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
+    from lisaft.batches import steps_for_epochs
+    from lisaft.data import load_splits
+    from lisaft.models import (
+        check_context_length,
+        compile_layers,
+        load_model,
+        load_tokenizer,
+        model_parts,
+        resolve_device,
+        use_sparse_embedding_grad,
+    )
+    from lisaft.units import model_units
+
+    t = recipe.training
+    if recipe.optimizer.in_backward and dist.world_size() > 1:
+        raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
+                          "before the gradient all-reduce; set it false")
+    device = resolve_device(t.device)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(recipe.model)
+    if train_examples is None:
+        train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
+    if t.max_steps is None:  # training.epochs: the run's length follows from the train set
+        t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
+                                       t.batch_size * t.grad_accum_steps * dist.world_size())
+    model = load_model(recipe.model, device, seed=t.seed)
+    check_context_length(model.config, recipe.data.max_seq_len)
+    use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad,
+                              trains=not recipe.lisa.enabled or recipe.lisa.train_embeddings,
+                              tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
+                              world_size=dist.world_size())
+    parts = model_parts(model, recipe.model.layers_path)
+    if t.compile:
+        compile_layers(parts.layers, device)
+    units = model_units(parts)
+    # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
+    # intervals, and embeddings and head land on different ranks.
+    optimizers = UnitOptimizers(units, recipe.optimizer, device,
+                                offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed,
+                                shard=t.shard_optimizer_state)
+    controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed)
+    in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
+    order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size())
+    schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
+    return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
+                   train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
+                   in_backward=in_backward)

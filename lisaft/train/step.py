@@ -1,0 +1,109 @@
+"""One optimizer step over grad_accum_steps micro-batches, and what it measured."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lisaft import dist
+from lisaft.batches import IGNORE_INDEX, collate
+from lisaft.loss import token_loss_sum
+from lisaft.optim import clip_grad_norm
+from lisaft.train.session import Session
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Every figure one optimizer step measured."""
+
+    loss: float                       # mean token loss over the global batch
+    tokens: int                       # global non-padding tokens processed
+    lr: float                         # the learning rate the step used
+    grad_norm: float | None           # total gradient norm before clipping (None: not measured)
+    grad_bytes: int                   # gradient bytes held before the optimizer step
+    activation_bytes: int | None = None  # saved for backward by the first micro-batch, when measured
+    activation_seq_len: int = 0          # that micro-batch's padded length
+
+
+class Phases:
+    """The step's seam for profilers: `train_step` runs each phase inside `phase(name)`. Names:
+    lisa, collate, forward, backward, clip, optimizer. This one times nothing."""
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+
+_NO_PHASES = Phases()
+
+
+def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
+               phases: Phases = _NO_PHASES,
+               forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum) -> StepResult:
+    """One optimizer step. measure_norm: the gradient norm even when nothing clips;
+    measure_activations: what the first micro-batch saves for backward (the hooks only observe)."""
+    t = session.recipe.training
+    controller = session.controller
+    with phases.phase("lisa"):
+        controller.activate_for_step(step)
+    with phases.phase("collate"):
+        micro = []
+        for _ in range(t.grad_accum_steps):
+            idx = session.order.next_indices()
+            micro.append(collate([session.train_examples[i] for i in idx], session.tokenizer.pad_token_id))
+    counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
+                           sum(int(b["attention_mask"].sum()) for b in micro)], dtype=torch.float64)
+    counts = dist.all_reduce_sum(counts.to(session.device)).cpu()
+    loss_tokens = max(counts[0].item(), 1.0)
+    # The learning rate is set before backward: with optimizer.in_backward the update runs there.
+    lr = session.schedule.lr(step)
+    session.optimizers.set_lr(lr, step)
+    activation_bytes, activation_seq_len = None, 0
+    loss_sum = 0.0
+    in_backward = session.in_backward.step(measure_norm) if session.in_backward else contextlib.nullcontext()
+    with in_backward as norm:
+        for i, batch in enumerate(micro):
+            batch = {k: v.to(session.device, non_blocking=True) for k, v in batch.items()}
+            with phases.phase("forward"):
+                if measure_activations and i == 0:
+                    from lisaft.memory.measure import saved_activations
+
+                    with saved_activations(session.model) as meter:
+                        loss = forward(session.model, batch)
+                    activation_bytes = meter.bytes
+                    activation_seq_len = int(batch["input_ids"].shape[1])
+                else:
+                    loss = forward(session.model, batch)
+            with phases.phase("backward"):
+                (loss / loss_tokens).backward()
+            loss_sum += loss.item()
+    if norm is not None:
+        grad_norm, grad_bytes = norm.value, 0
+    else:
+        grad_norm, grad_bytes = _clip_and_step(session, measure_norm, phases)
+    loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
+    return StepResult(loss=loss_total / loss_tokens, tokens=int(counts[1].item()), lr=lr, grad_norm=grad_norm,
+                      grad_bytes=grad_bytes, activation_bytes=activation_bytes,
+                      activation_seq_len=activation_seq_len)
+
+
+def _clip_and_step(session: Session, measure_norm: bool, phases: Phases) -> tuple[float | None, int]:
+    """All-reduce, clip and step the trainable units; returns (grad norm, gradient bytes held)."""
+    trainable = session.controller.trainable_parameters()
+    for p in trainable:
+        if p.grad is not None and p.grad.is_sparse:
+            # Sum the rows of repeated tokens once; the norm and the update read the values.
+            p.grad = p.grad.coalesce()
+    dist.all_reduce_grads(trainable)
+    grad_bytes = session.controller.grad_bytes()
+    max_norm = session.recipe.training.max_grad_norm
+    grad_norm = None
+    if max_norm is not None or measure_norm:
+        with phases.phase("clip"):
+            grad_norm = clip_grad_norm(trainable, max_norm)
+    with phases.phase("optimizer"):
+        session.optimizers.step(session.controller.trainable_units())
+    return grad_norm, grad_bytes
