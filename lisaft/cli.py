@@ -41,9 +41,9 @@ def _global(
 ) -> None:
     import warnings
 
-    from lisaft import noise
+    from lisaft import quiet
 
-    noise.configure(show_everything=verbose)
+    quiet.configure(show_everything=verbose)
     # Here as well as in main(): the app is also run without main() (tests, `python -m lisaft`).
     warnings.showwarning = _one_line_warning
 

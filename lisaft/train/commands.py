@@ -8,9 +8,8 @@ from pathlib import Path
 from lisaft import dist, runfiles
 from lisaft.console import say
 from lisaft.errors import LisaftError
-from lisaft.loggers import check_backends
-from lisaft.metrics import MetricsLog
 from lisaft.recipe import load_recipe
+from lisaft.runlog import MetricsLog, check_backends
 from lisaft.train import resume as policy
 from lisaft.train.loop import run
 from lisaft.train.session import build_session

@@ -11,10 +11,10 @@ import torch
 
 from lisaft import dist
 from lisaft.checkpoint import Checkpointer
-from lisaft.loggers import RunLog
+from lisaft.display import Display
 from lisaft.memory.measure import memory_counters
-from lisaft.metrics import Display
 from lisaft.runfiles import clean_write_failures, remove_temporaries
+from lisaft.runlog import RunLog
 from lisaft.train import export, report
 from lisaft.train.evaluate import evaluate
 from lisaft.train.session import Session

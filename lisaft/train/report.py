@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lisaft.display import Display
 from lisaft.errors import LisaftError, RunFailed
-from lisaft.loggers import RunLog
-from lisaft.metrics import Display
+from lisaft.runlog import RunLog
 from lisaft.train.session import Session
 
 

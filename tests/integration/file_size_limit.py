@@ -24,7 +24,7 @@ def limit_files(nbytes: int = LIMIT) -> None:
 
 
 def arm(phase: str) -> None:
-    from lisaft import checkpoint, metrics, runfiles
+    from lisaft import checkpoint, runfiles, runlog
     from lisaft.train import export
 
     if phase == "checkpoint":
@@ -46,7 +46,7 @@ def arm(phase: str) -> None:
 
         export.save_final = save_final
     elif phase == "metrics":
-        original_write, records = metrics.MetricsLog.write, []
+        original_write, records = runlog.MetricsLog.write, []
 
         def write(self, record):
             records.append(record)
@@ -57,7 +57,7 @@ def arm(phase: str) -> None:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
             return original_write(self, record)
 
-        metrics.MetricsLog.write = write
+        runlog.MetricsLog.write = write
     elif phase == "start":
         original_make = runfiles.make_run_dir
 
@@ -67,13 +67,13 @@ def arm(phase: str) -> None:
 
         runfiles.make_run_dir = make_run_dir
     elif phase == "truncate":
-        original_truncate = metrics.MetricsLog.truncate_after
+        original_truncate = runlog.MetricsLog.truncate_after
 
         def truncate_after(self, step):
             limit_files(16)
             return original_truncate(self, step)
 
-        metrics.MetricsLog.truncate_after = truncate_after
+        runlog.MetricsLog.truncate_after = truncate_after
     elif phase == "offload":
         from lisaft import optimizer_files
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.metrics import read_metrics
+from lisaft.runlog import read_metrics
 from lisaft.train import resume, train
 
 runner = CliRunner()

@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.metrics import read_metrics
+from lisaft.runlog import read_metrics
 
 runner = CliRunner()
 TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "active_layers", "trainable_params",

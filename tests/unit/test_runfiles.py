@@ -11,8 +11,8 @@ import torch
 from _unprivileged import lisaft_error_as_unprivileged, open_dir
 
 from lisaft.errors import LisaftError
-from lisaft.metrics import MetricsLog
 from lisaft.runfiles import check_output_dir, clear_run, is_write_failure
+from lisaft.runlog import MetricsLog
 
 
 @contextmanager

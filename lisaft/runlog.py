@@ -1,4 +1,5 @@
-"""Where a run's records go: metrics.jsonl always, TensorBoard and W&B when the recipe asks.
+"""The run log: where a run's records go. metrics.jsonl always, TensorBoard and W&B when the
+recipe asks. (What a person watching the run sees is lisaft/display.py.)
 
 `RunLog` is the one object the loop writes to. Each backend receives the same train and eval
 records, the resolved recipe as hyperparameters, and the end-of-run memory table. Only rank 0
@@ -11,13 +12,54 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
-from lisaft import dist, noise
+from lisaft import dist, quiet
 from lisaft.errors import LisaftError
-from lisaft.metrics import MetricsLog
 from lisaft.recipe import LoggingSection, Recipe, flatten
-from lisaft.runfiles import write_atomic
+from lisaft.runfiles import naming, write_atomic
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl, written by rank 0, flushed after every record so that a crash
+    loses nothing that was shown."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def write(self, record: dict) -> None:
+        if not dist.is_main():
+            return
+        with naming(self.path), self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def truncate_after(self, step: int) -> int:
+        """Drop records past `step` (logged after the checkpoint a resume starts from), so the
+        resumed run appends without duplicate steps. Returns how many were dropped."""
+        if not dist.is_main() or not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                dropped += 1  # a line cut short by a kill
+                continue
+            if rec.get("step", 0) > step:
+                dropped += 1
+            else:
+                kept.append(line)
+        write_atomic(self.path, "".join(k + "\n" for k in kept), tmp=self.path.with_suffix(".jsonl.tmp"))
+        return dropped
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 
 LOGS = "logs"  # RUN/logs/: everything the optional backends write
 # backend -> (module that must import, extra that installs it)
@@ -153,7 +195,7 @@ class RunLog:
         if "tensorboard" in names:
             self.backends.append(_TensorBoard(Path(run_dir), recipe, start_step))
         if "wandb" in names:
-            self.backends.append(_WandB(Path(run_dir), recipe, start_step, noise.verbose()))
+            self.backends.append(_WandB(Path(run_dir), recipe, start_step, quiet.verbose()))
 
     def __enter__(self) -> RunLog:
         return self

@@ -1,75 +1,13 @@
-"""metrics.jsonl and what a person watching the run sees."""
+"""What a person watching the run sees: the progress bar, the train and eval lines. (The records
+themselves go to the run log, lisaft/runlog.py.)"""
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from lisaft import dist
-from lisaft.runfiles import naming, write_atomic
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA allocator peak on GPU; the process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    from lisaft.memory.measure import peak_rss_bytes
-
-    return peak_rss_bytes()
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-class MetricsLog:
-    """Append-only metrics.jsonl, written by rank 0, flushed after every record so that a crash
-    loses nothing that was shown."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def write(self, record: dict) -> None:
-        if not dist.is_main():
-            return
-        with naming(self.path), self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def truncate_after(self, step: int) -> int:
-        """Drop records past `step` (logged after the checkpoint a resume starts from), so the
-        resumed run appends without duplicate steps. Returns how many were dropped."""
-        if not dist.is_main() or not self.path.exists():
-            return 0
-        kept, dropped = [], 0
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                dropped += 1  # a line cut short by a kill
-                continue
-            if rec.get("step", 0) > step:
-                dropped += 1
-            else:
-                kept.append(line)
-        write_atomic(self.path, "".join(k + "\n" for k in kept), tmp=self.path.with_suffix(".jsonl.tmp"))
-        return dropped
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def _count(n: float) -> str:
