@@ -204,6 +204,12 @@ class OptimizerSection(_Section):
         description="Step each parameter inside backward and free its gradient at once. "
         "Incompatible with grad_accum_steps > 1 and max_grad_norm.",
     )
+    cpu_offload: Bool = Field(
+        False,
+        description="Keep the moments in host memory and step on the CPU: each gradient is copied "
+        "to host memory in backward and accumulated there, the updated weights are copied back "
+        "(ZeRO-Offload's design; docs/memory.md). Not with in_backward or data parallel.",
+    )
     bf16_update: Literal["stochastic", "nearest"] = Field(
         "stochastic",
         description="How bfloat16 weights take an update: stochastic rounding (updates below half "
@@ -307,6 +313,11 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
+        if self.optimizer.cpu_offload and self.optimizer.in_backward:
+            raise ValueError(
+                "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the "
+                "step on the CPU no gradient stays on the device anyway; set in_backward false"
+            )
         if self.optimizer.in_backward:
             if self.training.grad_accum_steps > 1:
                 raise ValueError(
