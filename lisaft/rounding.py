@@ -6,6 +6,8 @@ round-to-nearest drops them; stochastic rounding keeps their expected value (doc
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -33,14 +35,17 @@ class Rounding:
         self.mode = mode
         self.seed = int(seed)
         self.step = 0
-        self._generators: dict[torch.device, torch.Generator] = {}
+        # One generator per thread and device: the CPU step of cpu_offload rounds several units
+        # at once, each re-seeding its own generator, so no thread sees another's seed.
+        self._local = threading.local()
 
     def write(self, dst: torch.Tensor, src: torch.Tensor, *key: int) -> None:
         """dst (bf16) <- src (float32, consumed)."""
         if self.mode == "stochastic" and dst.dtype == torch.bfloat16:
-            gen = self._generators.get(src.device)
+            generators = self._local.__dict__.setdefault("generators", {})
+            gen = generators.get(src.device)
             if gen is None:
-                gen = self._generators[src.device] = torch.Generator(device=src.device)
+                gen = generators[src.device] = torch.Generator(device=src.device)
             gen.manual_seed(_mix(self.seed, self.step, *key))
             noise = torch.randint(0, 1 << 16, src.shape, generator=gen, device=src.device, dtype=torch.int32)
             # Adding below the 16 bits bf16 keeps, then truncating, rounds the magnitude up with

@@ -1,0 +1,213 @@
+"""optimizer.cpu_offload on CPU (host = device): the offloaded unit optimizers train bit for bit
+like the device-resident ones, for every optimizer, in float32 and bfloat16, with gradient
+accumulation, clipping, LISA, sparse embedding gradients and a checkpoint round trip.
+
+The loop here mirrors the trainer's step (forward, backward per micro-batch, clip by the global
+norm, step the trainable units); the trainer's own loop is tested in tests/integration."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _tiny import tiny as _tiny
+
+from lisaft.cpu_offload import OffloadedOptimizers
+from lisaft.lisa import LisaController
+from lisaft.models import model_parts
+from lisaft.optim import clip_grad_norm
+from lisaft.optimizer_files import OptimizerFiles
+from lisaft.recipe import LisaSection, OptimizerSection
+from lisaft.units import UnitOptimizers, model_units
+
+CPU = torch.device("cpu")
+NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
+ACCUM = 2
+MAX_NORM = 0.5  # small enough that the tiny model's gradients are clipped
+
+
+def setup(tmp_path, offload: bool, name="adamw_32bit", dtype=torch.float32, lisa=False, sparse=False):
+    model = _tiny(0, 4).to(dtype)
+    model.get_input_embeddings().sparse = sparse
+    units = model_units(model_parts(model))
+    section = OptimizerSection(name=name, lr=1e-3, weight_decay=0.1, cpu_offload=offload)
+    cls = OffloadedOptimizers if offload else UnitOptimizers
+    opts = cls(units, section, CPU, tmp_path / ("off" if offload else "dev"), seed=3)
+    ctrl = LisaController(units, opts, LisaSection(enabled=lisa, active_layers=2, interval_steps=2), seed=3)
+    return SimpleNamespace(model=model, opts=opts, ctrl=ctrl, offload=offload)
+
+
+def train_step(h, step: int) -> float | None:
+    h.ctrl.activate_for_step(step)
+    h.opts.set_lr(1e-3 * (1 + step % 3), step)
+    for m in range(ACCUM):
+        x = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(100 * step + m))
+        (h.model(input_ids=x, labels=x).loss / ACCUM).backward()
+    if h.offload:
+        return h.opts.clip_and_step(h.ctrl.trainable_units(), MAX_NORM, measure_norm=True)
+    trainable = h.ctrl.trainable_parameters()
+    for p in trainable:
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+    norm = clip_grad_norm(trainable, MAX_NORM)
+    h.opts.step(h.ctrl.trainable_units())
+    return norm
+
+
+def run(h, start: int, stop: int) -> list:
+    return [train_step(h, s) for s in range(start, stop)]
+
+
+def assert_same(a, b) -> None:
+    for h in (a, b):
+        if h.offload:
+            h.opts.wait()  # as the loop does before it reads weights outside a forward
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), name
+    for name in a.opts.units:
+        sa, sb = a.opts.host_state(name), b.opts.host_state(name)
+        assert (sa is None) == (sb is None), name
+        if sa is None:
+            continue
+        for i, st in sa["state"].items():
+            for k, v in st.items():
+                w = sb["state"][i][k]
+                assert torch.equal(v, w) if torch.is_tensor(v) else v == w, (name, i, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_offloaded_full_fine_tuning_is_the_device_run_bit_for_bit(tmp_path, name, dtype):
+    dev, off = setup(tmp_path, False, name, dtype), setup(tmp_path, True, name, dtype)
+    assert run(dev, 0, 3) == run(off, 0, 3)
+    assert_same(dev, off)
+    # Nothing of the optimizer, and no gradient, is left on the training device.
+    assert off.opts.state_bytes()[0] == 0 and off.opts.state_bytes()[1] > 0
+    assert all(p.grad is None for p in off.model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit"])
+def test_offloaded_lisa_is_the_device_run_bit_for_bit(tmp_path, name, dtype):
+    dev, off = setup(tmp_path, False, name, dtype, lisa=True), setup(tmp_path, True, name, dtype, lisa=True)
+    # Five steps cross two interval boundaries: units leave and rejoin the trainable set.
+    assert run(dev, 0, 5) == run(off, 0, 5)
+    assert_same(dev, off)
+    frozen = [u for u in off.ctrl.units if u not in off.ctrl.trainable_units()]
+    assert frozen and not any(h in off.opts._acc for u in frozen for h in off.opts.units[u.name].params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_embedding_gradients_stay_exact(tmp_path, dtype):
+    dev = setup(tmp_path, False, "adamw_32bit", dtype, sparse=True)
+    off = setup(tmp_path, True, "adamw_32bit", dtype, sparse=True)
+    assert run(dev, 0, 2) == run(off, 0, 2)
+    assert_same(dev, off)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_checkpoint_round_trip_resumes_exactly(tmp_path, dtype):
+    """The same optimizer/<unit>.pt files as the device path, and a run restored from them
+    continues as the uninterrupted one."""
+    dev = setup(tmp_path, False, "adamw_8bit", dtype, lisa=True)
+    off = setup(tmp_path, True, "adamw_8bit", dtype, lisa=True)
+    run(dev, 0, 3)
+    run(off, 0, 3)
+    folders = {}
+    for h, tag in ((dev, "dev"), (off, "off")):
+        folders[tag] = tmp_path / f"ckpt-{tag}"
+        folders[tag].mkdir()
+        OptimizerFiles(h.opts, h.ctrl).write(folders[tag], base=None)
+    assert sorted(f.name for f in folders["dev"].iterdir()) == sorted(f.name for f in folders["off"].iterdir())
+    off.opts.wait()
+    weights = {k: v.clone() for k, v in off.model.state_dict().items()}
+    ctrl_state = off.ctrl.state_dict()
+
+    resumed = setup(tmp_path / "r", True, "adamw_8bit", dtype, lisa=True)
+    resumed.model.load_state_dict(weights)  # what the loop does before loading optimizer state
+    resumed.ctrl.load_state_dict(ctrl_state)
+    OptimizerFiles(resumed.opts, resumed.ctrl).read(folders["off"])
+    assert run(off, 3, 6) == run(resumed, 3, 6)
+    assert_same(off, resumed)
+
+
+def test_host_memory_is_accounted(tmp_path):
+    """Weight copies and accumulators are carved from slabs (lisaft/pinned.py): what they hold is
+    the slabs' size, which arena_bytes predicts from the tensor sizes alone."""
+    from lisaft.pinned import arena_bytes, slab_size
+
+    off = setup(tmp_path, True, "adamw_32bit", torch.bfloat16)
+    run(off, 0, 1)
+    sizes = [2 * h.numel() for u in off.opts.units.values() for h in u.params]
+    slab = slab_size(max(sizes), sum(sizes))
+    held = off.opts.host_bytes()
+    assert held["host_weights"] == arena_bytes(sizes, slab) >= sum(sizes)
+    assert held["grad_accumulators"] == arena_bytes(sizes[::-1], slab)
+    assert off.opts.state_bytes() == (0, 8 * sum(sizes) // 2)
+
+
+@pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit"])
+def test_units_stepped_side_by_side_give_the_same_run(tmp_path, name):
+    """Several units step at once on worker threads: each re-seeds its own rounding generator,
+    so the bf16 run is still the device run bit for bit."""
+    dev, off = setup(tmp_path, False, name, torch.bfloat16), setup(tmp_path, True, name, torch.bfloat16)
+    off.opts.step_threads = 3
+    assert run(dev, 0, 3) == run(off, 0, 3)
+    assert_same(dev, off)
+    assert off.opts._step_pool is not None
+
+
+def test_rounding_noise_is_per_thread(monkeypatch):
+    """Two threads writing bf16 weights at once get each their own key's noise, even when both
+    have seeded before either draws (a generator shared between them would not)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lisaft.rounding import Rounding
+
+    rounding = Rounding("stochastic", seed=5)
+    src = torch.rand(4096) * 1e-3 + 1.0
+
+    def write(key: int) -> torch.Tensor:
+        out = torch.empty(src.shape, dtype=torch.bfloat16)
+        rounding.write(out, src.clone(), key)
+        return out
+
+    alone = [write(0), write(1)]
+    barrier, draw = threading.Barrier(2, timeout=30), torch.randint
+
+    def draw_together(*args, **kwargs):
+        barrier.wait()
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randint", draw_together)
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(write, [0, 1]))
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+@pytest.mark.parametrize("lisa", [False, True], ids=["full", "lisa"])
+@pytest.mark.parametrize("name", ["adamw_32bit", "adamw_8bit"])
+def test_overlapped_steps_give_the_same_run(tmp_path, monkeypatch, name, lisa):
+    """With `overlap` the step returns at once and the next forward waits, module by module, for
+    the units whose weights it reads: a wait missing anywhere would read stale weights. Each
+    unit's step is slowed so that the forward always catches up with it."""
+    import time
+
+    from lisaft import optim
+
+    step = optim.AdamW.step
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(0.005)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(optim.AdamW, "step", slow_step)
+    dev = setup(tmp_path, False, name, torch.bfloat16, lisa=lisa)
+    off = setup(tmp_path, True, name, torch.bfloat16, lisa=lisa)
+    off.opts.step_threads = 2
+    assert off.opts.overlap  # the default
+    assert run(dev, 0, 5) == run(off, 0, 5)
+    assert off.opts._in_flight  # the last step is still running or unclaimed
+    assert_same(dev, off)
