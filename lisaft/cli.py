@@ -123,6 +123,12 @@ def estimate_memory(
     in_backward: Optional[bool] = typer.Option(
         None, "--in-backward/--no-in-backward",
         help="Step each parameter inside backward, freeing its gradient at once (or not)."),
+    cpu_offload: Optional[bool] = typer.Option(
+        None, "--cpu-offload/--no-cpu-offload",
+        help="Moments, accumulated gradients and the step in host memory (or not)."),
+    host_ram: Optional[str] = typer.Option(
+        None, "--host-ram", metavar="SIZE", help="Host memory for --cpu-offload, e.g. 64GiB "
+        "(default: this machine's RAM)."),
     budget: Optional[str] = typer.Option(None, "--budget", metavar="SIZE", help="Memory budget with a unit: "
                                          "24GB (10^9 bytes) or 24GiB (2^30). Default 24GiB."),
     gpu: Optional[str] = typer.Option(None, "--gpu", metavar="NAME", help="Budget of a card: rtx-3090, "
@@ -141,7 +147,8 @@ def estimate_memory(
             recipe=recipe, model=model, optimizer=optimizer, lisa_layers=lisa_layers,
             no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
             gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
-            in_backward=in_backward, budget=budget, gpu=gpu, device=device, overrides=set_ or [],
+            in_backward=in_backward, cpu_offload=cpu_offload, host_ram=host_ram,
+            budget=budget, gpu=gpu, device=device, overrides=set_ or [],
             json_out=json_out, explain=explain,
         )
     except LisaftError as e:

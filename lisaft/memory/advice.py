@@ -42,7 +42,16 @@ def _candidates(s: Settings, layer_count: int) -> list[tuple[dict, str, Settings
         gamma = max(1, s.active_layers // 2)
         out.append(({"lisa.active_layers": gamma}, "fewer layers' gradients and moments",
                     s.with_(active_layers=gamma)))
-    if not s.in_backward and s.grad_accum_steps == 1:
+    if not s.cpu_offload and s.device == "cuda":
+        offloaded = s.with_(cpu_offload=True, in_backward=False,
+                            clipping=s.clipping if not s.in_backward else True)
+        keys = {"optimizer.cpu_offload": True}
+        if s.in_backward:
+            keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
+        host = compute(offloaded).host_bytes
+        out.append((keys, f"moments, gradients and the step on the CPU (needs {host / 1024**3:.1f} GiB of RAM)",
+                    offloaded))
+    if not s.in_backward and not s.cpu_offload and s.grad_accum_steps == 1:
         out.append(({"optimizer.in_backward": True, "training.max_grad_norm": None},
                     "no full gradient set resident", s.with_(in_backward=True, clipping=False)))
     if s.batch_size > 1:
@@ -59,6 +68,13 @@ def leanest(s: Settings, layer_count: int) -> Change:
         overrides.update(changes)
         combined = combined.with_(**{f: getattr(changed, f) for f in _CHANGED_FIELDS
                                      if getattr(changed, f) != getattr(s, f)})
+    if combined.cpu_offload and combined.in_backward:
+        # The step on the CPU replaces the step in backward: the device holds neither moments nor
+        # a gradient set.
+        combined = combined.with_(in_backward=False, clipping=s.clipping)
+        overrides = {k: v for k, v in overrides.items() if k not in ("optimizer.in_backward", "training.max_grad_norm")}
+        if s.in_backward:
+            overrides.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
     if combined.lisa and combined.active_layers > 1:  # the candidates above stop short of γ=1
         overrides["lisa.active_layers"] = 1
         combined = combined.with_(active_layers=1)
@@ -66,7 +82,7 @@ def leanest(s: Settings, layer_count: int) -> Change:
 
 
 _CHANGED_FIELDS = ("gradient_checkpointing", "attention", "optimizer", "lisa", "active_layers",
-                   "in_backward", "clipping", "batch_size", "grad_accum_steps")
+                   "in_backward", "cpu_offload", "clipping", "batch_size", "grad_accum_steps")
 
 
 def advice(est: Estimate, layer_count: int) -> list[Change]:

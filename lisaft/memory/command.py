@@ -76,6 +76,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         offload_activations=recipe.model.offload_activations,
         mlp_chunk_tokens=recipe.model.mlp_chunk_tokens,
         optimizer=recipe.optimizer.name, in_backward=recipe.optimizer.in_backward,
+        cpu_offload=recipe.optimizer.cpu_offload, host_budget_bytes=host_ram_bytes(),
         bf16_update=recipe.optimizer.bf16_update,
         sparse_embedding_grad=recipe.model.sparse_embedding_grad,
         expandable_segments=expandable_segments(),
@@ -88,6 +89,14 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
     )
 
 
+def host_ram_bytes() -> int | None:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _device_budget(device: str) -> int:
     if device == "cuda":
         import torch
@@ -95,10 +104,7 @@ def _device_budget(device: str) -> int:
         if torch.cuda.is_available():
             return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
         return 24 * GiB
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GiB
+    return host_ram_bytes() or 16 * GiB
 
 
 def estimate_for_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int | None = None) -> Estimate:
@@ -125,7 +131,8 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
                    lisa_layers: int | None, no_lisa: bool, batch_size: int | None,
                    seq_len: int | None, gradient_checkpointing: bool | None,
                    attention: str | None, dtype: str | None, in_backward: bool | None,
-                   budget_bytes: int, device: str | None, overrides: list[str] | None = None) -> Settings:
+                   budget_bytes: int, device: str | None, overrides: list[str] | None = None,
+                   cpu_offload: bool | None = None, host_ram: str | None = None) -> Settings:
     """Recipe values (after --set) first, each flag given on the command line overriding its key."""
     _check_choice("--device", device, ("cuda", "cpu"))
     _check_choice("--optimizer", optimizer, OPTIMIZERS)
@@ -147,6 +154,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
         device = device or "cuda"
         config, label = resolve_model(model)
         s = Settings(model_label=label, config=config, device=device, budget_bytes=budget_bytes,
+                     host_budget_bytes=host_ram_bytes(),
                      expandable_segments=expandable_segments(),
                      attention=_attention_for("auto", device, dtype or "bfloat16"))
     else:
@@ -173,7 +181,14 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
         changes["in_backward"] = in_backward
         if in_backward:
             changes["clipping"] = False  # in-backward steps cannot clip by the total norm
+    if cpu_offload is not None:
+        changes["cpu_offload"] = cpu_offload
+    if host_ram is not None:
+        changes["host_budget_bytes"] = parse_bytes(host_ram, "--host-ram")
     s = s.with_(**changes)
+    if s.cpu_offload and s.in_backward:
+        raise LisaftError("--cpu-offload cannot be combined with in_backward: with the step on the CPU "
+                          "no gradient stays on the device anyway")
     if s.in_backward and s.grad_accum_steps > 1:
         raise LisaftError("--in-backward cannot be combined with training.grad_accum_steps > 1")
     layers = param_counts(s.config).layer_count
@@ -240,13 +255,15 @@ def estimate_memory_command(recipe: Path | None = None, model: str | None = None
                             no_lisa: bool = False, batch_size: int | None = None,
                             seq_len: int | None = None, gradient_checkpointing: bool | None = None,
                             attention: str | None = None, dtype: str | None = None,
-                            in_backward: bool | None = None, budget: str | None = None,
+                            in_backward: bool | None = None, cpu_offload: bool | None = None,
+                            host_ram: str | None = None, budget: str | None = None,
                             gpu: str | None = None, device: str | None = None,
                             overrides: list[str] | None = None, json_out: bool = False,
                             explain: bool = False) -> int:
     b = parse_budget(budget, gpu)
     s = build_settings(recipe, model, optimizer, lisa_layers, no_lisa, batch_size, seq_len,
-                       gradient_checkpointing, attention, dtype, in_backward, b.bytes, device, overrides)
+                       gradient_checkpointing, attention, dtype, in_backward, b.bytes, device, overrides,
+                       cpu_offload=cpu_offload, host_ram=host_ram)
     report = build_report(s, b)
     if json_out:
         print(json.dumps(report.to_json(), indent=2))

@@ -28,7 +28,8 @@ from lisaft.memory.cuda_process import (
     allocator_overhead,
     cublas_workspace_bytes,
 )
-from lisaft.memory.optimizer_state import state_bytes, step_temporaries
+from lisaft.memory.host import offload_host_bytes
+from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
 from lisaft.models import sparse_grad_is_smaller
 
 GiB = 1024**3
@@ -47,6 +48,7 @@ DATASETS_IMPORT_BYTES = 83 * MiB
 COMPONENTS = (
     "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient",
     "cublas_workspace", "allocator_overhead", "cuda_context", "cuda_kernels", "process_baseline",
+    "host_weight_copies",
 )
 # Outside PyTorch's allocator counters (torch.cuda.max_memory_reserved), inside NVML-used.
 OUTSIDE_ALLOCATOR = ("cuda_context", "cuda_kernels")
@@ -67,6 +69,7 @@ class Settings:
     bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
     sparse_embedding_grad: bool = True  # model.sparse_embedding_grad (single process)
     in_backward: bool = False
+    cpu_offload: bool = False  # moments, gradient accumulators and the step in host memory
     lisa: bool = False
     active_layers: int = 2
     train_embeddings: bool = True
@@ -78,6 +81,7 @@ class Settings:
     clipping: bool = True
     device: str = "cuda"
     budget_bytes: int = 24 * GiB
+    host_budget_bytes: int | None = None  # the machine's RAM, for cpu_offload's host memory
     datasets_imported: bool = False  # on CPU, the process baseline includes `datasets`
     expandable_segments: bool = True  # CUDA allocator setting (lisaft sets it unless the user did)
 
@@ -101,6 +105,7 @@ class Estimate:
     resident_without_paged_bytes: int  # the peak when every paged byte is evicted to host
     saved_activation_bytes: int  # what saved-tensor hooks measure at the end of forward
     activation_host_bytes: int = 0  # pinned host memory of offloaded layer inputs
+    host_components: dict[str, int] = field(default_factory=dict)  # cpu_offload on CUDA (memory/host.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -108,9 +113,21 @@ class Estimate:
         return self.settings.budget_bytes
 
     @property
+    def host_bytes(self) -> int:
+        return sum(self.host_components.values())
+
+    @property
+    def fits_host(self) -> bool:
+        """cpu_offload's host memory fits the machine's RAM (True when nothing is offloaded or
+        the RAM is not known)."""
+        budget = self.settings.host_budget_bytes
+        return not self.host_components or budget is None or self.host_bytes <= budget
+
+    @property
     def fits(self) -> bool:
-        """Fits with everything resident on the device: nothing paged to host."""
-        return self.total_bytes <= self.budget_bytes
+        """Fits with everything resident on the device (nothing paged to host), and the host
+        memory of cpu_offload fits the machine's RAM."""
+        return self.total_bytes <= self.budget_bytes and self.fits_host
 
     @property
     def fits_with_paging(self) -> bool:
@@ -151,6 +168,10 @@ class Estimate:
             "paged_host_bytes": self.paged_host_bytes,
             "saved_activation_bytes": self.saved_activation_bytes,
             "activation_host_bytes": self.activation_host_bytes,
+            "host_bytes": self.host_bytes,
+            "host_components": dict(self.host_components),
+            "host_budget_bytes": s.host_budget_bytes,
+            "fits_host": self.fits_host,
             "total_params": self.total_params,
             "trainable_params": self.trainable_params,
             "settings": {
@@ -160,7 +181,7 @@ class Estimate:
                 "mlp_chunk_tokens": s.mlp_chunk_tokens, "optimizer": s.optimizer,
                 "bf16_update": s.bf16_update, "sparse_embedding_grad": s.sparse_embedding_grad,
                 "expandable_segments": s.expandable_segments,
-                "in_backward": s.in_backward, "lisa": s.lisa,
+                "in_backward": s.in_backward, "cpu_offload": s.cpu_offload, "lisa": s.lisa,
                 "active_layers": s.active_layers if s.lisa else None,
                 "train_embeddings": s.train_embeddings, "train_head": s.train_head,
                 "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
@@ -180,9 +201,9 @@ def _trainable_numels(counts: ParamCounts, s: Settings) -> tuple[list[int], int]
     else:
         gamma = min(s.active_layers, counts.layer_count)
         layers = sorted(range(counts.layer_count), key=counts.layer_params, reverse=True)[:gamma]
-    numels = [n for i in layers for n in counts.layers[i]]
-    if not s.lisa or s.train_embeddings:
-        numels += counts.embeddings
+    # In the model's order (embeddings, layers, head): cpu_offload packs host memory in it.
+    numels = list(counts.embeddings) if not s.lisa or s.train_embeddings else []
+    numels += [n for i in sorted(layers) for n in counts.layers[i]]
     if not s.lisa or s.train_head:
         numels += counts.head
     return numels, len(layers)
@@ -224,20 +245,26 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     trainable_params = sum(trainable)
     weights = counts.total * dt + counts.buffer_bytes_fp32 + \
         (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
-    grads_full = trainable_params * dt - _sparse_embedding_saving(counts, shape, s, dt)
-    state = state_bytes(s.optimizer, _state_numels(counts, s, trainable), dt, s.device)
+    sparse_saving = _sparse_embedding_saving(counts, shape, s, dt)
+    grads_full = trainable_params * dt - sparse_saving
+    state_numels = _state_numels(counts, s, trainable)
+    state = state_bytes(s.optimizer, state_numels, dt, s.device)
     largest = max(trainable) if trainable else 0
+    # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
+    offload = s.cpu_offload and s.device == "cuda"
+    if offload:
+        state = StateBytes(0, 0)
 
     head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
     # On CPU the host is the device: offloading moves nothing out of the memory that counts.
-    offload = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
+    offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
     act = activations(
         shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
         trainable_layers=trainable_layers,
         train_embeddings=not s.lisa or s.train_embeddings,
         head_weight_trains=head_weight_trains,
         final_norm_trains=not s.lisa or s.train_head,
-        offload=offload, mlp_chunk_tokens=s.mlp_chunk_tokens,
+        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens,
     )
     saved_no_logp = act.layers + act.outside_layers
     loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
@@ -259,15 +286,19 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         grads_in_layers = largest * dt
         step_phase = None
         notes.append("in_backward: no full gradient set is ever resident; clipping is off")
+    elif offload:
+        # Each gradient leaves for host memory as it is completed: the one being copied out and
+        # the next one being produced; the step runs on the CPU.
+        grads_at_loss, grads_in_layers, step_phase = 0, 2 * largest * dt, None
     else:
         grads_at_loss = grads_full if s.grad_accum_steps > 1 else 0
         grads_in_layers = max(grads_at_loss, head_grad)
         step_phase = grads_full
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
-    sparse_numel = counts.embeddings[0] if _sparse_embedding_saving(counts, shape, s, dt) else 0
-    step_temp = step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
+    sparse_numel = counts.embeddings[0] if sparse_saving else 0
+    step_temp = 0 if offload else step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
     in_bwd_step = step_temp if s.in_backward else 0
-    if s.clipping and not s.in_backward:
+    if s.clipping and not s.in_backward and not offload:
         step_temp += 8 * len(trainable)  # one float32 norm per tensor, and their stack
 
     # (gradients, activations, logits_loss, transient) at each moment
@@ -284,6 +315,9 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     else:
         baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0)
         outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
+        if s.cpu_offload:
+            # The host is the device: the step's weight copies are in the memory that counts.
+            outside["host_weight_copies"] = counts.total * dt
     fixed = sum(outside.values())
     workspace = cublas_workspace_bytes() if cuda else 0
 
@@ -316,18 +350,31 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         notes.append("paged optimizers run unpaged on CPU: their state is ordinary memory")
     if s.offload_activations and not s.gradient_checkpointing:
         notes.append("offload_activations needs gradient_checkpointing: nothing is offloaded")
+    activation_host = offloaded_host_bytes(shape, dt, s.batch_size, s.seq_len) if offload_act else 0
+    host = {}
+    if offload:
+        all_numels = list(counts.embeddings) + [n for layer in counts.layers for n in layer] + list(counts.head)
+        sparse = counts.embeddings[0] if sparse_saving else 0
+        # LISA's offload_cpu keeps frozen units' moments in host memory, beside the trained ones.
+        host_state = _state_numels(counts, s.with_(device="cpu"), trainable)
+        host = offload_host_bytes(s.optimizer, host_state, all_numels, trainable, dt, s.bf16_update,
+                                  activation_host, CPU_PROCESS_BASELINE_BYTES
+                                  + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0),
+                                  sparse_numel=sparse, sparse_bytes=sparse * dt - sparse_saving if sparse else 0)
+        notes.append("cpu_offload: moments, gradient accumulators and the step live in host memory "
+                     "(the host table)")
     if s.lisa and s.state_policy == "keep":
         notes.append("lisa.state_policy keep: moments of every layer ever sampled stay resident "
                      "(counted as all layers)")
     return Estimate(
         settings=s, total_params=counts.total, trainable_params=trainable_params,
         components=components,
-        sizes={"weights": weights, "gradients": grads_full, "optimizer_states": state.total,
+        sizes={"weights": weights, "gradients": grads_in_layers if offload else grads_full,
+               "optimizer_states": state.total,
                "activations": saved_no_logp, "logits_loss": loss_peak,
                "transient": max(step_temp, recompute + backward_temp + in_bwd_step)},
         phases=totals, peak_phase=peak_phase, total_bytes=total,
         paged_state_bytes=state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=paged_host,
         resident_without_paged_bytes=without_paged, saved_activation_bytes=act.saved,
-        activation_host_bytes=offloaded_host_bytes(shape, dt, s.batch_size, s.seq_len) if offload else 0,
-        notes=notes,
+        activation_host_bytes=activation_host, host_components=host, notes=notes,
     )

@@ -21,6 +21,16 @@ _DESCRIPTIONS = {
     "cuda_context": "CUDA context before any kernel ran",
     "cuda_kernels": "kernel images loaded lazily, library state (fitted to NVML)",
     "process_baseline": "Python + torch + transformers resident set",
+    "host_weight_copies": "cpu_offload's copy of the weights the CPU step updates",
+}
+_HOST_DESCRIPTIONS = {
+    "moments": "optimizer state of the trainable set, never paged",
+    "host_weights": "a copy of every parameter, model dtype (pinned)",
+    "gradient_accumulators": "trainable set, model dtype (pinned)",
+    "staging": "later micro-batches' gradients before they are added (pinned)",
+    "step_temporaries": "the CPU step's float32 chunk buffers, clipping norms",
+    "activation_checkpoints": "offloaded layer inputs (pinned)",
+    "process_baseline": "Python + torch + transformers resident set",
 }
 
 PAGED_EXPLANATION = (
@@ -51,7 +61,8 @@ def settings_line(est: Estimate) -> str:
     lisa = f"LISA γ={s.active_layers} ({s.state_policy})" if s.lisa else "full fine-tuning"
     return (
         f"{s.model_label}: {est.total_params:,} params, {est.trainable_params:,} trainable; "
-        f"{lisa}; {s.optimizer}{' in backward' if s.in_backward else ''}; {s.dtype}; "
+        f"{lisa}; {s.optimizer}{' in backward' if s.in_backward else ''}"
+        f"{' on the CPU (cpu_offload)' if s.cpu_offload else ''}; {s.dtype}; "
         f"{s.attention}; checkpointing {'on' if s.gradient_checkpointing else 'off'}; "
         f"batch {s.batch_size} x seq {s.seq_len}"
         f"{f' x accum {s.grad_accum_steps}' if s.grad_accum_steps > 1 else ''}; device {s.device}"
@@ -70,7 +81,31 @@ def components_table(est: Estimate) -> Table:
     return t
 
 
+def host_table(est: Estimate) -> Table:
+    from lisaft.memory.host import pinned_bytes
+
+    budget = est.settings.host_budget_bytes
+    t = Table(title="Host memory (cpu_offload)", title_justify="left")
+    t.add_column("component")
+    t.add_column("bytes", justify="right")
+    t.add_column("what", style="dim")
+    for name, value in est.host_components.items():
+        if value:
+            t.add_row(name, human(value), _HOST_DESCRIPTIONS.get(name, ""))
+    t.add_row("[bold]total[/]", f"[bold]{human(est.host_bytes)}[/]",
+              f"{human(pinned_bytes(est.host_components))} pinned; RAM {human(budget)}")
+    return t
+
+
 def verdict(est: Estimate) -> Text:
+    if not est.fits_host:
+        return Text(f"Does not fit in host memory: cpu_offload needs {human(est.host_bytes)} of RAM, the "
+                    f"machine has {human(est.settings.host_budget_bytes)} (the GPU needs "
+                    f"{human(est.total_bytes)} of {human(est.budget_bytes)}).", style="bold red")
+    if est.fits and est.host_components:
+        return Text(f"Fits: {human(est.total_bytes)} of {human(est.budget_bytes)} on the GPU, and "
+                    f"{human(est.host_bytes)} of host memory (RAM {human(est.settings.host_budget_bytes)}).",
+                    style="bold green")
     if est.fits:
         return Text(f"Fits: {human(est.total_bytes)} of {human(est.budget_bytes)}, everything resident.",
                     style="bold green")
@@ -154,11 +189,14 @@ def render(report, explain: bool = False) -> Group:
     """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
     est = report.estimate
     parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}"),
-                   components_table(est), verdict(est)]
+                   components_table(est)]
+    if est.host_components:
+        parts.append(host_table(est))
+    parts.append(verdict(est))
     paged = paged_lines(est, explain)
     if paged is not None:
         parts.append(paged)
-    if est.activation_host_bytes:
+    if est.activation_host_bytes and not est.host_components:
         parts.append(Text(f"Host memory for offloaded activation checkpoints: "
                           f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))
     parts.append(_largest_line(report))
