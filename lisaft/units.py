@@ -190,6 +190,11 @@ class UnitOptimizers:
             params = [p for u in units for p in u.params]
             dist.broadcast_from_owners(params, self.owner_of_params(units))
 
+    def wait(self) -> None:
+        """Every update has reached the training device's weights. Device optimizers step
+        synchronously; the CPU step of optimizer.cpu_offload (lisaft/cpu_offload.py) may still be
+        running when the loop wants to read weights outside a forward."""
+
     # -- statistics -----------------------------------------------------------------------------
 
     def state_bytes(self) -> tuple[int, int]:

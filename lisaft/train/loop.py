@@ -58,6 +58,7 @@ def _record_peaks(session: Session, result: StepResult) -> None:
 
 def _save(session: Session, checkpointer: Checkpointer, base: Path | None, changed: set[str]) -> Path:
     # A failed write leaves the older checkpoints untouched; run()'s guard reports it.
+    session.optimizers.wait()  # the weights read here are the last step's
     recipe_json = json.dumps(session.recipe.model_dump(mode="json"), indent=1)
     return checkpointer.save(session.progress.step, changed, base, extra_files={"recipe.json": recipe_json})
 
@@ -121,6 +122,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                               f"Continue with: lisaft resume {session.run_dir}")
                 return 128 + stop.signum if stop.signum else 3
 
+        session.optimizers.wait()
         export.save_final(session)
         if dist.is_main() and show:
             report.memory_report(session, metrics)

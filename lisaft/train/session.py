@@ -16,6 +16,7 @@ from torch import nn
 from lisaft import dist
 from lisaft.batches import DataOrder
 from lisaft.checkpoint import Checkpointer
+from lisaft.cpu_offload import OffloadedOptimizers
 from lisaft.errors import LisaftError
 from lisaft.in_backward import StepInBackward
 from lisaft.lisa import LisaController
@@ -136,9 +137,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     units = model_units(parts)
     # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
     # intervals, and embeddings and head land on different ranks.
-    optimizers = UnitOptimizers(units, recipe.optimizer, device,
-                                offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed,
-                                shard=t.shard_optimizer_state)
+    # optimizer.cpu_offload: the same unit optimizers over host copies of the weights.
+    optimizers_class = OffloadedOptimizers if recipe.optimizer.cpu_offload else UnitOptimizers
+    optimizers = optimizers_class(units, recipe.optimizer, device,
+                                  offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed,
+                                  shard=t.shard_optimizer_state)
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed)
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size())

@@ -10,6 +10,7 @@ import torch
 
 from lisaft import dist
 from lisaft.batches import IGNORE_INDEX, collate
+from lisaft.cpu_offload import OffloadedOptimizers
 from lisaft.loss import token_loss_sum
 from lisaft.optim import clip_grad_norm
 from lisaft.train.session import Session
@@ -92,6 +93,12 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
 
 def _clip_and_step(session: Session, measure_norm: bool, phases: Phases) -> tuple[float | None, int]:
     """All-reduce, clip and step the trainable units; returns (grad norm, gradient bytes held)."""
+    if isinstance(session.optimizers, OffloadedOptimizers):
+        # The gradients are in host memory: the norm, the clipping and the step run there, and
+        # no gradient is held on the device.
+        with phases.phase("optimizer"):
+            return session.optimizers.clip_and_step(session.controller.trainable_units(),
+                                                    session.recipe.training.max_grad_norm, measure_norm), 0
     trainable = session.controller.trainable_parameters()
     for p in trainable:
         if p.grad is not None and p.grad.is_sparse:
