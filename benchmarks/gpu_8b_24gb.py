@@ -14,6 +14,10 @@ Most important first, so a time budget (--budget-s) cuts the least important:
                       estimator's 9% reserve and kernel-image term were fitted to
   compiled            the 24 GiB recipe with training.compile: true (tokens/s, FLOP share)
   full-in-backward    full fine-tuning, paged AdamW 8-bit stepped in backward, no clipping
+  offload-full-ga8 / offload-full-ga32   recipes/llama3.1-8b-full-24gb.yaml: full fine-tuning
+                      with the optimizer on the CPU (optimizer.cpu_offload) at 8 and 32
+                      micro-batches per step; against full-in-backward and table-g2-s2048 (LISA
+                      γ=2 as shipped): tokens/s, NVML peak, and the host's peak RSS
   table-g2-s8192 / offload-8k   plain against offloaded checkpoints at 8,192 tokens (tokens/s)
   table-gG-sS         the estimator-error table, γ in {1, 2, 4} x seq in {512, 2048, 8192}
                       (table-g2-s2048 is the recipe as shipped)
@@ -51,6 +55,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # lisa_bench: the FLOP count and t
 
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
 RECIPE_16K = REPO / "recipes" / "llama3.1-8b-lisa-16k-24gb.yaml"
+RECIPE_FULL = REPO / "recipes" / "llama3.1-8b-full-24gb.yaml"
 CONFIG_8B = REPO / "lisaft" / "memory" / "catalogue" / "llama-3.1-8b.json"
 GiB = 1024**3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -94,6 +99,11 @@ CONFIGS = [
     Config("compiled", overrides=("training.compile=true",), steps=12, expected_s=90.0),
     Config("full-in-backward", overrides=("lisa.enabled=false", "optimizer.in_backward=true",
                                           "training.max_grad_norm=null"), steps=8, expected_s=40.0),
+    # Step times are averaged from the third step on (_derive): three steps each.
+    Config("offload-full-ga8", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=8",), steps=3,
+           expected_s=150.0),
+    Config("offload-full-ga32", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=32",), steps=3,
+           expected_s=300.0),
     _table_cell(2, 8192, steps=6),
     Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6,
            expected_s=35.0),
@@ -217,6 +227,8 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
               "estimated_comparable_bytes": est.comparable_peak_bytes, "estimated_components": est.components,
               "estimated_paged_state_bytes": est.paged_state_bytes,
               "estimated_activation_host_bytes": est.activation_host_bytes,
+              "cpu_offload": recipe.optimizer.cpu_offload, "grad_accum_steps": t.grad_accum_steps,
+              "estimated_host_bytes": est.host_bytes,
               "steps_planned": cfg.steps, "steps_done": 0, "oom": False, "step_times_s": []}
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory

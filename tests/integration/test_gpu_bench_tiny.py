@@ -47,6 +47,6 @@ def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
-    assert summary["complete"] and len(summary["runs"]) == 15
+    assert summary["complete"] and len(summary["runs"]) == 17
     assert [r["run"] for r in summary["runs"][:3]] == ["headroom", "table-g2-s2048", "long-16k"]
     assert all(r["skipped"].startswith("budget") for r in summary["runs"])

@@ -1,0 +1,22 @@
+"""benchmarks/offload_bench.py --quick: the result has the documented shape and the pieces are
+timed. The figures docs/memory.md quotes come from the full run; this keeps its code from rotting."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_offload_bench_quick(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "offload_bench.py"), "--quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((tmp_path / "offload.json").read_text())
+    assert s["mode"] == "quick" and s["results"]
+    for r in s["results"]:
+        assert set(r["seconds"]) == {"copy_in", "accumulate", "step", "copy_out"}
+        assert r["seconds"]["step"] > 0 and all(v >= 0 for v in r["seconds"].values())
+        assert r["params"] > 0 and r["seconds_per_1e9_params"]["step"] == r["seconds"]["step"] * 1e9 / r["params"]
+    assert "| adamw_8bit | 1 |" in (tmp_path / "offload.md").read_text()
