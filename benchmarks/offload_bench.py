@@ -48,7 +48,7 @@ from lisaft.units import Unit  # noqa: E402
 
 FULL = {"hidden": 1024, "layers": [4, 16], "threads": sorted({1, os.cpu_count() or 1}),
         "optimizers": ["adamw_8bit", "adamw_32bit"], "reps": 3}
-QUICK = {"hidden": 128, "layers": [2], "threads": [1], "optimizers": ["adamw_8bit"], "reps": 2}
+QUICK = {"hidden": 128, "layers": [2], "threads": [1], "optimizers": ["adamw_8bit"], "reps": 1}
 PIECES = ("copy_in", "accumulate", "step", "copy_out")
 
 
