@@ -33,11 +33,9 @@ carries loss:
 Before any of this, `data.columns` renames fields (prompt -> instruction; ShareGPT's
 conversations/from/value -> messages/role/content), see lisaft/rows.py.
 
-Examples longer than data.max_seq_len are cut at the end. With data.packing, train examples are
-concatenated (each already ends in EOS) and cut into rows of exactly max_seq_len; the leftover
-tail is dropped. Attention in a packed row crosses example boundaries: the model sees the
-previous examples as context. Eval examples are never packed, so eval metrics mean the same with
-packing on or off.
+Examples longer than data.max_seq_len are cut at the end. data.packing puts whole train
+examples into rows afterwards (lisaft/packing.py), each document seeing only itself; eval
+examples are never packed, so eval metrics are the same numbers with packing on or off.
 
 The order is a pure function of (seed, epoch, position), so a resumed run continues with
 exactly the batches an uninterrupted one would have seen, and N data-parallel ranks together
@@ -289,26 +287,6 @@ def _truncate_and_filter(examples: list[Example], max_seq_len: int, key: str) ->
     return kept
 
 
-def pack(examples: list[Example], max_seq_len: int, key: str = "data.train") -> list[Example]:
-    """Concatenate examples and cut into rows of exactly max_seq_len; the tail is dropped."""
-    ids: list[int] = []
-    labels: list[int] = []
-    for ex in examples:
-        ids.extend(ex["input_ids"])
-        labels.extend(ex["labels"])
-    n_rows = len(ids) // max_seq_len
-    if n_rows == 0:
-        raise LisaftError(
-            f"{key}: data.packing: the examples hold {len(ids)} tokens, fewer than one row of "
-            f"data.max_seq_len={max_seq_len}"
-        )
-    return [
-        {"input_ids": ids[k * max_seq_len:(k + 1) * max_seq_len],
-         "labels": labels[k * max_seq_len:(k + 1) * max_seq_len]}
-        for k in range(n_rows)
-    ]
-
-
 def _held_out(n: int, fraction: float, seed: int) -> list[int]:
     n_eval = max(1, round(n * fraction))
     if n_eval >= n:
@@ -342,8 +320,6 @@ def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Exampl
         build_examples(train_rows, section.format, tokenizer, section.template, section.roles),
         section.max_seq_len, "data.train"
     )
-    if section.packing:
-        train = pack(train, section.max_seq_len)
     evals = None
     if eval_rows is not None:
         evals = _truncate_and_filter(

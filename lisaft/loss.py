@@ -90,9 +90,29 @@ def _chunk_loss(hidden, targets, head, softcap):
     return cross_entropy_sum(_head_logits(hidden, head, softcap), targets)
 
 
+# What a collated batch hands the model (lisaft/batches.py collate): a padded batch's
+# attention_mask, or a packed one's position ids and, flattened for the varlen kernels, its
+# cumulative document lengths.
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids",
+                "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def model_inputs(batch: dict) -> dict:
+    """The forward's keyword arguments. use_cache=False: a cache built in the forward, like a 2D
+    attention_mask, turns off transformers' detection of packed documents from position ids,
+    and the model would attend across them."""
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch} | {"use_cache": False}
+
+
+def varlen_attention(model) -> bool:
+    """Whether the model's attention takes varlen kwargs, so batches can be flattened into one
+    row with no padding (collate's `flatten`)."""
+    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
+
+
 def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of every position that predicts a token, flattened, and the targets."""
-    out = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    out = model.base_model(**model_inputs(batch))
     hidden = out.last_hidden_state[:, :-1]
     return hidden.reshape(-1, hidden.size(-1)), batch["labels"][:, 1:].reshape(-1)
 
@@ -101,7 +121,7 @@ def token_loss_sum(model, batch: dict) -> torch.Tensor:
     """Sum of next-token cross entropy (float32) over the positions whose label is not -100."""
     input_ids = batch["input_ids"]
     if not chunked(model, input_ids.numel()):
-        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"]).logits
+        logits = model(**model_inputs(batch)).logits
         return logits_loss_sum(logits, batch["labels"])
     hidden, targets = _positions(model, batch)
     head, cap = model.get_output_embeddings(), _softcap(model)
@@ -136,7 +156,7 @@ def eval_sums(model, batch: dict) -> tuple[float, int, int]:
             loss += cross_entropy_sum(logits, t).item()
             correct += ((logits.argmax(-1) == t) & (t != IGNORE)).sum().item()
         return loss, int((targets != IGNORE).sum()), int(correct)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(**model_inputs(batch)).logits
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE
     correct = ((logits[:, :-1].argmax(-1) == targets) & mask).sum().item()

@@ -151,7 +151,9 @@ class DataSection(_Section):
         1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
         "max_position_embeddings it is an error, unless the model config sets rope_scaling (then a "
         "warning).")
-    packing: Bool = Field(False, description="Concatenate examples into full max_seq_len rows.")
+    packing: Bool = Field(
+        False, description="Put whole train examples into rows of up to max_seq_len tokens (best "
+        "fit, seeded); each document attends only to itself. See docs/data.md.")
     columns: dict[str, str] = Field(
         {}, description="Rename dataset fields to the ones data.format reads, old: new; names inside "
         "chat turns too. E.g. {prompt: instruction, completion: output}, or for ShareGPT "

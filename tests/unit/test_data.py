@@ -158,19 +158,6 @@ def test_examples_without_response_left_are_dropped_with_a_count(tmp_path, tok):
     assert len(train) == 1 and response_ids(train[0]) == enc(tok, "cba") + [tok.eos_token_id]
 
 
-def test_packing_makes_full_rows_and_keeps_labels(tmp_path, tok):
-    rows = [{"instruction": "Reverse", "input": "abcdefg"[: 2 + k % 5], "output": "x" * (1 + k % 3)}
-            for k in range(20)]
-    plain, _ = load_splits(split(tmp_path, rows), tok, seed=0)
-    packed, _ = load_splits(split(tmp_path, rows, packing=True, max_seq_len=16), tok, seed=0)
-    assert all(len(ex["input_ids"]) == 16 == len(ex["labels"]) for ex in packed)
-    stream_ids = [t for ex in plain for t in ex["input_ids"]]
-    stream_labels = [t for ex in plain for t in ex["labels"]]
-    assert len(packed) == len(stream_ids) // 16
-    assert [t for ex in packed for t in ex["input_ids"]] == stream_ids[: 16 * len(packed)]
-    assert [t for ex in packed for t in ex["labels"]] == stream_labels[: 16 * len(packed)]
-
-
 @pytest.mark.filterwarnings("ignore::lisaft.data.DataWarning")
 def test_eval_is_not_packed(tmp_path, tok):
     ev = write_jsonl(tmp_path / "eval.jsonl", INSTR)
