@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lisaft.batches import IGNORE_INDEX as IGNORE
+from lisaft.doc_attention import model_inputs
 
 # Logits per chunk: 16.8M entries, 64 MiB in float32 (131 positions of a 128k vocabulary).
 LOSS_CHUNK_ELEMENTS = 1 << 24
@@ -88,26 +89,6 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 def _chunk_loss(hidden, targets, head, softcap):
     return cross_entropy_sum(_head_logits(hidden, head, softcap), targets)
-
-
-# What a collated batch hands the model (lisaft/batches.py collate): a padded batch's
-# attention_mask, or a packed one's position ids and, flattened for the varlen kernels, its
-# cumulative document lengths.
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids",
-                "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def model_inputs(batch: dict) -> dict:
-    """The forward's keyword arguments. use_cache=False: a cache built in the forward, like a 2D
-    attention_mask, turns off transformers' detection of packed documents from position ids,
-    and the model would attend across them."""
-    return {k: batch[k] for k in MODEL_INPUTS if k in batch} | {"use_cache": False}
-
-
-def varlen_attention(model) -> bool:
-    """Whether the model's attention takes varlen kwargs, so batches can be flattened into one
-    row with no padding (collate's `flatten`)."""
-    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
 
 
 def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

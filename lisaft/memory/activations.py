@@ -105,11 +105,12 @@ def attention_scores_bytes(shape: Shape, dt: int, seq_len: int, attention: str) 
 
 
 def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, trainable: bool,
-                          mlp_chunked: bool = False) -> int:
+                          mlp_chunked: bool = False, masked: bool = False) -> int:
     """Saved-for-backward bytes per token of one decoder layer on the autograd graph. With the
     MLP run in checkpointed chunks (model.mlp_chunk_tokens) it keeps only its input, the norm
     output (already counted when the layer trains); its intermediates are one chunk's, in
-    backward only (`mlp_chunk_bytes`)."""
+    backward only (`mlp_chunk_bytes`). `masked`: sdpa gets an explicit mask (packed rows), so
+    transformers repeats k and v to every head instead of letting sdpa share them (GQA)."""
     h, i, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
     total = 2 * _norm(shape, dt, trainable)  # before attention and before the MLP
     total += shape.post_norms * _norm(shape, dt, trainable)
@@ -124,6 +125,8 @@ def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, t
         # v is a view into the fused q|k|v projection, which so stays alive whole.
         v_storage = (q + 2 * kv) if shape.attn_output_copy else kv
         total += dt * (q + kv + v_storage + q)
+        if masked:
+            total += 2 * dt * (q - kv)
         if shape.attn_output_copy and trainable:
             total += dt * q
     total += attention_scores_bytes(shape, dt, seq_len, attention)
@@ -133,6 +136,16 @@ def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, t
     # and the product (down_proj input, weight grad only).
     total += dt * i * (3 + (1 if trainable else 0))
     return total
+
+
+def packed_mask_bytes(attention: str, checkpointing: bool, batch: int, seq_len: int, dt: int) -> int:
+    """The block-diagonal mask of packed rows: one additive batch x L x L mask in the model dtype,
+    built once per forward (lisaft/doc_attention.py). sdpa keeps it for every layer's backward;
+    eager only adds it to the scores, so it is gone by backward unless checkpointed layers keep
+    it for their recompute. The flash kernels take document lengths and need no mask."""
+    if attention.startswith("flash") or (attention == "eager" and not checkpointing):
+        return 0
+    return batch * seq_len * seq_len * dt
 
 
 def mlp_chunked(seq_len: int, chunk_tokens: int | None) -> bool:
@@ -173,17 +186,20 @@ class ActivationBreakdown:
     log_probs: int  # float32 log-softmax of the loss, kept for its backward
     one_layer_full: int  # one trainable layer's full activations (checkpoint recompute)
     mlp_chunk: int = 0  # one MLP chunk's recompute in backward (model.mlp_chunk_tokens)
+    packed_mask: int = 0  # packed rows' attention mask, resident through backward
+    packed_mask_hooked: bool = False  # saved by sdpa itself (no checkpointing): hooks see it
 
     @property
     def saved(self) -> int:
         """What saved-tensor hooks see at the end of the forward pass."""
-        return self.layers + self.outside_layers + self.log_probs
+        return self.layers + self.outside_layers + self.log_probs + \
+            (self.packed_mask if self.packed_mask_hooked else 0)
 
 
 def activations(
     shape: Shape, dt: int, batch: int, seq_len: int, attention: str, checkpointing: bool,
     trainable_layers: int, train_embeddings: bool, head_weight_trains: bool, final_norm_trains: bool,
-    offload: bool = False, mlp_chunk_tokens: int | None = None,
+    offload: bool = False, mlp_chunk_tokens: int | None = None, packing: bool = False,
 ) -> ActivationBreakdown:
     """Saved-for-backward bytes of one micro-batch.
 
@@ -193,14 +209,16 @@ def activations(
     tokens = batch * seq_len
     frozen_layers = shape.layers - trainable_layers
     chunked = mlp_chunked(seq_len, mlp_chunk_tokens)
-    full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked)
-    frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked)
+    masked = packing and attention == "sdpa"
+    full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked, masked)
+    frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked, masked)
     if checkpointing:
         resident = min(shape.layers, OFFLOAD_INFLIGHT_LAYERS) if offload else shape.layers
         layers = tokens * resident * checkpointed_layer_bytes_per_token(shape, dt)
     else:
         layers = tokens * (trainable_layers * full + frozen_layers * frozen)
     outside = INT64 * tokens if train_embeddings else 0  # token ids, for the embedding gradient
+    mask = packed_mask_bytes(attention, checkpointing, batch, seq_len, dt) if packing else 0
     if not checkpointing:
         outside += 2 * dt * seq_len * shape.rotary_dim  # cos and sin, shared by all layers
     outside += tokens * _norm(shape, dt, final_norm_trains)
@@ -222,6 +240,7 @@ def activations(
         layers=layers, outside_layers=outside, log_probs=log_probs,
         one_layer_full=tokens * (full if trainable_layers else frozen),
         mlp_chunk=mlp_chunk_bytes(shape, dt, batch, seq_len, mlp_chunk_tokens),
+        packed_mask=mask, packed_mask_hooked=attention == "sdpa" and not checkpointing,
     )
 
 

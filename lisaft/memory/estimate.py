@@ -77,6 +77,7 @@ class Settings:
     state_policy: str = "discard"
     batch_size: int = 1
     seq_len: int = 1024
+    packing: bool = False  # data.packing: rows of documents kept apart by a mask or varlen kernels
     grad_accum_steps: int = 1
     clipping: bool = True
     device: str = "cuda"
@@ -264,9 +265,9 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         train_embeddings=not s.lisa or s.train_embeddings,
         head_weight_trains=head_weight_trains,
         final_norm_trains=not s.lisa or s.train_head,
-        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens,
+        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
     )
-    saved_no_logp = act.layers + act.outside_layers
+    saved_no_logp = act.layers + act.outside_layers + act.packed_mask
     loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
     if shape.final_softcap and act.log_probs:
         loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
@@ -363,6 +364,10 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
                                   sparse_numel=sparse, sparse_bytes=sparse * dt - sparse_saving if sparse else 0)
         notes.append("cpu_offload: moments, gradient accumulators and the step live in host memory "
                      "(the host table)")
+    if act.packed_mask:
+        notes.append(f"data.packing under {s.attention}: each row's documents are kept apart by a "
+                     f"{s.seq_len} x {s.seq_len} mask ({act.packed_mask / 2**20:,.0f} MiB for the micro-batch); "
+                     "flash_attention_2 needs none")
     if s.lisa and s.state_policy == "keep":
         notes.append("lisa.state_policy keep: moments of every layer ever sampled stay resident "
                      "(counted as all layers)")

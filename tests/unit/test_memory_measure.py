@@ -66,6 +66,34 @@ def test_activations_match_saved_tensor_meter(model_type, dtype, attention, chec
     assert abs(est.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
 
 
+@pytest.mark.parametrize("model_type,dtype,attention,checkpointing", [
+    ("llama", "float32", "sdpa", False),
+    ("llama", "bfloat16", "sdpa", False),
+    ("llama", "bfloat16", "sdpa", True),
+    ("qwen2", "bfloat16", "eager", False),
+])
+def test_packed_rows_activations_match_saved_tensor_meter(model_type, dtype, attention, checkpointing):
+    from lisaft.batches import collate
+    from lisaft.doc_attention import model_inputs
+
+    config, model = _model(model_type, dtype, attention, checkpointing, 0)
+    seq = 40
+    rows = [{"input_ids": torch.randint(0, config.vocab_size, (seq,)).tolist(), "doc_lens": lens}
+            for lens in ([15, 25], [10, 10, 20])]
+    for row in rows:
+        row["labels"] = row["input_ids"]
+    batch = collate(rows, pad_id=0)
+    with saved_activations(model) as meter:
+        loss = model(**model_inputs(batch), labels=batch["labels"]).loss
+    loss.backward()
+    settings = Settings(model_label=model_type, config=config, dtype=dtype, attention=attention,
+                        gradient_checkpointing=checkpointing, batch_size=2, seq_len=seq, device="cpu")
+    est = compute(settings.with_(packing=True))
+    assert abs(est.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
+    mask = 2 * seq * seq * DTYPES[dtype].itemsize if attention == "sdpa" else 0
+    assert est.sizes["activations"] - compute(settings).sizes["activations"] >= mask
+
+
 def test_meter_counts_views_once_and_skips_parameters():
     w = torch.nn.Parameter(torch.randn(16, 16))
     x = torch.randn(4, 16, requires_grad=True)

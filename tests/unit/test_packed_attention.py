@@ -1,12 +1,15 @@
 """Inside a packed row each document sees only itself, on every architecture lisaft knows, and a
 packed step equals the unpacked step over the same examples."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from lisaft.batches import IGNORE_INDEX, collate
-from lisaft.loss import model_inputs, token_loss_sum
+from lisaft.doc_attention import model_inputs
+from lisaft.loss import token_loss_sum
 from lisaft.packing import pack_examples
 
 VOCAB = 96
@@ -17,8 +20,8 @@ WINDOW = 6
 def _config(arch: str, attention: str):
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
     extra = {
         "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 8}, "phi3": {"pad_token_id": 0},
         "mistral": {"sliding_window": WINDOW}, "mixtral": {"num_local_experts": 2},
@@ -133,7 +136,7 @@ def _varlen_reference(seen: list):
         out = torch.cat([
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
-            for a, b in zip(cu[:-1], cu[1:])], dim=2)
+            for a, b in itertools.pairwise(cu)], dim=2)
         return out.transpose(1, 2).contiguous(), None
 
     return attend
@@ -158,6 +161,48 @@ def test_varlen_kwargs_reach_every_attention_call_and_keep_documents_apart(arch)
         assert torch.equal(call["cu_seq_lens_k"], batch["cu_seq_lens_k"])
         assert call["max_length_q"] == call["max_length_k"] == 12
     cu = batch["cu_seq_lens_q"].tolist()
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in itertools.pairwise(cu):
         alone = alone_model(input_ids=batch["input_ids"][:, a:b], use_cache=False).logits[0]
         torch.testing.assert_close(logits[0, a:b], alone, rtol=1e-5, atol=1e-5)
+
+
+# --- sdpa: one mask per forward, not one per layer --------------------------------------------
+
+
+def _saved_bytes(model, batch) -> int:
+    from lisaft.memory.measure import saved_activations
+
+    with saved_activations(model) as meter:
+        token_loss_sum(model, batch)
+    return meter.bytes
+
+
+def _bool_sdpa_mask(monkeypatch):
+    """transformers' own boolean sdpa mask, which torch converts again in every layer."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "sdpa", sdpa_mask)
+    monkeypatch.setattr("lisaft.doc_attention.share_sdpa_mask", lambda: None)
+
+
+def test_sdpa_keeps_one_mask_for_all_layers(monkeypatch):
+    L = 256
+    ids = np.random.default_rng(0).integers(3, VOCAB, L).tolist()
+    plain = collate([{"input_ids": ids, "labels": ids}], pad_id=0)
+    packed = collate([{"input_ids": ids, "labels": ids, "doc_lens": [100, 100, 56]}], pad_id=0)
+    model = _model("llama").train()
+    layers = model.config.num_hidden_layers
+    extra = _saved_bytes(model, packed) - _saved_bytes(model, plain)
+    assert extra < 1.5 * 4 * L * L  # one float32 L x L mask, whatever the number of layers
+    _bool_sdpa_mask(monkeypatch)
+    assert _saved_bytes(model, packed) - _saved_bytes(model, plain) >= layers * 4 * L * L
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_shared_additive_mask_gives_the_boolean_masks_numbers(dtype, monkeypatch):
+    model = _model("qwen2").to(dtype)
+    batch = collate(pack_examples(_docs([9, 5, 12, 7, 3, 10]), 24, seed=0).rows, pad_id=0)
+    shared = model(**model_inputs(batch)).logits
+    _bool_sdpa_mask(monkeypatch)
+    assert torch.equal(model(**model_inputs(batch)).logits, shared)

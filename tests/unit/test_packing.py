@@ -6,7 +6,6 @@ import torch
 
 from lisaft.batches import IGNORE_INDEX, collate
 from lisaft.errors import LisaftError
-from lisaft.loss import model_inputs, token_loss_sum
 from lisaft.packing import best_fit_rows, pack_examples
 
 
