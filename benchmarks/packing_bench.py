@@ -21,8 +21,8 @@ the process's peak resident set since the contender started) and the eval loss a
 (held-out documents, each alone), i.e. at an equal number of real training tokens.
 
     nice -n 15 python benchmarks/packing_bench.py            # full: 3 seeds, CPU ~15 min
-    python benchmarks/packing_bench.py --quick               # a tiny model and set: ~20 s
-    python benchmarks/packing_bench.py --device cuda --attention flash_attention_2
+    python benchmarks/packing_bench.py --quick               # a tiny model and set: ~10 s
+    python benchmarks/packing_bench.py --gpu-size --attention flash_attention_2   # GPU suite
 
 Writes packing.json and packing.md into --out (default benchmarks/results/packing, or
 benchmarks/results/packing-quick with --quick).
@@ -45,17 +45,22 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from lisaft.batches import IGNORE_INDEX, collate, real_positions, to_device  # noqa: E402
+from lisaft.doc_attention import varlen_attention  # noqa: E402
 from lisaft.loss import eval_sums, token_loss_sum  # noqa: E402
 from lisaft.packing import pack_examples  # noqa: E402
 
 CONTENDERS = ("batch1", "padded8", "concat", "packed", "padding_free")
 # Sized for a shared 2-core CPU: about a minute per contender and seed.
 FULL = dict(layers=2, hidden=128, intermediate=344, heads=4, vocab=256, max_seq_len=1024,
-            median=200, sigma=0.8, n_train=128, n_eval=32, steps=8, rows_per_batch=2, lr=3e-3,
+            median=200, sigma=0.8, n_train=64, n_eval=24, steps=8, rows_per_batch=1, lr=3e-3,
             seeds=(0, 1, 2))
-QUICK = dict(layers=2, hidden=64, intermediate=128, heads=4, vocab=128, max_seq_len=128,
-             median=24, sigma=0.8, n_train=96, n_eval=16, steps=4, rows_per_batch=2, lr=2e-3,
+QUICK = dict(layers=1, hidden=32, intermediate=64, heads=4, vocab=64, max_seq_len=128,
+             median=24, sigma=0.8, n_train=64, n_eval=8, steps=2, rows_per_batch=2, lr=2e-3,
              seeds=(0,))
+# For the GPU suite (benchmarks/gpu_run.sh): a 1B-class Llama shape, full 2,048-token rows.
+GPU = dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=32000, max_seq_len=2048,
+           median=200, sigma=0.8, n_train=1536, n_eval=128, steps=24, rows_per_batch=4, lr=3e-4,
+           seeds=(0, 1, 2))
 BOS, EOS, PAD = 1, 2, 0
 
 
@@ -134,7 +139,8 @@ def _model(cfg: dict, seed: int, device: torch.device, attention: str):
 
     config = LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                         num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["max_seq_len"],
+                         num_key_value_heads=cfg.get("kv_heads", cfg["heads"]),
+                         max_position_embeddings=cfg["max_seq_len"],
                          bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False,
                          use_cache=False)
     torch.manual_seed(seed)
@@ -178,8 +184,12 @@ def train_one(name: str, train: list[dict], evals: list[dict], cfg: dict, seed: 
     real = computed = 0
     _reset_peak(device)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    for step in _steps(micro, cfg["steps"]):
-        batches = [collate(m, PAD, flatten=name == "padding_free") for m in step]
+    steps = _steps(micro, cfg["steps"])
+    for step in steps:
+        # On the varlen kernels packed rows are flattened as lisaft's training step does; padded8
+        # stays padded, to show what padding costs.
+        flatten = name == "padding_free" or (name == "packed" and varlen_attention(model))
+        batches = [collate(m, PAD, flatten=flatten) for m in step]
         n_loss = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
         for m, b in zip(step, batches):
             loss = token_loss_sum(model, to_device(b, device))
@@ -191,7 +201,7 @@ def train_one(name: str, train: list[dict], evals: list[dict], cfg: dict, seed: 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"real_tokens": real, "computed_positions": computed, "real_share": real / computed,
+    return {"steps": len(steps), "real_tokens": real, "computed_positions": computed, "real_share": real / computed,
             "real_tokens_per_s": real / elapsed, "real_tokens_per_cpu_s": real / cpu, "seconds": elapsed,
             "peak_memory_bytes": _peak(device),
             "eval_loss": eval_loss(model, evals, device), **info}
@@ -250,12 +260,14 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gpu-size", action="store_true", help="the GPU suite's 1B-class model and data")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--attention", default="sdpa", help="sdpa | eager | flash_attention_2")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
-    out = args.out or REPO / "benchmarks" / "results" / ("packing-quick" if args.quick else "packing")
+    cfg = QUICK if args.quick else GPU if args.gpu_size else FULL
+    mode = "quick" if args.quick else "gpu" if args.gpu_size else "full"
+    out = args.out or REPO / "benchmarks" / "results" / ("packing" if mode == "full" else f"packing-{mode}")
     device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     runs: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
@@ -267,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed} {name:13s} {r['real_tokens_per_s']:9,.0f} real tok/s  "
                   f"real {r['real_share']:.1%}  eval {r['eval_loss']:.4f}", flush=True)
     result = {
-        "benchmark": "packing_bench", "mode": "quick" if args.quick else "full",
+        "benchmark": "packing_bench", "mode": mode,
         "command": "python benchmarks/packing_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "attention": args.attention, "torch": torch.__version__,
