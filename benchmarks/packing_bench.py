@@ -16,9 +16,12 @@ optimizer steps with the same token budget per step, five ways:
                  the whole block-diagonal row
 
 Per contender and seed: real tokens/s (positions holding a document token, per second of
-training), the share of computed positions that are real, peak memory (CUDA: max allocated; CPU:
-the process's peak resident set since the contender started) and the eval loss after the epoch
-(held-out documents, each alone), i.e. at an equal number of real training tokens.
+training; also per CPU-second of the process, steadier on a shared machine), the share of
+computed positions that are real, a step's peak memory above what was resident before it
+(activations, gradients, temporaries; CUDA: allocated bytes, CPU: resident set) and the eval loss after the epoch (held-out
+documents, each alone), i.e. at an equal number of real training tokens. The contenders advance
+in lockstep, one optimizer step each in turn, so that other load on the machine falls on all
+of them alike.
 
     nice -n 15 python benchmarks/packing_bench.py            # full: 3 seeds, CPU ~15 min
     python benchmarks/packing_bench.py --quick               # a tiny model and set: ~10 s
@@ -121,14 +124,17 @@ def micro_batches(name: str, examples: list[dict], cfg: dict, seed: int) -> tupl
 
 
 def _steps(micro: list[list[dict]], n_steps: int) -> list[list[list[dict]]]:
-    """Micro-batches grouped into n_steps optimizer steps of about equal real tokens."""
-    total = sum(real_positions(m) for m in micro)
-    steps: list[list[list[dict]]] = [[] for _ in range(n_steps)]
-    seen = 0
-    for m in micro:
-        steps[min(n_steps - 1, seen * n_steps // total)].append(m)
-        seen += real_positions(m)
-    return [s for s in steps if s]
+    """Micro-batches in n_steps optimizer steps, none empty, of about equal real tokens."""
+    if len(micro) < n_steps:
+        raise SystemExit(f"{len(micro)} micro-batches cannot make {n_steps} steps: add examples")
+    cum = np.cumsum([real_positions(m) for m in micro])
+    cuts, prev = [], 0
+    for k in range(1, n_steps):
+        i = int(np.searchsorted(cum, k * cum[-1] / n_steps)) + 1
+        prev = min(max(i, prev + 1), len(micro) - (n_steps - k))
+        cuts.append(prev)
+    bounds = [0, *cuts, len(micro)]
+    return [micro[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 # --- measuring ------------------------------------------------------------------------------------
@@ -155,11 +161,12 @@ def _reset_peak(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
-def _peak(device: torch.device) -> int:
+def _memory(device: torch.device, peak: bool) -> int:
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return (torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated)(device)
+    field = "VmHWM:" if peak else "VmRSS:"
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -176,35 +183,59 @@ def eval_loss(model, evals: list[dict], device: torch.device) -> float:
     return loss / tokens
 
 
-def train_one(name: str, train: list[dict], evals: list[dict], cfg: dict, seed: int,
-              device: torch.device, attention: str) -> dict:
-    micro, info = micro_batches(name, train, cfg, seed)
-    model = _model(cfg, seed, device, attention).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
-    real = computed = 0
-    _reset_peak(device)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    steps = _steps(micro, cfg["steps"])
-    for step in steps:
+class Contender:
+    """One way of batching, with its own model (same initial weights) and optimizer."""
+
+    def __init__(self, name: str, train: list[dict], cfg: dict, seed: int, device: torch.device,
+                 attention: str):
+        self.name, self.device = name, device
+        micro, self.info = micro_batches(name, train, cfg, seed)
+        self.steps = _steps(micro, cfg["steps"])
+        self.model = _model(cfg, seed, device, attention).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=0.0)
         # On the varlen kernels packed rows are flattened as lisaft's training step does; padded8
         # stays padded, to show what padding costs.
-        flatten = name == "padding_free" or (name == "packed" and varlen_attention(model))
-        batches = [collate(m, PAD, flatten=flatten) for m in step]
+        self.flatten = name == "padding_free" or (name == "packed" and varlen_attention(self.model))
+        self.real = self.computed = 0
+        self.seconds = self.cpu_seconds = 0.0
+        self.peak = 0
+
+    def step(self, k: int) -> None:
+        _reset_peak(self.device)
+        before = _memory(self.device, peak=False)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        batches = [collate(m, PAD, flatten=self.flatten) for m in self.steps[k]]
         n_loss = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
-        for m, b in zip(step, batches):
-            loss = token_loss_sum(model, to_device(b, device))
+        for m, b in zip(self.steps[k], batches):
+            loss = token_loss_sum(self.model, to_device(b, self.device))
             (loss / n_loss).backward()
-            real += real_positions(m)
-            computed += b["input_ids"].numel()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"steps": len(steps), "real_tokens": real, "computed_positions": computed, "real_share": real / computed,
-            "real_tokens_per_s": real / elapsed, "real_tokens_per_cpu_s": real / cpu, "seconds": elapsed,
-            "peak_memory_bytes": _peak(device),
-            "eval_loss": eval_loss(model, evals, device), **info}
+            self.real += real_positions(m)
+            self.computed += b["input_ids"].numel()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.process_time() - cpu0
+        self.peak = max(self.peak, _memory(self.device, peak=True) - before)
+
+    def result(self, evals: list[dict]) -> dict:
+        return {"steps": len(self.steps), "real_tokens": self.real, "computed_positions": self.computed,
+                "real_share": self.real / self.computed, "real_tokens_per_s": self.real / self.seconds,
+                "real_tokens_per_cpu_s": self.real / self.cpu_seconds, "seconds": self.seconds,
+                "step_peak_bytes": self.peak, "eval_loss": eval_loss(self.model, evals, self.device),
+                **self.info}
+
+
+def train_all(train: list[dict], evals: list[dict], cfg: dict, seed: int, device: torch.device,
+              attention: str) -> dict[str, dict]:
+    """The contenders advance in lockstep, one optimizer step each in turn (the order rotating),
+    so a load that comes and goes on a shared machine falls on all of them alike."""
+    contenders = [Contender(name, train, cfg, seed, device, attention) for name in CONTENDERS]
+    for k in range(cfg["steps"]):
+        for c in contenders[k % len(contenders):] + contenders[:k % len(contenders)]:
+            c.step(k)
+    return {c.name: c.result(evals) for c in contenders}
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -214,7 +245,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for name, per_seed in runs.items():
         row = {}
-        for key in ("real_tokens_per_s", "real_tokens_per_cpu_s", "real_share", "peak_memory_bytes", "eval_loss"):
+        for key in ("real_tokens_per_s", "real_tokens_per_cpu_s", "real_share", "step_peak_bytes", "eval_loss"):
             values = [r[key] for r in per_seed]
             row[key] = statistics.fmean(values)
             row[f"{key}_sd"] = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -239,13 +270,13 @@ def markdown(result: dict) -> str:
     s = result["summary"]
     lines = [f"# packing_bench ({result['mode']}, {result['device']}, {result['attention']})", "",
              f"Command: `{result['command']}`", "",
-             "| contender | real tokens/s | per CPU-second | real share | peak memory MiB | eval loss |",
+             "| contender | real tokens/s | per CPU-second | real share | step peak MiB | eval loss |",
              "|---|---|---|---|---|---|"]
     for name in CONTENDERS:
         r = s[name]
         lines.append(f"| {name} | {r['real_tokens_per_s']:,.0f} ± {r['real_tokens_per_s_sd']:,.0f} "
                      f"| {r['real_tokens_per_cpu_s']:,.0f} | {r['real_share']:.1%} "
-                     f"| {r['peak_memory_bytes'] / 2**20:,.0f} "
+                     f"| {r['step_peak_bytes'] / 2**20:,.0f} "
                      f"| {r['eval_loss']:.4f} ± {r['eval_loss_sd']:.4f} |")
     t = s["targets"]
     lines += ["", f"- packing fill {t['packed_fill']:.1%} (target >= 95%: {'met' if t['packed_fill_ok'] else 'missed'})",
@@ -273,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
     for seed in cfg["seeds"]:
         train, evals = make_data(cfg, seed)
-        for name in CONTENDERS:
-            r = train_one(name, train, evals, cfg, seed, device, args.attention)
+        for name, r in train_all(train, evals, cfg, seed, device, args.attention).items():
             runs[name].append({"seed": seed, **r})
             print(f"seed {seed} {name:13s} {r['real_tokens_per_s']:9,.0f} real tok/s  "
                   f"real {r['real_share']:.1%}  eval {r['eval_loss']:.4f}", flush=True)
