@@ -18,8 +18,9 @@ optimizer steps with the same token budget per step, five ways:
 Per contender and seed: real tokens/s (positions holding a document token, per second of
 training; also per CPU-second of the process, steadier on a shared machine), the share of
 computed positions that are real, a step's peak memory above what was resident before it
-(activations, gradients, temporaries; CUDA: allocated bytes, CPU: resident set) and the eval loss after the epoch (held-out
-documents, each alone), i.e. at an equal number of real training tokens. The contenders advance
+(activations, gradients, temporaries; CUDA: allocated bytes, CPU: resident set) and the eval
+loss after the epoch (held-out documents, each alone), i.e. at an equal number of real
+training tokens. The contenders advance
 in lockstep, one optimizer step each in turn, so that other load on the machine falls on all
 of them alike.
 
@@ -279,7 +280,8 @@ def markdown(result: dict) -> str:
                      f"| {r['step_peak_bytes'] / 2**20:,.0f} "
                      f"| {r['eval_loss']:.4f} ± {r['eval_loss_sd']:.4f} |")
     t = s["targets"]
-    lines += ["", f"- packing fill {t['packed_fill']:.1%} (target >= 95%: {'met' if t['packed_fill_ok'] else 'missed'})",
+    fill_ok = "met" if t["packed_fill_ok"] else "missed"
+    lines += ["", f"- packing fill {t['packed_fill']:.1%} (target >= 95%: {fill_ok})",
               f"- packed / padded8 real tokens/s: {t['speedup_vs_padded8']:.2f}x wall-clock "
               f"(target >= 1.5x: {'met' if t['speedup_ok'] else 'missed'}), "
               f"{t['speedup_vs_padded8_cpu_time']:.2f}x per CPU-second",

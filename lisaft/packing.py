@@ -99,11 +99,7 @@ class Packing:
         return {"digest": self.digest, "rows": len(self.rows)}
 
     def load_state_dict(self, d: dict) -> None:
-        if not d.get("digest"):
-            raise LisaftError(
-                "data.train: the checkpoint records no packing (made without data.packing, or by a "
-                "lisaft that packed differently); start a new run to train with data.packing")
-        if d["digest"] != self.digest:
+        if d.get("digest") != self.digest:
             raise LisaftError(
                 f"data.train: the checkpoint's packing ({d.get('rows')} rows, digest {d.get('digest')}) "
                 f"differs from what the data packs into now ({len(self.rows)} rows, digest {self.digest}); "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from lisaft import dist
-from lisaft.batches import collate, eval_index_batches
+from lisaft.batches import collate, eval_index_batches, to_device
+from lisaft.doc_attention import varlen_attention
 from lisaft.loss import eval_sums
 from lisaft.train.session import Session
 
@@ -23,8 +24,8 @@ def evaluate(session: Session) -> dict:
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
     for idx in batches:
-        batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id)
-        batch = {k: v.to(session.device) for k, v in batch.items()}
+        batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id, varlen_attention(model))
+        batch = to_device(batch, session.device)
         loss_sum, n_tokens, n_correct = eval_sums(model, batch)
         totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
     model.train()

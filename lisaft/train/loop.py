@@ -21,7 +21,7 @@ from lisaft.train.session import Session
 from lisaft.train.step import StepResult, train_step
 from lisaft.train.stop import StopRequest
 
-_EMPTY_WINDOW = {"loss_sum": 0.0, "steps": 0, "tokens": 0}
+_EMPTY_WINDOW = {"loss_sum": 0.0, "steps": 0, "tokens": 0, "padding": 0}
 
 
 def _train_record(session: Session, result: StepResult, window: dict, elapsed: float) -> dict:
@@ -33,6 +33,7 @@ def _train_record(session: Session, result: StepResult, window: dict, elapsed: f
         "lr": result.lr,
         "grad_norm": result.grad_norm,
         "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+        "padding_positions": window["padding"],
         "active_layers": session.controller.active_layers,
         "trainable_params": session.controller.trainable_params(),
         "grad_bytes": result.grad_bytes,
@@ -46,6 +47,7 @@ def _add(window: dict, result: StepResult) -> None:
     window["loss_sum"] += result.loss
     window["steps"] += 1
     window["tokens"] += result.tokens
+    window["padding"] += result.padding
 
 
 def _record_peaks(session: Session, result: StepResult) -> None:
@@ -80,7 +82,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
     changed: set[str] = set()
     if dist.is_main():
         remove_temporaries(session.run_dir)  # what a killed run left half written
-    window = dict(progress.window or _EMPTY_WINDOW)
+    window = {**_EMPTY_WINDOW, **progress.window}
     window_t0 = time.perf_counter()
     with StopRequest() as stop, Display(t.max_steps, progress.step, enabled=show) as display, \
             RunLog(session.run_dir, session.recipe, progress.step) as metrics:

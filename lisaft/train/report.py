@@ -20,10 +20,12 @@ def announce(session: Session, display: Display) -> None:
         f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
         f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
         f"{' on the CPU' if r.optimizer.cpu_offload else ''}; "
-        f"{len(session.train_examples)} train examples"
+        f"{len(session.train_examples)} train {'rows' if session.packing else 'examples'}"
         + (f", {len(session.eval_examples)} eval" if session.eval_examples else "")
         + f"; steps {session.progress.step}->{r.training.max_steps}; run {session.run_dir}"
     )
+    if session.packing is not None:
+        display.print(session.packing.summary())
 
 
 def memory_report(session: Session, metrics: RunLog) -> None:

@@ -22,6 +22,7 @@ from lisaft.in_backward import StepInBackward
 from lisaft.lisa import LisaController
 from lisaft.models import ModelParts
 from lisaft.optimizer_files import OptimizerFiles
+from lisaft.packing import Packing, pack_examples
 from lisaft.recipe import Recipe
 from lisaft.schedules import Schedule
 from lisaft.units import Unit, UnitOptimizers
@@ -82,15 +83,19 @@ class Session:
     progress: Progress
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
+    packing: Packing | None = None  # data.packing: train_examples are its rows
 
     def checkpointer(self) -> Checkpointer:
         """The checkpointer, handed every stateful component. JSON components load in the order
         given (the LISA position before the optimizer files, which place moments by it)."""
         t = self.recipe.training
+        components = {"progress": self.progress, "data": self.order, "lisa": self.controller,
+                      "schedule": self.schedule}
+        if self.packing is not None:
+            components["packing"] = self.packing  # a resume over data that packs otherwise is refused
         return Checkpointer(
             self.run_dir, self.model, self.units, keep_last=t.keep_last,
-            components={"progress": self.progress, "data": self.order, "lisa": self.controller,
-                        "schedule": self.schedule},
+            components=components,
             folders={"optimizer": OptimizerFiles(self.optimizers, self.controller)},
         )
 
@@ -122,6 +127,9 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         tokenizer = load_tokenizer(recipe.model)
     if train_examples is None:
         train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
+    packing = pack_examples(train_examples, recipe.data.max_seq_len, t.seed) if recipe.data.packing else None
+    if packing is not None:
+        train_examples = packing.rows
     if t.max_steps is None:  # training.epochs: the run's length follows from the train set
         t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
@@ -148,4 +156,4 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   in_backward=in_backward)
+                   in_backward=in_backward, packing=packing)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from lisaft import dist
-from lisaft.batches import IGNORE_INDEX, collate
+from lisaft.batches import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.cpu_offload import OffloadedOptimizers
+from lisaft.doc_attention import varlen_attention
 from lisaft.loss import token_loss_sum
 from lisaft.optim import clip_grad_norm
 from lisaft.train.session import Session
@@ -21,7 +22,8 @@ class StepResult:
     """Every figure one optimizer step measured."""
 
     loss: float                       # mean token loss over the global batch
-    tokens: int                       # global non-padding tokens processed
+    tokens: int                       # global real tokens processed (padding not counted)
+    padding: int                      # global positions computed on padding
     lr: float                         # the learning rate the step used
     grad_norm: float | None           # total gradient norm before clipping (None: not measured)
     grad_bytes: int                   # gradient bytes held before the optimizer step
@@ -51,12 +53,15 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     with phases.phase("lisa"):
         controller.activate_for_step(step)
     with phases.phase("collate"):
-        micro = []
+        # With a varlen attention kernel a micro-batch is one row of documents, no padding at all.
+        flatten = varlen_attention(session.model)
+        micro, real = [], 0
         for _ in range(t.grad_accum_steps):
-            idx = session.order.next_indices()
-            micro.append(collate([session.train_examples[i] for i in idx], session.tokenizer.pad_token_id))
-    counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
-                           sum(int(b["attention_mask"].sum()) for b in micro)], dtype=torch.float64)
+            examples = [session.train_examples[i] for i in session.order.next_indices()]
+            micro.append(collate(examples, session.tokenizer.pad_token_id, flatten))
+            real += real_positions(examples)
+    counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro), real,
+                           sum(b["input_ids"].numel() for b in micro)], dtype=torch.float64)
     counts = dist.all_reduce_sum(counts.to(session.device)).cpu()
     loss_tokens = max(counts[0].item(), 1.0)
     # The learning rate is set before backward: with optimizer.in_backward the update runs there.
@@ -67,7 +72,7 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     in_backward = session.in_backward.step(measure_norm) if session.in_backward else contextlib.nullcontext()
     with in_backward as norm:
         for i, batch in enumerate(micro):
-            batch = {k: v.to(session.device, non_blocking=True) for k, v in batch.items()}
+            batch = to_device(batch, session.device)
             with phases.phase("forward"):
                 if measure_activations and i == 0:
                     from lisaft.memory.measure import saved_activations
@@ -86,7 +91,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     else:
         grad_norm, grad_bytes = _clip_and_step(session, measure_norm, phases)
     loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
-    return StepResult(loss=loss_total / loss_tokens, tokens=int(counts[1].item()), lr=lr, grad_norm=grad_norm,
+    return StepResult(loss=loss_total / loss_tokens, tokens=int(counts[1].item()),
+                      padding=int(counts[2].item() - counts[1].item()), lr=lr, grad_norm=grad_norm,
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
                       activation_seq_len=activation_seq_len)
 

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.metrics import read_metrics
+from lisaft.runlog import read_metrics
 
 runner = CliRunner()
 PACKED = {"packing": True, "max_seq_len": 64}
@@ -36,7 +36,7 @@ def test_a_packed_run_says_what_packing_did_and_counts_padding(tiny_run):
 
 
 def test_eval_is_the_same_with_packing_on_or_off(tiny_run):
-    from lisaft.trainer import train
+    from lisaft.train import train
 
     common = {"training": {"max_steps": 1, "eval_every": 1}}
     assert train(tiny_run("plain.yaml", **common), overrides=["training.output_dir=plain"], show=False) == 0
@@ -48,7 +48,7 @@ def test_eval_is_the_same_with_packing_on_or_off(tiny_run):
 
 
 def test_a_packed_run_resumes_bit_identically_and_refuses_changed_data(tiny_run):
-    from lisaft.trainer import resume, train
+    from lisaft.train import resume, train
 
     common = {"data": PACKED, "training": {"max_steps": 6, "eval_every": 3}}
     assert train(tiny_run("ref.yaml", **common), overrides=["training.output_dir=ref"], show=False) == 0
@@ -58,10 +58,11 @@ def test_a_packed_run_resumes_bit_identically_and_refuses_changed_data(tiny_run)
     train_file = tiny_run.dir / "train.jsonl"
     original = train_file.read_text()
     rows = [json.loads(x) for x in original.splitlines()]
-    rows[0]["output"] = rows[0]["output"][::-1] if rows[0]["output"] != rows[0]["output"][::-1] else "j" * len(rows[0]["output"])
+    out = rows[0]["output"]
+    rows[0]["output"] = "j" * len(out) if set(out) != {"j"} else "i" * len(out)
     train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = runner.invoke(app, ["resume", str(tiny_run.dir / "cut")])
-    assert result.exit_code != 0 and "packing" in result.output and "Traceback" not in result.output
+    assert result.exit_code != 0 and "digest" in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     train_file.write_text(original)
     assert resume(tiny_run.dir / "cut", show=False) == 0
