@@ -2,6 +2,7 @@
 exact resume over the same rows, and a resume over data that packs differently refused."""
 
 import json
+import sys
 
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -70,3 +71,30 @@ def test_a_packed_run_resumes_bit_identically_and_refuses_changed_data(tiny_run)
     assert [r["loss"] for r in _records(ref, "loss")] == [r["loss"] for r in _records(cut, "loss")]
     wa, wb = _weights(ref), _weights(cut)
     assert all(wa[k].equal(wb[k]) for k in wa)
+
+
+def test_the_step_flattens_micro_batches_for_a_varlen_kernel(tiny_run, monkeypatch):
+    # flash-attn cannot be installed here: a reference varlen attention (per-segment sdpa over
+    # cu_seq_lens) stands in for it, and the step is told the model's kernel is varlen.
+    from transformers import AttentionInterface
+
+    from lisaft.recipe import load_recipe
+    from lisaft.train import build_session, evaluate, train_step
+    from tests.unit.test_packed_attention import _varlen_reference
+
+    recipe = tiny_run(data=PACKED, training={"grad_accum_steps": 2})
+    padded = build_session(load_recipe(recipe), tiny_run.dir / "padded")
+    flat = build_session(load_recipe(recipe), tiny_run.dir / "flat")
+    seen: list = []
+    AttentionInterface.register("lisaft_varlen_reference", _varlen_reference(seen))
+    flat.model.set_attn_implementation("lisaft_varlen_reference")
+    a = train_step(padded, 0)
+    monkeypatch.setattr("lisaft.train.step.varlen_attention", lambda model: True)
+    monkeypatch.setattr(sys.modules["lisaft.train.evaluate"], "varlen_attention", lambda model: True)
+    b = train_step(flat, 0)
+    assert seen and all(call["cu_seq_lens_q"] is not None for call in seen)
+    assert b.padding == 0 < a.padding and b.tokens == a.tokens
+    assert abs(b.loss - a.loss) <= 1e-5 * a.loss
+    ea, eb = evaluate(padded), evaluate(flat)
+    assert abs(eb["eval_loss"] - ea["eval_loss"]) <= 1e-5 * ea["eval_loss"]
+    assert eb["eval_token_accuracy"] == ea["eval_token_accuracy"]
