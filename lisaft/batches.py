@@ -36,10 +36,12 @@ class DataOrder:
     (epoch, position), position counted in permutation entries.
     """
 
-    def __init__(self, n_examples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, n_examples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 unit: str = "examples"):
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batch_size={batch_size}, rank={rank}, world_size={world_size}")
         self.n = n_examples
+        self.unit = unit  # what an index stands for in messages: examples, or packed rows
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
@@ -48,7 +50,7 @@ class DataOrder:
         if n_examples < self.global_batch:
             per = f"training.batch_size={batch_size}" + (f" x {world_size} ranks" if world_size > 1 else "")
             raise LisaftError(
-                f"data.train: the dataset is smaller than one batch: {n_examples} examples, "
+                f"data.train: the dataset is smaller than one batch: {n_examples} {unit}, "
                 f"{per} needs {self.global_batch}; lower training.batch_size or add data"
             )
         self.epoch = 0
@@ -78,7 +80,7 @@ class DataOrder:
         n = d.get("n_examples", self.n)
         if n != self.n:
             raise LisaftError(
-                f"data.train: the checkpoint was taken with {n} training examples, the data now gives "
+                f"data.train: the checkpoint was taken with {n} training {self.unit}, the data now gives "
                 f"{self.n}; the data (or data.max_seq_len / data.packing) changed since the run started"
             )
         self.epoch = int(d["epoch"])

@@ -152,7 +152,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
                                   shard=t.shard_optimizer_state)
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed)
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
-    order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size())
+    order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
+                      unit="packed rows" if packing else "examples")
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),

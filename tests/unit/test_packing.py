@@ -116,3 +116,14 @@ def test_flattened_batches_carry_the_varlen_kernels_lengths():
     packed = pack_examples(examples, 8, seed=0)
     flat = collate(packed.rows, pad_id=0, flatten=True)
     assert flat["cu_seq_lens_q"].diff().tolist() == [n for r in packed.rows for n in r["doc_lens"]]
+
+
+def test_data_order_over_packed_rows_names_rows_and_gives_ranks_whole_rows():
+    from lisaft.batches import DataOrder
+
+    with pytest.raises(LisaftError, match="smaller than one batch: 3 packed rows"):
+        DataOrder(3, 4, seed=0, unit="packed rows")
+    single = DataOrder(10, 4, seed=0)
+    ranks = [DataOrder(10, 2, seed=0, rank=r, world_size=2) for r in range(2)]
+    for _ in range(5):
+        assert single.next_indices() == ranks[0].next_indices() + ranks[1].next_indices()
