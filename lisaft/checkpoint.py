@@ -257,8 +257,10 @@ class Checkpointer:
         components = read_components(ckpt)
         missing = [name for name in self.components if name not in components]
         if missing:
-            raise LisaftError(f"{ckpt.name} was written by an older lisaft (one optimizer for the whole model, "
-                              f"no {missing[0]} state); it cannot be resumed by this version (docs/resume.md)")
+            # Before per-unit optimizers there was no LISA position or LR plan in a checkpoint.
+            what = "one optimizer for the whole model, " if missing[0] in ("lisa", "schedule") else ""
+            raise LisaftError(f"{ckpt.name} was written by an older lisaft ({what}no {missing[0]} state); it "
+                              "cannot be resumed by this version (docs/resume.md)")
         _load_weights(ckpt, self.model)
         for name, component in self.components.items():
             component.load_state_dict(components[name])
