@@ -36,13 +36,10 @@ from lisaft.models import ModelParts
 
 def check_supported(recipe) -> None:
     """One-line refusals of what FSDP cannot run (docs/distributed.md says why)."""
-    if not dist.is_initialized() or dist.world_size() < 2:
-        raise LisaftError("training.fsdp needs several processes: launch with torchrun --nproc-per-node N "
-                          "(N >= 2), or set training.fsdp false")
     name = recipe.optimizer.name
     if name.startswith("paged_"):
-        raise LisaftError(f"optimizer.name {name} cannot run with training.fsdp: paged state pages whole "
-                          "tensors, not one rank's slice; use adamw_32bit or adamw_8bit")
+        raise LisaftError(f"optimizer.name {name} is not supported with training.fsdp (paging of one rank's "
+                          "slices is untested on CUDA); use adamw_32bit or adamw_8bit")
     if recipe.optimizer.in_backward:
         raise LisaftError("optimizer.in_backward cannot run with training.fsdp: the update would run before "
                           "the gradient reduce-scatter; set it false")
@@ -54,8 +51,9 @@ def check_supported(recipe) -> None:
                           "shards the optimizer state: set one of them false")
     if recipe.training.compile:
         raise LisaftError("training.compile is not supported with training.fsdp yet; set it false")
-    if recipe.model.dtype == "float16":
-        raise LisaftError("model.dtype float16 is not supported with training.fsdp; use bfloat16")
+    if not dist.is_initialized() or dist.world_size() < 2:
+        raise LisaftError("training.fsdp needs several processes: launch with torchrun --nproc-per-node N "
+                          "(N >= 2), or set training.fsdp false")
 
 
 def _head_modules(model: nn.Module, parts: ModelParts) -> list[nn.Module]:
