@@ -45,7 +45,7 @@ def bf16(shared_tiny_run):
 
 @pytest.fixture(scope="module")
 def full(shared_tiny_run):
-    return fsdp_run(shared_tiny_run, "full", {"lisa": {"enabled": False}})
+    return fsdp_run(shared_tiny_run, "full", {"lisa": {"enabled": False}, "model": {"gradient_checkpointing": True}})
 
 
 def close_to_one_process(r, rtol=1e-5, wtol=1e-4):
@@ -68,7 +68,8 @@ def test_lisa_on_two_ranks_matches_one_process_at_twice_the_batch(lisa):
     assert (ckpt / "optimizer" / "rank-1" / "layer-00001.pt").is_file() and not (ckpt / "weights").exists()
 
 
-def test_full_fine_tuning_on_two_ranks_matches_one_process(full):
+def test_full_fine_tuning_with_gradient_checkpointing_on_two_ranks_matches_one_process(full):
+    # A recomputed layer gathers its weights again in backward.
     close_to_one_process(full)
 
 
@@ -101,3 +102,12 @@ def test_two_ranks_resume_bit_identically(bf16, shared_tiny_run):
     assert train_losses(cut) == bf16.losses
     resumed = weights(cut)
     assert all(resumed[k].equal(bf16.weights[k]) for k in bf16.weights)
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused(bf16):
+    from typer.testing import CliRunner
+
+    from lisaft.cli import app
+
+    out = CliRunner().invoke(app, ["resume", str(bf16.run), "--max-steps", "6"])
+    assert out.exit_code == 2 and "2 processes" in out.output
