@@ -111,3 +111,13 @@ def test_a_resume_on_another_number_of_ranks_is_refused(bf16):
 
     out = CliRunner().invoke(app, ["resume", str(bf16.run), "--max-steps", "6"])
     assert out.exit_code == 2 and "2 processes" in out.output
+
+
+def test_fsdp_in_one_process_is_refused_in_one_line_and_writes_nothing(tiny_run):
+    from typer.testing import CliRunner
+
+    from lisaft.cli import app
+
+    out = CliRunner().invoke(app, ["train", str(tiny_run(training={"fsdp": True, "output_dir": "one"}))])
+    assert out.exit_code == 2 and "torchrun --nproc-per-node" in out.output
+    assert len(out.output.strip().splitlines()) == 1 and not (tiny_run.dir / "one").exists()
