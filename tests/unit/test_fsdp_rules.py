@@ -25,6 +25,7 @@ def recipe(**sections) -> Recipe:
 @pytest.mark.parametrize("sections, words", [
     ({"optimizer": {"name": "paged_adamw_8bit"}}, "optimizer.name paged_adamw_8bit"),
     ({"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}}, "optimizer.in_backward"),
+    ({"optimizer": {"cpu_offload": True}}, "optimizer.cpu_offload"),
     ({"training": {"shard_optimizer_state": True}}, "training.shard_optimizer_state"),
     ({"training": {"compile": True}}, "training.compile"),
     ({}, "torchrun --nproc-per-node"),  # one process: nothing to shard over
