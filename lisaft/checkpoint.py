@@ -175,6 +175,8 @@ class Checkpointer:
         self.keep_last = keep_last
         self.components = components
         self.folders = folders
+        # False when a folder component writes the weights itself (training.fsdp: each rank its slice).
+        self.unit_weights = True
 
     def save(self, step: int, changed_units: set[str] | None, base: Path | None,
              extra_files: dict[str, str] | None = None) -> Path:
@@ -190,13 +192,16 @@ class Checkpointer:
         if dist.is_main():
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "weights").mkdir(parents=True)
+            tmp.mkdir(parents=True)
+            if self.unit_weights:
+                (tmp / "weights").mkdir()
             for name in self.folders:
                 (tmp / name).mkdir()
         dist.barrier()
         written: list[Path] = []
         if dist.is_main():
-            written += self._write_weights(tmp, changed_units, base)
+            if self.unit_weights:
+                written += self._write_weights(tmp, changed_units, base)
             for rel, text in (extra_files or {}).items():
                 (tmp / rel).write_text(text)
                 written.append(tmp / rel)
@@ -220,7 +225,7 @@ class Checkpointer:
             marker = tmp / MARKER
             marker.write_text(json.dumps({"step": step, "files": files}, indent=1))
             _fsync_file(marker)
-            for sub in ("weights", *self.folders):
+            for sub in (*(["weights"] if self.unit_weights else []), *self.folders):
                 _fsync_dir(tmp / sub)
             _fsync_dir(tmp)
             if final.exists():
@@ -261,7 +266,8 @@ class Checkpointer:
             what = "one optimizer for the whole model, " if missing[0] in ("lisa", "schedule") else ""
             raise LisaftError(f"{ckpt.name} was written by an older lisaft ({what}no {missing[0]} state); it "
                               "cannot be resumed by this version (docs/resume.md)")
-        _load_weights(ckpt, self.model)
+        if self.unit_weights:
+            _load_weights(ckpt, self.model)
         for name, component in self.components.items():
             component.load_state_dict(components[name])
         for name, folder in self.folders.items():

@@ -18,6 +18,7 @@ left with, so offload_cpu, offload_disk and keep train bit-identically.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 from torch import nn
@@ -83,6 +84,8 @@ class LisaController:
         self._active: list[int] = []
         self._trainable: list[Unit] = []
         self.last_switch_s = 0.0
+        # training.fsdp: called with (interval, layers) at each switch; raises if ranks disagree.
+        self.check_agreement: Callable[[int, list[int]], None] | None = None
 
     # -- switching ------------------------------------------------------------------------------
 
@@ -101,6 +104,8 @@ class LisaController:
         before = set(self._trainable) if self._interval is not None else set(self.units)
         self._interval = interval
         self._set_trainable(self.sampler.active_set(interval))
+        if self.check_agreement is not None:
+            self.check_agreement(interval, self._active)
         now = set(self._trainable)
         # Leaving first: their paged buffers are what the entering layers are given.
         for unit in sorted(before - now, key=lambda u: u.index):

@@ -191,6 +191,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
 
 
 def grad_nbytes(g: torch.Tensor) -> int:
+    if hasattr(g, "to_local"):  # training.fsdp: the slice this rank holds
+        g = g.to_local()
     if g.is_sparse:
         values, indices = internals.sparse_sizes(g)
         return values * g.element_size() + indices * 8

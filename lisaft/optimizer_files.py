@@ -25,21 +25,30 @@ class OptimizerFiles:
     def __init__(self, optimizers: UnitOptimizers, controller: LisaController) -> None:
         self.optimizers = optimizers
         self.controller = controller
+        # training.fsdp: every rank holds state for its slices of every unit, in optimizer/rank-R/.
+        self.per_rank = False
+
+    def _dir(self, folder: Path) -> Path:
+        return folder / f"rank-{dist.rank()}" if self.per_rank else folder
 
     def _saves(self, name: str) -> bool:
         opts = self.optimizers
+        if self.per_rank:
+            return True
         return opts.owns(opts.units[name]) if opts.shard else dist.is_main()
 
     def write(self, folder: Path, base: Path | None) -> list[Path]:
         """optimizer/<unit>.pt for each unit with state that this rank saves; returns the files
         written (linked ones need no fsync)."""
         opts = self.optimizers
+        folder = self._dir(folder)
+        folder.mkdir(parents=True, exist_ok=True)
         written = []
         for name in opts.units:
             if not self._saves(name):
                 continue
             target = folder / f"{name}.pt"
-            previous = base / "optimizer" / f"{name}.pt" if base is not None else None
+            previous = self._dir(base / "optimizer") / f"{name}.pt" if base is not None else None
             if name not in opts.dirty and previous is not None and opts.has_state(name) and _link(previous, target):
                 continue
             # An offload file is immutable (a restore reads and removes it): link it as it is.
@@ -62,6 +71,7 @@ class OptimizerFiles:
         is loaded first) get optimizers on the device, the others go where lisa.state_policy keeps
         inactive units (nowhere for discard)."""
         opts = self.optimizers
+        folder = self._dir(folder)
         names = {f.name[:-3] for f in folder.glob("*.pt")} if folder.is_dir() else set()
         unknown = sorted(names - set(opts.units))
         if unknown:

@@ -272,6 +272,12 @@ class TrainingSection(_Section):
         description="Data parallel only: each rank keeps the moments of its share of the trainable "
         "parameters and broadcasts their update (optimizer memory / ranks; same results).",
     )
+    fsdp: Bool = Field(
+        False,
+        description="Under torchrun: shard weights, gradients and optimizer state over the ranks with "
+        "FSDP2 (one FSDP unit per training unit), for models larger than one card; LISA works. "
+        "adamw_32bit and adamw_8bit only; a resume needs the same number of ranks (docs/distributed.md).",
+    )
 
     @model_validator(mode="after")
     def _length(self) -> TrainingSection:

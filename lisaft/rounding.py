@@ -31,8 +31,10 @@ class Rounding:
     replicas, sharded state and offloading all see the same noise with no generator state to
     save."""
 
-    def __init__(self, mode: str, seed: int) -> None:
+    def __init__(self, mode: str, seed: int, shard: int | None = None) -> None:
         self.mode = mode
+        # training.fsdp: the rank whose slice this process updates, so no two slices share noise.
+        self.shard = shard
         self.seed = int(seed)
         self.step = 0
         # One generator per thread and device: the CPU step of cpu_offload rounds several units
@@ -46,6 +48,8 @@ class Rounding:
             gen = generators.get(src.device)
             if gen is None:
                 gen = generators[src.device] = torch.Generator(device=src.device)
+            if self.shard is not None:
+                key = (*key, self.shard)
             gen.manual_seed(_mix(self.seed, self.step, *key))
             noise = torch.randint(0, 1 << 16, src.shape, generator=gen, device=src.device, dtype=torch.int32)
             # Adding below the 16 bits bf16 keeps, then truncating, rounds the magnitude up with

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from lisaft.optim import (
     state_dict_bytes,
 )
 from lisaft.recipe import OptimizerSection
+
+if TYPE_CHECKING:
+    from lisaft.fsdp import LocalShards
 
 
 def layer_unit(index: int) -> str:
@@ -85,12 +89,15 @@ def state_dict_units(model: nn.Module, units: list[Unit]) -> dict[str, str]:
 
 class UnitOptimizers:
     def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
-                 offload_dir: Path, seed: int, shard: bool = False) -> None:
+                 offload_dir: Path, seed: int, shard: bool = False, shards: LocalShards | None = None) -> None:
         self.units = {u.name: u for u in units}
+        # training.fsdp: each optimizer steps this rank's slices of its unit (lisaft/fsdp.py), and
+        # the rounding noise of a slice differs from every other rank's.
+        self.shards = shards
         self.section = section
         self.device = torch.device(device)
         self.offload_dir = Path(offload_dir)
-        self.rounding = Rounding(section.bf16_update, seed)
+        self.rounding = Rounding(section.bf16_update, seed, shard=None if shards is None else shards.rank)
         self.pool = PagedPool() if section.name.startswith("paged_") and self.device.type == "cuda" else None
         self.shard = shard and dist.world_size() > 1
         self.lr = section.lr
@@ -118,7 +125,8 @@ class UnitOptimizers:
         """The unit's resident optimizer, created (or restored from host or disk) when missing."""
         opt = self.resident.get(unit.name)
         if opt is None:
-            opt = build_unit_optimizer(unit.params, self.section, self.device, self.rounding,
+            params = unit.params if self.shards is None else self.shards.local(unit.params)
+            opt = build_unit_optimizer(params, self.section, self.device, self.rounding,
                                        unit.index, self.pool)
             self._set_group_lr(opt)
             if unit.name in self.host:
@@ -186,6 +194,8 @@ class UnitOptimizers:
                 self.dirty.add(unit.name)
             for p in unit.params:
                 p.grad = None
+            if self.shards is not None:
+                self.shards.release_grads(unit.params)
         if self.shard:
             params = [p for u in units for p in u.params]
             dist.broadcast_from_owners(params, self.owner_of_params(units))

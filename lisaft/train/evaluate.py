@@ -19,15 +19,22 @@ def evaluate(session: Session) -> dict:
     batches = eval_index_batches(len(examples), t.batch_size)
     if t.eval_batches is not None:
         batches = batches[: t.eval_batches]
-    batches = batches[dist.rank():: dist.world_size()]
+    mine = batches[dist.rank():: dist.world_size()]
+    counted = len(mine)
+    if session.shards is not None and batches:
+        # Under FSDP a forward is collective: every rank runs as many; a rank short of batches
+        # runs one again and does not count it.
+        rounds = -(-len(batches) // dist.world_size())
+        mine = [*mine, *[batches[0]] * (rounds - len(mine))]
     model = session.model
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
-    for idx in batches:
+    for n, idx in enumerate(mine):
         batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id, varlen_attention(model))
         batch = to_device(batch, session.device)
         loss_sum, n_tokens, n_correct = eval_sums(model, batch)
-        totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
+        if n < counted:
+            totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
     model.train()
     totals = dist.all_reduce_sum(totals.to(session.device)).cpu()
     n = max(totals[1].item(), 1.0)

@@ -10,7 +10,9 @@ from lisaft.train.session import Session
 
 
 def save_final(session: Session) -> None:
-    """Written beside the run as .final.tmp and renamed into place: final/ is complete or absent."""
+    """Written beside the run as .final.tmp and renamed into place: final/ is complete or absent.
+    Under training.fsdp every rank sends its slices and rank 0 writes the gathered weights."""
+    full = session.shards.full_state_dict() if session.shards is not None else None
     if not dist.is_main():
         dist.barrier()
         return
@@ -20,7 +22,7 @@ def save_final(session: Session) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    session.model.save_pretrained(tmp, safe_serialization=True)
+    session.model.save_pretrained(tmp, safe_serialization=True, state_dict=full)
     session.tokenizer.save_pretrained(tmp)
     if final.exists():
         shutil.rmtree(final)

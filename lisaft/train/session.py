@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from lisaft.packing import Packing, pack_examples
 from lisaft.recipe import Recipe
 from lisaft.schedules import Schedule
 from lisaft.units import Unit, UnitOptimizers
+
+if TYPE_CHECKING:
+    from lisaft.fsdp import LocalShards
 
 
 class Tokenizer(Protocol):
@@ -84,6 +87,7 @@ class Session:
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
+    shards: LocalShards | None = None     # training.fsdp (lisaft/fsdp.py)
 
     def checkpointer(self) -> Checkpointer:
         """The checkpointer, handed every stateful component. JSON components load in the order
@@ -93,11 +97,12 @@ class Session:
                       "schedule": self.schedule}
         if self.packing is not None:
             components["packing"] = self.packing  # a resume over data that packs otherwise is refused
-        return Checkpointer(
+        checkpointer = Checkpointer(
             self.run_dir, self.model, self.units, keep_last=t.keep_last,
             components=components,
             folders={"optimizer": OptimizerFiles(self.optimizers, self.controller)},
         )
+        return checkpointer if self.shards is None else self.shards.checkpointer(checkpointer)
 
 
 def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = None,
@@ -119,6 +124,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     from lisaft.units import model_units
 
     t = recipe.training
+    if t.fsdp:
+        from lisaft.fsdp import check_supported
+
+        check_supported(recipe)
     if recipe.optimizer.in_backward and dist.world_size() > 1:
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")
@@ -142,19 +151,29 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     parts = model_parts(model, recipe.model.layers_path)
     if t.compile:
         compile_layers(parts.layers, device)
+    shards = None
+    if t.fsdp:
+        from lisaft.fsdp import shard_model
+
+        shards = shard_model(model, parts, device)
+        parts = model_parts(model, recipe.model.layers_path)  # sharding replaced every parameter
     units = model_units(parts)
     # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
     # intervals, and embeddings and head land on different ranks.
-    # optimizer.cpu_offload: the same unit optimizers over host copies of the weights.
+    # optimizer.cpu_offload: the same unit optimizers over host copies of the weights;
+    # training.fsdp: the unit optimizers over this rank's slices.
     optimizers_class = OffloadedOptimizers if recipe.optimizer.cpu_offload else UnitOptimizers
+    on_slices = {"shards": shards} if shards is not None else {}
     optimizers = optimizers_class(units, recipe.optimizer, device,
                                   offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed,
-                                  shard=t.shard_optimizer_state)
+                                  shard=t.shard_optimizer_state, **on_slices)
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed)
+    if shards is not None:
+        controller.check_agreement = shards.check_same_layers
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
                       unit="packed rows" if packing else "examples")
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   in_backward=in_backward, packing=packing)
+                   in_backward=in_backward, packing=packing, shards=shards)

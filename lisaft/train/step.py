@@ -74,7 +74,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
         for i, batch in enumerate(micro):
             batch = to_device(batch, session.device)
             with phases.phase("forward"):
-                if measure_activations and i == 0:
+                # Under FSDP the gathered weights are not the parameters the meter excludes.
+                if measure_activations and i == 0 and session.shards is None:
                     from lisaft.memory.measure import saved_activations
 
                     with saved_activations(session.model) as meter:
@@ -110,13 +111,19 @@ def _clip_and_step(session: Session, measure_norm: bool, phases: Phases) -> tupl
         if p.grad is not None and p.grad.is_sparse:
             # Sum the rows of repeated tokens once; the norm and the update read the values.
             p.grad = p.grad.coalesce()
-    dist.all_reduce_grads(trainable)
+    if session.shards is None:
+        dist.all_reduce_grads(trainable)  # under FSDP the reduce-scatter in backward summed them
     grad_bytes = session.controller.grad_bytes()
     max_norm = session.recipe.training.max_grad_norm
     grad_norm = None
     if max_norm is not None or measure_norm:
         with phases.phase("clip"):
-            grad_norm = clip_grad_norm(trainable, max_norm)
+            if session.shards is None:
+                grad_norm = clip_grad_norm(trainable, max_norm)
+            else:
+                grad_norm = session.shards.clip_grad_norm(trainable, max_norm)
+    if session.shards is not None:
+        session.shards.bind_grads(trainable)
     with phases.phase("optimizer"):
         session.optimizers.step(session.controller.trainable_units())
     return grad_norm, grad_bytes

@@ -1,0 +1,209 @@
+"""training.fsdp: weights, gradients and optimizer state sharded over ranks with FSDP2.
+
+Each training unit is one FSDP unit (`torch.distributed.fsdp.fully_shard`): every decoder layer,
+the head (output projection and final norm) as one group, and the root module for what is left
+(the embeddings). A unit's parameters become DTensors sharded on dim 0; a rank holds its slice
+and gathers a unit's whole weights only around that unit's forward and backward.
+
+What lisaft keeps of its own, and why:
+- The loss is already divided by the global token count, so gradients are summed over ranks
+  (divide factor 1) and the hand-written all-reduce of data parallelism is skipped: FSDP's
+  reduce-scatter leaves each rank the summed gradient of its slice, reduced in float32.
+- lisaft's AdamW keeps plain-tensor state and its kernels are elementwise (8-bit: blockwise), so
+  each unit's optimizer steps this rank's local slices: `LocalShards` gives every sharded
+  parameter a plain tensor over the same storage, and hands it the local slice of the gradient.
+- LISA flips requires_grad on the sharded parameters between steps; a frozen unit is still
+  gathered for forward and backward but gets no gradient, no reduce-scatter and no moments.
+  Every rank samples the same layers by construction; `check_same_layers` proves it at each
+  switch, so a rank that disagrees fails with one line instead of hanging in a collective.
+- Checkpoints: each rank writes its slice of the weights (`ShardFiles`) and its optimizer state
+  (optimizer/rank-R/); a resume needs the same number of ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lisaft import dist
+from lisaft.errors import LisaftError
+from lisaft.models import ModelParts
+
+
+def check_supported(recipe) -> None:
+    """One-line refusals of what FSDP cannot run (docs/distributed.md says why)."""
+    name = recipe.optimizer.name
+    if name.startswith("paged_"):
+        raise LisaftError(f"optimizer.name {name} is not supported with training.fsdp (paging of one rank's "
+                          "slices is untested on CUDA); use adamw_32bit or adamw_8bit")
+    if recipe.optimizer.in_backward:
+        raise LisaftError("optimizer.in_backward cannot run with training.fsdp: the update would run before "
+                          "the gradient reduce-scatter; set it false")
+    if recipe.optimizer.cpu_offload:
+        raise LisaftError("optimizer.cpu_offload runs on one device and cannot be combined with training.fsdp; "
+                          "set one of them false")
+    if recipe.training.shard_optimizer_state:
+        raise LisaftError("training.shard_optimizer_state is data parallel's sharding; training.fsdp already "
+                          "shards the optimizer state: set one of them false")
+    if recipe.training.compile:
+        raise LisaftError("training.compile is not supported with training.fsdp yet; set it false")
+    if not dist.is_initialized() or dist.world_size() < 2:
+        raise LisaftError("training.fsdp needs several processes: launch with torchrun --nproc-per-node N "
+                          "(N >= 2), or set training.fsdp false")
+
+
+def _head_modules(model: nn.Module, parts: ModelParts) -> list[nn.Module]:
+    """The outermost modules whose parameters are all head parameters."""
+    head = {id(p) for p in parts.head}
+    chosen: list[nn.Module] = []
+    for _, module in model.named_modules():
+        params = list(module.parameters())
+        if params and all(id(p) in head for p in params) and not any(_inside(module, c) for c in chosen):
+            chosen.append(module)
+    return chosen
+
+
+def _inside(module: nn.Module, outer: nn.Module) -> bool:
+    return any(m is module for m in outer.modules())
+
+
+def shard_model(model: nn.Module, parts: ModelParts, device: torch.device) -> LocalShards:
+    """Shard the model in place, one FSDP unit per training unit, on a mesh over every rank on
+    the training device (the default mesh would pick CUDA whenever one exists)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.world_size(),))
+    # Weights stay in their dtype (bf16 as lisaft trains them); gradients are reduced in float32.
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    head = _head_modules(model, parts)
+    for layer in parts.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if head:
+        fully_shard(head, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain sum (gloo has no pre-multiplied sum, and a factor of 1 needs none).
+            module.set_force_sum_reduction_for_comms(True)
+    return LocalShards(model)
+
+
+class LocalShards:
+    """Plain tensors over this rank's slices of the sharded parameters, for the optimizers."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.rank = dist.rank()
+        self._local: dict[int, nn.Parameter] = {}
+
+    def local(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        out = []
+        for p in params:
+            shadow = self._local.get(id(p))
+            if shadow is None:
+                with torch.no_grad():
+                    # Shares the slice's storage: an update of the shadow is an update of p.
+                    shadow = self._local[id(p)] = nn.Parameter(p.to_local(), requires_grad=False)
+            out.append(shadow)
+        return out
+
+    def bind_grads(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """The local tensors of params, each holding its slice of the reduced gradient."""
+        shadows = self.local(params)
+        for p, shadow in zip(params, shadows):
+            shadow.grad = None if p.grad is None else p.grad.to_local()
+        return shadows
+
+    def release_grads(self, params: list[nn.Parameter]) -> None:
+        for shadow in self.local(params):
+            shadow.grad = None
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> float:
+        """The global gradient norm: local sums of squares summed over ranks; with max_norm the
+        slices are scaled as clip_grad_norm scales whole gradients."""
+        grads = [s.grad for s in self.bind_grads(params) if s.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            sq += g.float().pow(2).sum()
+        dist.all_reduce_sum(sq)
+        total = sq.sqrt()
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return float(total)
+
+    def check_same_layers(self, interval: int, layers: list[int]) -> None:
+        """Every rank must train the same layers, or the next collective would hang."""
+        mine = [interval, *layers]
+        every: list = [None] * dist.world_size()
+        torch_dist.all_gather_object(every, mine)
+        if any(other != mine for other in every):
+            raise LisaftError(f"ranks disagree on LISA's layers for interval {interval}: "
+                              f"{[o[1:] for o in every]}; every rank must run the same recipe and lisaft")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict in host memory on rank 0 (empty elsewhere); collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def checkpointer(self, checkpointer):
+        """The session's checkpointer with this rank's weight slices instead of unit files and its
+        own optimizer files: a resume on as many ranks restores each rank's slices bit for bit."""
+        checkpointer.unit_weights = False
+        checkpointer.folders = {"shards": ShardFiles(self.model), **checkpointer.folders}
+        if "optimizer" in checkpointer.folders:
+            checkpointer.folders["optimizer"].per_rank = True
+        return checkpointer
+
+
+class ShardFiles:
+    """A checkpoint folder component (checkpoint.FolderComponent): shards/rank-R.safetensors,
+    this rank's slice of every parameter (and the buffers)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.fsdp import FSDPModule
+
+        # The root keeps its weights gathered after a forward (eval, or the last micro-batch):
+        # register the slices again so the names below are the sharded parameters.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        return {name: _local(t) for name, t in named}
+
+    def write(self, folder: Path, base: Path | None) -> list[Path]:
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / f"rank-{dist.rank()}.safetensors"
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in self._tensors().items()}, str(target),
+                  metadata={"rank": str(dist.rank()), "world_size": str(dist.world_size())})
+        return [target]
+
+    @torch.no_grad()
+    def read(self, folder: Path) -> None:
+        path = folder / f"rank-{dist.rank()}.safetensors"
+        if not path.is_file():
+            raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards for rank {dist.rank()} "
+                              "(written without training.fsdp, or by fewer ranks)")
+        saved = load_file(str(path), device="cpu")
+        for name, local in self._tensors().items():
+            if name not in saved or saved[name].shape != local.shape:
+                raise LisaftError(f"checkpoint {folder.parent.name}: {name} does not match this model's shard")
+            local.copy_(saved[name])
+
+    def committed(self) -> None:
+        pass
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,0 +1,66 @@
+"""training.fsdp pieces that need no process group: refusals, per-slice rounding, the layer check."""
+
+import pytest
+import torch
+
+from lisaft import dist, fsdp
+from lisaft.errors import LisaftError
+from lisaft.recipe import Recipe
+from lisaft.rounding import Rounding
+
+BASE = {
+    "model": {"config": "cfg/config.json", "tokenizer": "tok"},
+    "data": {"train": "data/train.jsonl", "format": "instruction"},
+    "training": {"max_steps": 10, "output_dir": "runs/x", "fsdp": True},
+}
+
+
+def recipe(**sections) -> Recipe:
+    data = {k: dict(v) for k, v in BASE.items()}
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return Recipe.model_validate(data)
+
+
+@pytest.mark.parametrize("sections, words", [
+    ({"optimizer": {"name": "paged_adamw_8bit"}}, "optimizer.name paged_adamw_8bit"),
+    ({"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}}, "optimizer.in_backward"),
+    ({"optimizer": {"cpu_offload": True}}, "optimizer.cpu_offload"),
+    ({"training": {"shard_optimizer_state": True}}, "training.shard_optimizer_state"),
+    ({"training": {"compile": True}}, "training.compile"),
+    ({}, "torchrun --nproc-per-node"),  # one process: nothing to shard over
+])
+def test_what_fsdp_cannot_run_is_refused_in_one_line(sections, words):
+    with pytest.raises(LisaftError) as e:
+        fsdp.check_supported(recipe(**sections))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_slices_of_different_ranks_round_with_different_noise_and_each_is_repeatable():
+    src = torch.full((4096,), 1.0 + 2 ** -9, dtype=torch.float32)  # a quarter ulp above 1 in bf16
+
+    def rounded(shard):
+        r = Rounding("stochastic", seed=3, shard=shard)
+        r.step = 7
+        out = torch.empty(4096, dtype=torch.bfloat16)
+        r.write(out, src.clone(), 1, 2, 0)
+        return out
+
+    assert rounded(0).equal(rounded(0)) and rounded(1).equal(rounded(1))
+    assert not rounded(0).equal(rounded(1))
+    # Without FSDP the key is what it was: data-parallel replicas and old runs see the same noise.
+    assert rounded(None).equal(rounded(None)) and not rounded(None).equal(rounded(0))
+
+
+def test_ranks_that_disagree_on_the_layers_fail_in_one_line(monkeypatch):
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+
+    def gather(out, mine):
+        out[0], out[1] = mine, [mine[0], 0, 3]
+
+    monkeypatch.setattr(fsdp.torch_dist, "all_gather_object", gather)
+    shards = fsdp.LocalShards(torch.nn.Linear(2, 2))
+    shards.check_same_layers(5, [0, 3])  # what the other rank sampled: fine
+    with pytest.raises(LisaftError) as e:
+        shards.check_same_layers(5, [1, 2])
+    assert "ranks disagree on LISA's layers for interval 5" in str(e.value) and "\n" not in str(e.value)
