@@ -234,6 +234,10 @@ class LisaSection(_Section):
     enabled: Bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
     active_layers: Int = Field(2, ge=1, description="γ: decoder layers trained per interval.")
     interval_steps: Int = Field(20, ge=1, description="K: optimizer steps between re-samples.")
+    sampling: Literal["uniform", "cyclic"] = Field(
+        "uniform", description="uniform: γ layers drawn afresh each interval (the paper); cyclic: every "
+        "layer trains at least once in each cycle of ceil(layers/γ) intervals, in an order drawn afresh "
+        "per cycle (docs/lisa.md).")
     train_embeddings: Bool = Field(True, description="Embeddings always train (paper default).")
     train_head: Bool = Field(True, description="LM head and final norm always train (paper default).")
     state_policy: StatePolicy = Field(
