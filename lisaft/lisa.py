@@ -97,6 +97,10 @@ class LisaController:
         self.interval_steps = section.interval_steps
         self._layers = [u for u in units if u.layer is not None]
         n = len(self._layers)
+        if self.enabled and section.active_layers == "auto":
+            # The set-up resolves auto (lisaft.memory.auto_layers) before building the controller.
+            raise LisaftError("lisa.active_layers: auto must be resolved from the memory estimate before "
+                              "training starts")
         if self.enabled and section.active_layers > n:
             raise LisaftError(
                 f"lisa.active_layers is {section.active_layers} but the model has only {n} decoder "
