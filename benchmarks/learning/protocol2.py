@@ -73,7 +73,7 @@ SETTINGS = {
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,
                   interval_steps=5, warmup_steps=2, eval_every=10, curve_examples=24, stages=[
                       ("depth 4", 4, ["new_skill", "new_format"],
-                       ["full", "lisa_g1_uniform", "lisa_g1_cyclic", "lora_eq_g2", "emb_head"], [3e-3], [0], [], 1),
+                       ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_eq_g2"], [3e-3], [0], [], 1),
                       ("depth 8", 8, ["new_skill"], ["full", "lisa_g2_cyclic"], [3e-3], [0], [], 1),
                   ], extend_edges=False),
 }

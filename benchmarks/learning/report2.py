@@ -126,6 +126,14 @@ def _pct(x: dict) -> str:
     return f"{100 * x['mean']:.1f} ± {100 * x['sd']:.1f}"
 
 
+def _memory_cell(row: dict, arm: str) -> str:
+    if arm not in row:
+        return "-"
+    r = row[arm]
+    return (f"{100 * r['test_token_accuracy']:.1f} (A {100 * r['old_token_accuracy']:.1f}, "
+            f"{r['optimizer_state_bytes'] / 2**20:.2f} MiB)")
+
+
 def markdown(summary: dict) -> str:
     lines = [f"Learning benchmark, second protocol ({summary['mode']} mode). lr picked by validation B token "
              "accuracy; test split reported, mean ± sample sd over the seeds at that lr (n in the seeds column). "
@@ -158,10 +166,8 @@ def markdown(summary: dict) -> str:
     lines += ["", "### Equal optimizer-state bytes: LISA γ=2 against LoRA", "",
               "| task/depth | lisa_g2_uniform | lisa_g2_cyclic | lora_eq_g2 | winner |", "|---|---|---|---|---|"]
     for where, row in summary["equal_memory"].items():
-        cell = lambda a: (f"{100 * row[a]['test_token_accuracy']:.1f} (A {100 * row[a]['old_token_accuracy']:.1f}, "  # noqa: E731
-                          f"{row[a]['optimizer_state_bytes'] / 2**20:.2f} MiB)") if a in row else "-"
-        lines.append(f"| {where} | {cell('lisa_g2_uniform')} | {cell('lisa_g2_cyclic')} | {cell('lora_eq_g2')} | "
-                     f"{row['winner']} |")
+        cells = " | ".join(_memory_cell(row, a) for a in ("lisa_g2_uniform", "lisa_g2_cyclic", "lora_eq_g2"))
+        lines.append(f"| {where} | {cells} | {row['winner']} |")
     lines += ["", "### Uniform against cyclic sampling (B test, A retention, sd of B over seeds)", "",
               "| task/depth/arm | B uniform | B cyclic | A uniform | A cyclic | sd uniform | sd cyclic | seeds |",
               "|---|---|---|---|---|---|---|---|"]
