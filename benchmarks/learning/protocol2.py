@@ -46,7 +46,7 @@ ARMS = {
 DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_g2"]
 MAIN_ARMS = ["full", *(f"lisa_g{g}_{m}" for g in (1, 2, 3) for m in ("uniform", "cyclic")), "lora_r16",
              "lora_eq_g2", "badam", "emb_head"]
-FORMAT_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_g2", "badam", "emb_head"]
+REDUCED_DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_eq_g2"]
 DEEP_EXTRAS = ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5", "lisa_g4_cyclic", "lisa_g6_cyclic"]
 
 _BASE = dict(pretrain_batch_size=32, pretrain_lr=3e-3, pretrain_warmup_steps=50, new_train_rows=3000,
@@ -63,11 +63,11 @@ SETTINGS = {
     ], extend_edges=True),
     # What ran on the shared 2-core machine (docs/learning.md says what this cuts).
     "reduced": dict(_BASE, pretrain_steps=800, stages=[
-        ("depth 6", 6, ["new_skill"], MAIN_ARMS, [1e-3, 3e-3, 1e-2], [0], [1], 1),
-        ("depth 24", 24, ["new_skill"], DEPTH_ARMS, [1e-3, 3e-3], [0], [1], 1),
-        ("depth 6, new format", 6, ["new_format"], FORMAT_ARMS, [1e-3, 3e-3], [0], [1], 1),
-        ("depth 12", 12, ["new_skill"], DEPTH_ARMS, [3e-3], [0, 1], [], 1),
-        ("depth 24, K and γ", 24, ["new_skill"], DEEP_EXTRAS, [3e-3], [0], [], 1),
+        ("depth 6", 6, ["new_skill"], MAIN_ARMS, [1e-3, 3e-3], [0], [1], 1),
+        ("depth 24", 24, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
+        ("depth 6, new format", 6, ["new_format"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
+        ("depth 24, K=5", 24, ["new_skill"], ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5"], [3e-3], [0, 1], [], 1),
+        ("depth 12", 12, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
         ("depth 6, third seed", 6, ["new_skill"], MAIN_ARMS, [], [], [2], 1),
     ], extend_edges=False),
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,

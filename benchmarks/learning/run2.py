@@ -188,7 +188,8 @@ def main(mode: str, out: Path, workers: int, resume: bool, env: dict) -> Bench:
     bench.write_data()
     stages = bench.s["stages"]
     for k, (name, depth, kinds, arms, lrs, sweep, rerun, steps_x) in enumerate(stages):
-        ahead = [depth] + ([stages[k + 1][1]] if k + 1 < len(stages) else [])
+        # The first two stages' models are pre-trained side by side; later ones when reached.
+        ahead = [depth] + ([stages[1][1]] if k == 0 and len(stages) > 1 else [])
         bench.pretrain_depths(ahead)
         bench.stage(name, depth, kinds, arms, lrs, sweep, rerun, steps_x)
         bench.write(env)
