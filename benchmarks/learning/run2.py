@@ -72,8 +72,8 @@ class Bench:
         self.work = out / "work"
         self.log = self.work / "runs.jsonl"
         self.done: dict[str, dict] = {}
-        if resume and self.log.is_file():
-            for line in self.log.read_text().splitlines():
+        if resume:  # keep the pre-trained models and every finished run
+            for line in self.log.read_text().splitlines() if self.log.is_file() else []:
                 rec = json.loads(line)
                 self.done[rec["key"]] = rec["run"]
         elif self.work.exists():
