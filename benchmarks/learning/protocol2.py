@@ -62,13 +62,14 @@ SETTINGS = {
         ("depth 24, 3x steps", 24, ["new_skill"], DEPTH_ARMS, [1e-3, 3e-3], [0, 1], [2, 3, 4], 3),
     ], extend_edges=True),
     # What ran on the shared 2-core machine (docs/learning.md says what this cuts).
-    "reduced": dict(_BASE, pretrain_steps=800, stages=[
-        ("depth 6", 6, ["new_skill"], MAIN_ARMS, [1e-3, 3e-3], [0], [1], 1),
+    "reduced": dict(_BASE, pretrain_steps=500, stages=[
+        ("depth 6", 6, ["new_skill"], REDUCED_DEPTH_ARMS, [1e-3, 3e-3], [0], [1, 2], 1),
         ("depth 24", 24, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
+        ("depth 6, other arms", 6, ["new_skill"], [a for a in MAIN_ARMS if a not in REDUCED_DEPTH_ARMS], [3e-3],
+         [0, 1], [], 1),
         ("depth 6, new format", 6, ["new_format"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
         ("depth 24, K=5", 24, ["new_skill"], ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5"], [3e-3], [0, 1], [], 1),
         ("depth 12", 12, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
-        ("depth 6, third seed", 6, ["new_skill"], MAIN_ARMS, [], [], [2], 1),
     ], extend_edges=False),
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,
                   interval_steps=5, warmup_steps=2, eval_every=10, curve_examples=24, stages=[
