@@ -150,6 +150,7 @@ class Bench:
 
         print(f"== stage {name}", flush=True)
         runs = self.run(self.jobs(depth, kinds, arms, lrs, sweep, steps_x))
+        picked = {}
         for kind in kinds:
             for arm in arms:
                 mine = [r for r in runs if r["task"] == kind and r["arm"] == arm]
@@ -157,22 +158,11 @@ class Bench:
                 if self.s["extend_edges"] and len(grid) > 1 and best_lr(mine) in (grid[0], grid[-1]):
                     beyond = grid[-1] * 3 if best_lr(mine) == grid[-1] else grid[0] / 3
                     mine += self.run(self.jobs(depth, [kind], [arm], [round(beyond, 10)], sweep, steps_x))
-                if rerun and mine:
-                    self.run(self.jobs(depth, [kind], [arm], [best_lr(mine)], rerun, steps_x))
-            if not lrs:  # a stage of further seeds at the lrs earlier stages picked
-                self.rerun_at_picked(depth, kind, arms, rerun, steps_x)
-
-    def rerun_at_picked(self, depth: int, kind: str, arms: list[str], seeds: list[int], steps_x: int) -> None:
-        from benchmarks.learning.report2 import best_lr
-
-        for arm in arms:
-            mine = [r for r in self.done.values() if (r["depth"], r["task"], r["arm"]) == (depth, kind, arm)
-                    and r["steps"] == self.s["steps"] * steps_x]
-            # The lr is picked on the seeds that swept the grid, as in the stage that ran it.
-            swept = {r["seed"] for r in mine if sum(q["seed"] == r["seed"] for q in mine) > 1}
-            mine = [r for r in mine if r["seed"] in swept] or mine
-            if mine:
-                self.run(self.jobs(depth, [kind], [arm], [best_lr(mine)], seeds, steps_x))
+                if mine:
+                    picked[(kind, arm)] = best_lr(mine)
+        # Every further seed in one batch: one pool of workers, not one per arm.
+        self.run([j for (kind, arm), lr in picked.items() for j in self.jobs(depth, [kind], [arm], [lr], rerun,
+                                                                              steps_x)])
 
     def write(self, env: dict) -> None:
         from benchmarks.learning import report2
