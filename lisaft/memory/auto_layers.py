@@ -72,3 +72,20 @@ def resolve_active_layers(recipe, device: str, budget_bytes: int | None = None) 
     choice = choose_active_layers(settings_from_recipe(recipe, device=device, budget_bytes=budget))
     recipe.lisa.active_layers = choice.active_layers
     return choice
+
+
+def resolve_for_run(recipe, device: str) -> LayerChoice | None:
+    """resolve_active_layers at a run's set-up: against the smallest device memory of all
+    data-parallel ranks, so that every rank trains the same γ."""
+    from lisaft import dist
+
+    if not recipe.lisa.enabled or recipe.lisa.active_layers != "auto":
+        return None
+    budget = dist.min_over_ranks(device_memory_bytes(device))
+    try:
+        return resolve_active_layers(recipe, device, budget)
+    except LisaftError as e:
+        if str(e).startswith("lisa.active_layers"):
+            raise
+        raise LisaftError(f"lisa.active_layers: auto needs the memory estimate, which failed ({e}); "
+                          "set lisa.active_layers to a number") from None
