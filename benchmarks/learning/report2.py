@@ -190,8 +190,10 @@ def plots(summary: dict, out: Path) -> list[str]:
             fig, ax = plt.subplots(figsize=(7.5, 5))
             for name, a in arms.items():
                 pts = sorted(a["front"].items(), key=lambda kv: float(kv[0]))
-                ax.plot([100 * v["test_token_accuracy"] for _, v in pts], [100 * v["old_token_accuracy"] for _, v in pts],
-                        marker="o", label=name, linestyle="--" if "cyclic" in name else "-")
+                xs, ys = [100 * v["test_token_accuracy"] for _, v in pts], [100 * v["old_token_accuracy"] for _, v in pts]
+                ax.plot(xs, ys, marker="o", label=name, linestyle="--" if "cyclic" in name else "-")
+                for x, y, (lr, _) in zip(xs, ys, pts):
+                    ax.annotate(f"{float(lr):g}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
             ax.set(xlabel="B test token accuracy (%)", ylabel="A token accuracy, retention (%)",
                    title=f"{task}, {depth} layers: every lr (sweep seeds)")
             ax.grid(alpha=0.3)
