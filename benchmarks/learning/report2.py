@@ -140,7 +140,8 @@ def markdown(summary: dict) -> str:
              "Accuracies in %.", ""]
     for depth, rec in summary["pretraining"].items():
         sc = next(iter(rec["scores"].values()))
-        lines.append(f"- depth {depth} pre-trained {rec['steps']} steps: A token acc {100 * sc['old_token_accuracy']:.1f}, "
+        lines.append(f"- depth {depth} pre-trained {rec['steps']} steps: "
+                     f"A token acc {100 * sc['old_token_accuracy']:.1f}, "
                      f"A exact match {100 * sc['old_exact_match']:.1f}; before fine-tuning, test token acc "
                      + ", ".join(f"{k} {100 * v['test_token_accuracy']:.1f}" for k, v in rec["scores"].items()))
     for task, by_depth in summary["results"].items():
@@ -190,7 +191,8 @@ def plots(summary: dict, out: Path) -> list[str]:
             fig, ax = plt.subplots(figsize=(7.5, 5))
             for name, a in arms.items():
                 pts = sorted(a["front"].items(), key=lambda kv: float(kv[0]))
-                xs, ys = [100 * v["test_token_accuracy"] for _, v in pts], [100 * v["old_token_accuracy"] for _, v in pts]
+                xs = [100 * v["test_token_accuracy"] for _, v in pts]
+                ys = [100 * v["old_token_accuracy"] for _, v in pts]
                 ax.plot(xs, ys, marker="o", label=name, linestyle="--" if "cyclic" in name else "-")
                 for x, y, (lr, _) in zip(xs, ys, pts):
                     ax.annotate(f"{float(lr):g}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")

@@ -27,7 +27,7 @@ def pretrain(job: dict) -> dict:
     from benchmarks.learning.tasks import load_task_data
     from lisaft.data import load_splits
     from lisaft.recipe import DataSection
-    from lisaft.trainer import build_session, train_step
+    from lisaft.train import build_session, train_step
 
     torch.set_num_threads(job["threads"])
     hf_logging.disable_progress_bar()
@@ -45,7 +45,7 @@ def pretrain(job: dict) -> dict:
                             eval_examples=None)
     t0 = time.perf_counter()
     for step in range(s["pretrain_steps"]):
-        loss, _ = train_step(session, step)
+        loss = train_step(session, step).loss
     session.model.save_pretrained(str(work / "pretrained"))
     first.tokenizer.save_pretrained(str(work / "pretrained"))
     with torch.no_grad():
@@ -105,7 +105,7 @@ class Bench:
                              "config": self.config(d), "data_dirs": [str(self.data_dir(k)) for k in self.kinds]})
         for job in todo:  # a lone pre-training takes both threads the workers would have had
             job["threads"] = 1 if len(todo) > 1 or self.workers <= 1 else 2
-        for job, rec in zip(todo, _pool_map(pretrain, todo, self.workers)):
+        for rec in _pool_map(pretrain, todo, self.workers):
             self.pretrained[rec["depth"]] = rec
             a = rec["scores"][self.kinds[0]]
             print(f"pre-trained depth {rec['depth']} in {rec['train_s']:.0f} s: A token acc "

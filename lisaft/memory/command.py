@@ -10,8 +10,7 @@ from pathlib import Path
 
 from lisaft.allocator import expandable_segments
 from lisaft.errors import LisaftError
-from lisaft.memory.advice import (Change, advice, largest_fitting, largest_fitting_layers, leanest,
-                                  optimizer_grid)
+from lisaft.memory.advice import Change, advice, largest_fitting, largest_fitting_layers, leanest, optimizer_grid
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute

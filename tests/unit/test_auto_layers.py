@@ -8,8 +8,12 @@ from typer.testing import CliRunner
 
 from lisaft.cli import app
 from lisaft.errors import LisaftError
-from lisaft.memory.auto_layers import (choose_active_layers, device_memory_bytes, host_memory_available,
-                                       resolve_active_layers)
+from lisaft.memory.auto_layers import (
+    choose_active_layers,
+    device_memory_bytes,
+    host_memory_available,
+    resolve_active_layers,
+)
 from lisaft.memory.command import settings_from_recipe
 from lisaft.memory.estimate import GiB, compute
 from lisaft.recipe import load_recipe
