@@ -20,6 +20,7 @@ from lisaft.cpu_offload import OffloadedOptimizers
 from lisaft.errors import LisaftError
 from lisaft.in_backward import StepInBackward
 from lisaft.lisa import LisaController
+from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
 from lisaft.models import ModelParts
 from lisaft.optimizer_files import OptimizerFiles
 from lisaft.recipe import Recipe
@@ -82,6 +83,7 @@ class Session:
     progress: Progress
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
+    auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
 
     def checkpointer(self) -> Checkpointer:
         """The checkpointer, handed every stateful component. JSON components load in the order
@@ -118,6 +120,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")
     device = resolve_device(t.device)
+    # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
+    auto_layers = resolve_for_run(recipe, device.type)
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
     if train_examples is None:
@@ -148,4 +152,4 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   in_backward=in_backward)
+                   in_backward=in_backward, auto_layers=auto_layers)
