@@ -69,6 +69,8 @@ SETTINGS = {
          [0, 1], [], 1),
         ("depth 6, new format", 6, ["new_format"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
         ("depth 24, K=5", 24, ["new_skill"], ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5"], [3e-3], [0, 1], [], 1),
+        # Every arm's best at depth 6 was the grid's top: one lr beyond it, on the sweep seed.
+        ("depth 6, lr edge", 6, ["new_skill"], REDUCED_DEPTH_ARMS, [1e-2], [0], [], 1),
         ("depth 12", 12, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
     ], extend_edges=False),
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,
