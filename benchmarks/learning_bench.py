@@ -30,6 +30,8 @@ mode, against float32. If this lisaft has no such recipe key the arm is skipped 
 
     python benchmarks/learning_bench.py            # full: 3 lrs x 3 seeds, see docs/learning.md
     python benchmarks/learning_bench.py --quick    # 1 seed, 1 lr, tiny shapes: about a minute
+    python benchmarks/learning_bench.py --protocol 2 [--reduced | --quick]   # the second protocol:
+        validation/test splits, depths, equal memory, two task kinds (benchmarks/learning/protocol2.py)
 
 Writes learning.json, learning.md and PNG plots into --out (default benchmarks/results/learning,
 or benchmarks/results/learning-quick with --quick). Needs the `bench` extra (peft, badam,
