@@ -30,6 +30,8 @@ mode, against float32. If this lisaft has no such recipe key the arm is skipped 
 
     python benchmarks/learning_bench.py            # full: 3 lrs x 3 seeds, see docs/learning.md
     python benchmarks/learning_bench.py --quick    # 1 seed, 1 lr, tiny shapes: about a minute
+    python benchmarks/learning_bench.py --protocol 2 [--reduced | --quick]   # the second protocol:
+        validation/test splits, depths, equal memory, two task kinds (benchmarks/learning/protocol2.py)
 
 Writes learning.json, learning.md and PNG plots into --out (default benchmarks/results/learning,
 or benchmarks/results/learning-quick with --quick). Needs the `bench` extra (peft, badam,
@@ -276,6 +278,11 @@ def _fail(message: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--protocol", type=int, choices=(1, 2), default=1, help="1: the first protocol (one depth, "
+                    "one task, equal steps); 2: validation/test splits, depths, equal memory, two task kinds "
+                    "(benchmarks/learning/protocol2.py)")
+    ap.add_argument("--reduced", action="store_true", help="protocol 2 only: the cut-down run that fits an hour "
+                    "on a shared 2-core machine (docs/learning.md says what it cuts)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 lr, tiny model: about a minute")
     ap.add_argument("--out", type=Path, help="results folder")
     ap.add_argument("--workers", type=int, default=None, help="runs in parallel (default: 1 quick, 2 full)")
@@ -320,8 +327,27 @@ def write(summary: dict, out: Path) -> str:
     return table
 
 
+def main_protocol2(args: argparse.Namespace) -> None:
+    from benchmarks.learning import run2
+
+    mode = "quick" if args.quick else "reduced" if args.reduced else "full"
+    out = args.out or REPO / "benchmarks" / "results" / ("learning2" if mode == "full" else f"learning2-{mode}")
+    workers = args.workers or (1 if args.quick else 2)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    run2.main(mode, out, workers, args.resume, environment(1, workers))
+    if args.quick:
+        shutil.rmtree(out / "work", ignore_errors=True)
+    print((out / "learning2.md").read_text())
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+
+
 def main() -> None:
     args = parse_args()
+    if args.protocol == 2:
+        main_protocol2(args)
+        return
     mode = "quick" if args.quick else "full"
     out = args.out or REPO / "benchmarks" / "results" / ("learning-quick" if args.quick else "learning")
     if args.precision_only and not (out / "learning.json").is_file():

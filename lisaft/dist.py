@@ -64,6 +64,16 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value`, on every rank: a choice every rank must share (the
+    memory budget behind lisa.active_layers: auto) must not depend on which rank made it."""
+    if not is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device="cuda" if torch_dist.get_backend() == "nccl" else "cpu")
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 # Collectives of the training loop (no-ops in a single process).
 
 

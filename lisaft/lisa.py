@@ -1,7 +1,7 @@
 """LISA: train γ sampled decoder layers per interval of K steps, plus embeddings and head.
 
 Two parts. `LayerSampler` says which layers interval i trains, as a pure function of
-(seed, i, layer count, γ), so a resumed or data-parallel run needs no saved or communicated
+(seed, i, layer count, γ, sampling), so a resumed or data-parallel run needs no saved or communicated
 RNG. `LisaController` applies that choice to whole training units (lisaft/units.py): it flips
 requires_grad, frees the gradients of frozen parameters, and tells the unit optimizers what
 becomes of a deactivated layer's optimizer (lisa.state_policy):
@@ -33,26 +33,55 @@ _SAMPLER_DOMAIN = 0x4C495341  # "LISA"
 
 
 class LayerSampler:
-    """γ of n layers, uniformly without replacement, drawn afresh for each interval."""
+    """Which γ of n layers interval i trains (lisa.sampling).
 
-    def __init__(self, n_layers: int, active_layers: int, seed: int) -> None:
+    uniform: γ layers uniformly without replacement, drawn afresh for each interval (the paper).
+        Coverage is left to chance: over a few intervals some layer may never train.
+    cyclic: intervals are grouped in cycles of ceil(n/γ); each cycle walks a permutation of the
+        layers drawn afresh for the cycle, γ at a time, so every layer trains at least once per
+        cycle. When γ does not divide n the cycle's last interval tops up its short slice with
+        layers from the start of the same permutation (they train twice in that cycle).
+    Either way a pure function of (seed, interval): nothing to save or communicate."""
+
+    def __init__(self, n_layers: int, active_layers: int, seed: int, sampling: str = "uniform") -> None:
         if not 1 <= active_layers <= n_layers:
             raise ValueError(f"need 1 <= active_layers <= n_layers, got {active_layers} of {n_layers}")
+        if sampling not in ("uniform", "cyclic"):
+            raise ValueError(f"sampling must be uniform or cyclic, got {sampling!r}")
         self.n_layers = n_layers
         self.active_layers = active_layers
+        self.sampling = sampling
         # SeedSequence takes non-negative entropy; masking keeps distinct int64 seeds distinct.
         self._seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+
+    @property
+    def cycle_intervals(self) -> int:
+        """Intervals per cycle under cyclic sampling: ceil(n/γ)."""
+        return -(-self.n_layers // self.active_layers)
 
     def active_set(self, interval: int) -> list[int]:
         if interval < 0:
             raise ValueError(f"interval must be >= 0, got {interval}")
-        ss = np.random.SeedSequence([self._seed, int(interval)], spawn_key=(_SAMPLER_DOMAIN,))
-        rng = np.random.Generator(np.random.PCG64(ss))
+        if self.sampling == "cyclic":
+            return self._cyclic(interval)
+        keys = self._keys(interval, ())
         # The γ smallest of n uniform keys are a uniform γ-subset. Unlike Generator.choice this
         # relies only on PCG64's doubles, whose stream numpy keeps stable across versions.
-        keys = rng.random(self.n_layers)
         chosen = np.argsort(keys, kind="stable")[: self.active_layers]
         return sorted(int(i) for i in chosen)
+
+    def _cyclic(self, interval: int) -> list[int]:
+        cycle, slot = divmod(interval, self.cycle_intervals)
+        # A second spawn key keeps cycle c's draw apart from uniform's draw for interval c.
+        order = np.argsort(self._keys(cycle, (1,)), kind="stable")
+        lo = slot * self.active_layers
+        chosen = list(order[lo:lo + self.active_layers])
+        chosen += list(order[:self.active_layers - len(chosen)])
+        return sorted(int(i) for i in chosen)
+
+    def _keys(self, index: int, stream: tuple[int, ...]) -> np.ndarray:
+        ss = np.random.SeedSequence([self._seed, int(index)], spawn_key=(_SAMPLER_DOMAIN, *stream))
+        return np.random.Generator(np.random.PCG64(ss)).random(self.n_layers)
 
 
 class LisaController:
@@ -69,12 +98,17 @@ class LisaController:
         self.interval_steps = section.interval_steps
         self._layers = [u for u in units if u.layer is not None]
         n = len(self._layers)
+        if self.enabled and section.active_layers == "auto":
+            # The set-up resolves auto (lisaft.memory.auto_layers) before building the controller.
+            raise LisaftError("lisa.active_layers: auto must be resolved from the memory estimate before "
+                              "training starts")
         if self.enabled and section.active_layers > n:
             raise LisaftError(
                 f"lisa.active_layers is {section.active_layers} but the model has only {n} decoder "
                 f"layers; set lisa.active_layers to at most {n}"
             )
-        self.sampler = LayerSampler(n, section.active_layers, seed) if self.enabled and n else None
+        self.sampler = (LayerSampler(n, section.active_layers, seed, section.sampling)
+                        if self.enabled and n else None)
         if self.enabled:
             self._always = [u for u in units if u.layer is None and
                             (section.train_embeddings if u.name == "embeddings" else section.train_head)]
@@ -169,7 +203,8 @@ class LisaController:
         if list(sd.get("active_layers", active)) != active:
             raise LisaftError(
                 f"checkpoint trained layers {sd['active_layers']} in interval {interval}, but "
-                f"this recipe samples {active}: training.seed or lisa.active_layers changed"
+                f"this recipe samples {active}: training.seed, lisa.active_layers or lisa.sampling "
+                "changed"
             )
         self._interval = int(interval)
         self._set_trainable(active)

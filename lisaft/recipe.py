@@ -56,7 +56,22 @@ def _real_number(v: Any) -> Any:
     return v
 
 
+def _layers_or_auto(v: Any) -> Any:
+    if v == "auto":
+        return v
+    v = _whole_number(v)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int):
+        raise ValueError(f"must be a whole number of layers or auto, got {v!r}")
+    if v < 1:
+        raise ValueError(f"must be at least 1, or auto, got {v}")
+    return v
+
+
 Int = Annotated[int, BeforeValidator(_whole_number)]
+# lisa.active_layers: γ, or "auto" (resolved from the memory estimate when a run starts).
+LayersOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_layers_or_auto)]
 Float = Annotated[float, BeforeValidator(_real_number)]
 Bool = Annotated[bool, Strict()]
 
@@ -234,8 +249,15 @@ class SchedulerSection(_Section):
 
 class LisaSection(_Section):
     enabled: Bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
-    active_layers: Int = Field(2, ge=1, description="γ: decoder layers trained per interval.")
+    active_layers: LayersOrAuto = Field(
+        2, description="γ: decoder layers trained per interval. auto: the largest γ whose estimated peak fits "
+        "the device's memory (a GPU's total memory; on CPU the host RAM available at start), worked out when "
+        "the run starts and written into the run's recipe.yaml (docs/lisa.md).")
     interval_steps: Int = Field(20, ge=1, description="K: optimizer steps between re-samples.")
+    sampling: Literal["uniform", "cyclic"] = Field(
+        "uniform", description="uniform: γ layers drawn afresh each interval (the paper); cyclic: every "
+        "layer trains at least once in each cycle of ceil(layers/γ) intervals, in an order drawn afresh "
+        "per cycle (docs/lisa.md).")
     train_embeddings: Bool = Field(True, description="Embeddings always train (paper default).")
     train_head: Bool = Field(True, description="LM head and final norm always train (paper default).")
     state_policy: StatePolicy = Field(

@@ -141,3 +141,16 @@ def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
         grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False))
         grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma))
     return grid
+
+
+def largest_fitting_layers(s: Settings, layer_count: int) -> Estimate | None:
+    """The LISA estimate at the largest γ (1..layer_count) that fits with nothing paged; None if
+    even γ=1 does not. Memory grows with γ, so a binary search is exact."""
+    def estimate(gamma: int) -> Estimate:
+        return compute(s.with_(lisa=True, active_layers=gamma))
+
+    lo, hi = 0, layer_count + 1  # estimate(lo) fits (or lo is 0), estimate(hi) does not (or hi is past the top)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if estimate(mid).fits else (lo, mid)
+    return estimate(lo) if lo else None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lisaft.allocator import expandable_segments
 from lisaft.errors import LisaftError
-from lisaft.memory.advice import Change, advice, largest_fitting, leanest, optimizer_grid
+from lisaft.memory.advice import Change, advice, largest_fitting, largest_fitting_layers, leanest, optimizer_grid
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
@@ -80,7 +80,9 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         bf16_update=recipe.optimizer.bf16_update,
         sparse_embedding_grad=recipe.model.sparse_embedding_grad,
         expandable_segments=expandable_segments(),
-        lisa=recipe.lisa.enabled, active_layers=recipe.lisa.active_layers,
+        lisa=recipe.lisa.enabled, active_layers_auto=recipe.lisa.active_layers == "auto",
+        # auto's placeholder; the choice needs the rest of the settings (choose_active_layers).
+        active_layers=1 if recipe.lisa.active_layers == "auto" else recipe.lisa.active_layers,
         train_embeddings=recipe.lisa.train_embeddings, train_head=recipe.lisa.train_head,
         state_policy=recipe.lisa.state_policy, batch_size=recipe.training.batch_size,
         seq_len=recipe.data.max_seq_len, packing=recipe.data.packing,
@@ -167,7 +169,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     if no_lisa:
         changes["lisa"] = False
     if lisa_layers is not None:
-        changes.update(lisa=True, active_layers=lisa_layers)
+        changes.update(lisa=True, active_layers=lisa_layers, active_layers_auto=False)
     if batch_size is not None:
         changes["batch_size"] = batch_size
     if seq_len is not None:
@@ -193,6 +195,9 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     if s.in_backward and s.grad_accum_steps > 1:
         raise LisaftError("--in-backward cannot be combined with training.grad_accum_steps > 1")
     layers = param_counts(s.config).layer_count
+    if s.lisa and s.active_layers_auto:
+        chosen = largest_fitting_layers(s, layers)
+        s = s.with_(active_layers=chosen.settings.active_layers if chosen else 1)
     if s.lisa and s.active_layers > layers:
         key = "--lisa-layers" if lisa_layers is not None else "lisa.active_layers"
         raise LisaftError(f"{key}: {s.active_layers} is more than the model's {layers} layers")

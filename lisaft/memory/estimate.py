@@ -72,6 +72,7 @@ class Settings:
     cpu_offload: bool = False  # moments, gradient accumulators and the step in host memory
     lisa: bool = False
     active_layers: int = 2
+    active_layers_auto: bool = False  # lisa.active_layers: auto (active_layers holds the choice)
     train_embeddings: bool = True
     train_head: bool = True
     state_policy: str = "discard"
@@ -184,6 +185,7 @@ class Estimate:
                 "expandable_segments": s.expandable_segments,
                 "in_backward": s.in_backward, "cpu_offload": s.cpu_offload, "lisa": s.lisa,
                 "active_layers": s.active_layers if s.lisa else None,
+                "active_layers_auto": s.lisa and s.active_layers_auto,
                 "train_embeddings": s.train_embeddings, "train_head": s.train_head,
                 "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
                 "grad_accum_steps": s.grad_accum_steps, "clipping": s.clipping, "device": s.device,

@@ -58,7 +58,8 @@ def human(n: int | float | None) -> str:
 
 def settings_line(est: Estimate) -> str:
     s = est.settings
-    lisa = f"LISA γ={s.active_layers} ({s.state_policy})" if s.lisa else "full fine-tuning"
+    gamma = f"auto → {s.active_layers}" if s.active_layers_auto else s.active_layers
+    lisa = f"LISA γ={gamma} ({s.state_policy})" if s.lisa else "full fine-tuning"
     return (
         f"{s.model_label}: {est.total_params:,} params, {est.trainable_params:,} trainable; "
         f"{lisa}; {s.optimizer}{' in backward' if s.in_backward else ''}"
@@ -188,8 +189,10 @@ def _largest_line(report) -> Text:
 def render(report, explain: bool = False) -> Group:
     """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
     est = report.estimate
-    parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}"),
-                   components_table(est)]
+    parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}")]
+    if est.settings.lisa and est.settings.active_layers_auto:
+        parts.append(_auto_line(est))
+    parts.append(components_table(est))
     if est.host_components:
         parts.append(host_table(est))
     parts.append(verdict(est))
@@ -208,6 +211,15 @@ def render(report, explain: bool = False) -> Group:
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)
+
+
+def _auto_line(est: Estimate) -> Text:
+    if est.fits:
+        return Text(f"lisa.active_layers: auto picks γ={est.settings.active_layers}: "
+                    f"{est.total_bytes / 1024**3:.1f} of {est.budget_bytes / 1024**3:.1f} GiB, the largest γ that "
+                    "fits (a run on a device of this budget picks the same)")
+    return Text("lisa.active_layers: auto: not even γ=1 fits this budget (shown at γ=1); a run would stop "
+                "with this message", style="bold red")
 
 
 def _pct(est: int | None, meas: int | None) -> str:

@@ -15,7 +15,11 @@ def announce(session: Session, display: Display) -> None:
     r = session.recipe
     n_params = sum(p.numel() for p in session.model.parameters())
     lisa = (f"LISA γ={r.lisa.active_layers} of {len(session.parts.layers)} layers every "
-            f"{r.lisa.interval_steps} steps, state {r.lisa.state_policy}" if r.lisa.enabled else "full fine-tuning")
+            f"{r.lisa.interval_steps} steps, {r.lisa.sampling}, state {r.lisa.state_policy}"
+            if r.lisa.enabled else "full fine-tuning")
+    if session.auto_layers is not None:
+        display.print(f"lisa.active_layers auto: {session.auto_layers.line()} estimated at the peak, the largest "
+                      f"γ that fits the {session.device.type} memory")
     display.print(
         f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
         f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"

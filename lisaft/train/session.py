@@ -20,6 +20,7 @@ from lisaft.cpu_offload import OffloadedOptimizers
 from lisaft.errors import LisaftError
 from lisaft.in_backward import StepInBackward
 from lisaft.lisa import LisaController
+from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
 from lisaft.models import ModelParts
 from lisaft.optimizer_files import OptimizerFiles
 from lisaft.packing import Packing, pack_examples
@@ -88,6 +89,7 @@ class Session:
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
     shards: LocalShards | None = None     # training.fsdp (lisaft/fsdp.py)
+    auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
 
     def checkpointer(self) -> Checkpointer:
         """The checkpointer, handed every stateful component. JSON components load in the order
@@ -132,6 +134,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")
     device = resolve_device(t.device)
+    # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
+    auto_layers = resolve_for_run(recipe, device.type)
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
     if train_examples is None:
@@ -176,4 +180,4 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   in_backward=in_backward, packing=packing, shards=shards)
+                   in_backward=in_backward, packing=packing, shards=shards, auto_layers=auto_layers)

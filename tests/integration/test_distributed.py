@@ -116,3 +116,25 @@ def test_resume_at_another_world_size_is_refused(cut):
 
     out = CliRunner().invoke(app, ["resume", str(cut), "--max-steps", "6"])
     assert out.exit_code == 2 and "2 processes" in out.output
+
+
+def test_two_ranks_sample_the_same_cyclic_layers(tiny_run):
+    # Each rank computes its layers from (seed, interval) alone; if the ranks disagreed, the
+    # all-reduced gradients would land on different layers and the run would leave the
+    # single-process one.
+    common = dict(scheduler={"name": "constant"},
+                  lisa={"active_layers": 1, "interval_steps": 1, "sampling": "cyclic"},
+                  training={"max_steps": 4, "eval_every": 0})
+    single = tiny_run("single.yaml", **{**common, "training": {**common["training"], "batch_size": 4,
+                                                              "output_dir": "single"}})
+    assert train(single, show=False) == 0
+    dp = tiny_run("dp.yaml", **{**common, "training": {**common["training"], "batch_size": 2, "output_dir": "dp"}})
+    result = torchrun("train", str(dp), cwd=tiny_run.dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    layers = [r["active_layers"] for r in read_metrics(tiny_run.dir / "dp" / "metrics.jsonl") if "loss" in r]
+    assert sorted(i for a in layers for i in a) == [0, 1, 2, 3]  # one cycle: every layer once
+    a, b = train_losses(tiny_run.dir / "single"), train_losses(tiny_run.dir / "dp")
+    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
+    wa, wb = weights(tiny_run.dir / "single"), weights(tiny_run.dir / "dp")
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-3, atol=1e-4), k

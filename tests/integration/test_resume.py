@@ -62,6 +62,21 @@ def test_stop_and_resume_is_bit_identical(tiny_run, policy, stop_at, accum):
     assert_same_run(tiny_run.dir / "ref", tiny_run.dir / "cut")
 
 
+def test_cyclic_sampling_resumes_mid_cycle_bit_identically(tiny_run):
+    # γ=1 of 4 layers, K=2: a cycle is 4 intervals (8 steps); stopping at step 5 is inside the
+    # third interval of the first cycle.
+    common = dict(lisa={"active_layers": 1, "interval_steps": 2, "sampling": "cyclic"},
+                  training={"max_steps": 10, "eval_every": 5})
+    assert train(tiny_run("ref.yaml", **common), overrides=["training.output_dir=ref"], show=False) == 0
+    cut = tiny_run("cut.yaml", **common)
+    assert train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=5) != 0
+    assert resume(tiny_run.dir / "cut", show=False) == 0
+    assert_same_run(tiny_run.dir / "ref", tiny_run.dir / "cut")
+    records = [r for r in read_metrics(tiny_run.dir / "cut" / "metrics.jsonl") if "loss" in r]
+    first_cycle = {i for r in records if r["step"] <= 8 for i in r["active_layers"]}
+    assert first_cycle == {0, 1, 2, 3}
+
+
 @pytest.mark.parametrize("policy", ["discard", "offload_cpu", "offload_disk", "keep"])
 @pytest.mark.parametrize("name", ["adamw_32bit", "paged_adamw_8bit"])
 def test_bf16_stochastic_rounding_resumes_bit_identically(tiny_run, policy, name):

@@ -211,3 +211,30 @@ def test_memory_table_compares_offloaded_state_like_with_like(tiny_run):
     row = next(line for line in result.output.splitlines() if "optimizer states" in line)
     difference = row.split("│")[-2].strip()
     assert abs(float(difference.rstrip("%"))) < 5, row
+
+
+def test_auto_active_layers_trains_the_largest_gamma_that_fits(tiny_run, monkeypatch):
+    """The device's memory set between the estimates at γ=2 and γ=3 of this 4-layer model: auto
+    trains 2 layers per interval, says so at start, and the run's recipe.yaml records 2."""
+    import yaml
+
+    from lisaft.memory import auto_layers
+    from lisaft.memory.command import settings_from_recipe
+    from lisaft.memory.estimate import compute
+    from lisaft.recipe import load_recipe
+
+    recipe = tiny_run(lisa={"active_layers": "auto", "sampling": "cyclic"}, training={"max_steps": 4})
+    s = settings_from_recipe(load_recipe(recipe), device="cpu")
+    two, three = (compute(s.with_(active_layers=g)).total_bytes for g in (2, 3))
+    assert two < three
+    monkeypatch.setattr(auto_layers, "device_memory_bytes", lambda device: (two + three) // 2)
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    assert "lisa.active_layers auto: γ=2:" in result.output and "cyclic" in result.output
+    run = tiny_run.dir / "run"
+    assert all(len(r["active_layers"]) == 2 for r in read_metrics(run / "metrics.jsonl") if "loss" in r)
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["lisa"]["active_layers"] == 2
+    monkeypatch.setattr(auto_layers, "device_memory_bytes", lambda device: two // 4)
+    result = runner.invoke(app, ["train", str(recipe), "--set", "training.output_dir=run2"])
+    assert result.exit_code != 0 and "lisa.active_layers: auto: even γ=1 needs" in result.output
+    assert "Traceback" not in result.output and not (tiny_run.dir / "run2").exists()

@@ -134,6 +134,63 @@ def test_sampler_is_uniform_over_layers_and_pairs():
     assert ((pairs - e_pair) ** 2 / e_pair).sum() < 55.5  # 27 degrees of freedom, p = 0.001
 
 
+@pytest.mark.parametrize("n, gamma", [(6, 2), (7, 2), (8, 3), (24, 2), (5, 5), (4, 1)])
+def test_cyclic_trains_every_layer_in_every_cycle(n, gamma):
+    s = LayerSampler(n, gamma, seed=11, sampling="cyclic")
+    cycle = -(-n // gamma)
+    assert s.cycle_intervals == cycle
+    orders = []
+    for c in range(40):
+        sets = [s.active_set(c * cycle + j) for j in range(cycle)]
+        for a in sets:
+            assert a == sorted(set(a)) and len(a) == gamma and 0 <= a[0] and a[-1] < n
+        assert set().union(*map(set, sets)) == set(range(n)), (c, sets)
+        # Exactly the top-up of the cycle's last interval trains twice.
+        assert sum(map(len, sets)) - n == cycle * gamma - n
+        orders.append(tuple(map(tuple, sets)))
+    if n > gamma:
+        assert len(set(orders)) > 1  # the order is drawn afresh per cycle, not fixed
+
+
+def test_cyclic_sampler_is_pure_in_any_query_order():
+    s = LayerSampler(7, 2, seed=5, sampling="cyclic")
+    np.random.seed(321)
+    before = np.random.get_state()[1].copy()
+    forward = [s.active_set(i) for i in range(60)]
+    backward = [LayerSampler(7, 2, seed=5, sampling="cyclic").active_set(i) for i in reversed(range(60))][::-1]
+    assert forward == backward
+    rng = np.random.default_rng(0)
+    fresh = LayerSampler(7, 2, seed=5, sampling="cyclic")
+    for i in rng.permutation(60):
+        assert fresh.active_set(int(i)) == forward[i]
+    assert np.array_equal(np.random.get_state()[1], before)  # global RNG untouched
+    assert forward != [LayerSampler(7, 2, seed=6, sampling="cyclic").active_set(i) for i in range(60)]
+    assert forward != [LayerSampler(7, 2, seed=5).active_set(i) for i in range(60)]
+    with pytest.raises(ValueError, match="sampling"):
+        LayerSampler(7, 2, seed=5, sampling="round_robin")
+
+
+def test_cyclic_is_uniform_over_layers_in_each_slot():
+    # Each slot of a cycle is as likely to hold any layer: no layer is always trained first.
+    n, gamma = 6, 2
+    s = LayerSampler(n, gamma, seed=3, sampling="cyclic")
+    first = np.zeros(n)
+    for c in range(3000):
+        first[s.active_set(c * s.cycle_intervals)] += 1
+    expected = 3000 * gamma / n
+    assert ((first - expected) ** 2 / expected).sum() < 20.5  # 5 degrees of freedom, p = 0.001
+
+
+def test_controller_samples_cyclically_when_asked(tmp_path):
+    h = setup(tmp_path, layers=6, active_layers=2, interval_steps=1, sampling="cyclic")
+    seen = []
+    for step in range(6):
+        h.ctrl.activate_for_step(step)
+        seen.append(h.ctrl.active_layers)
+    assert seen == [LayerSampler(6, 2, 0, "cyclic").active_set(i) for i in range(6)]
+    assert set().union(*map(set, seen[:3])) == set(range(6))
+
+
 # -- switching ------------------------------------------------------------------------------------
 
 
@@ -450,7 +507,7 @@ def test_offloaded_files_stay_and_a_different_sampler_is_refused(tmp_path):
     sd = h.ctrl.state_dict()
     sd["active_layers"] = [i for i in range(6) if i not in sd["active_layers"]][:2]
     other = setup(tmp_path / "other", state_policy="offload_disk", interval_steps=1)
-    with pytest.raises(LisaftError, match="training.seed or lisa.active_layers"):
+    with pytest.raises(LisaftError, match="training.seed, lisa.active_layers or lisa.sampling"):
         other.ctrl.load_state_dict(sd)
 
 

@@ -1,0 +1,91 @@
+"""`lisa.active_layers: auto`: the largest γ whose estimated peak fits the device's memory.
+
+The device's memory is a GPU's total memory (what `estimate-memory` budgets against: the CUDA
+context is one of the estimate's components), and on CPU the host RAM available when the run
+starts (MemAvailable: what the run can take without swapping out other processes), else the
+physical RAM. `lisaft estimate-memory` makes the same choice against its budget (--budget,
+--gpu, or its default)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lisaft.errors import LisaftError
+from lisaft.memory.advice import largest_fitting_layers
+from lisaft.memory.counts import param_counts
+from lisaft.memory.estimate import GiB, Settings, compute
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    active_layers: int
+    total_bytes: int
+    budget_bytes: int
+
+    def line(self) -> str:
+        return f"γ={self.active_layers}: {self.total_bytes / GiB:.1f} of {self.budget_bytes / GiB:.1f} GiB"
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def device_memory_bytes(device: str) -> int:
+    if device == "cpu":
+        available = host_memory_available()
+        if available is not None:
+            return available
+    from lisaft.memory.command import _device_budget
+
+    return _device_budget(device)
+
+
+def choose_active_layers(s: Settings) -> LayerChoice:
+    """The largest fitting γ; LisaftError naming lisa.active_layers when not even γ=1 fits."""
+    layers = param_counts(s.config).layer_count
+    est = largest_fitting_layers(s, layers)
+    if est is None:
+        one = compute(s.with_(lisa=True, active_layers=1))
+        raise LisaftError(
+            f"lisa.active_layers: auto: even γ=1 needs an estimated {one.total_bytes / GiB:.1f} GiB, more than "
+            f"the {s.budget_bytes / GiB:.1f} GiB budget; `lisaft estimate-memory RECIPE` shows what brings it "
+            "under, or set lisa.active_layers to a number")
+    return LayerChoice(est.settings.active_layers, est.total_bytes, s.budget_bytes)
+
+
+def resolve_active_layers(recipe, device: str, budget_bytes: int | None = None) -> LayerChoice | None:
+    """Replace `auto` in `recipe.lisa.active_layers` by the chosen γ (so the run's recipe.yaml
+    records it and a resume trains the same layers); None when there was nothing to resolve."""
+    from lisaft.memory.command import settings_from_recipe
+
+    if not recipe.lisa.enabled or recipe.lisa.active_layers != "auto":
+        return None
+    budget = budget_bytes if budget_bytes is not None else device_memory_bytes(device)
+    choice = choose_active_layers(settings_from_recipe(recipe, device=device, budget_bytes=budget))
+    recipe.lisa.active_layers = choice.active_layers
+    return choice
+
+
+def resolve_for_run(recipe, device: str) -> LayerChoice | None:
+    """resolve_active_layers at a run's set-up: against the smallest device memory of all
+    data-parallel ranks, so that every rank trains the same γ."""
+    from lisaft import dist
+
+    if not recipe.lisa.enabled or recipe.lisa.active_layers != "auto":
+        return None
+    budget = dist.min_over_ranks(device_memory_bytes(device))
+    try:
+        return resolve_active_layers(recipe, device, budget)
+    except LisaftError as e:
+        if str(e).startswith("lisa.active_layers"):
+            raise
+        raise LisaftError(f"lisa.active_layers: auto needs the memory estimate, which failed ({e}); "
+                          "set lisa.active_layers to a number") from None
