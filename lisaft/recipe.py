@@ -423,6 +423,10 @@ def _message(e: dict) -> str:
         return f"must be a section of keys (a YAML mapping), got {type(e['input']).__name__}"
     if e["type"] == "bool_type":
         return "must be true or false"
+    if e["type"] == "literal_error":
+        choices = re.findall(r"'([^']*)'", e["ctx"]["expected"])
+        close = difflib.get_close_matches(str(e["input"]), choices, n=1, cutoff=0.6)
+        return f"{e['input']!r} is not one of {', '.join(choices)}" + (f"; did you mean {close[0]}?" if close else "")
     # pydantic's own words, minus its prefixes and any internal class name.
     return re.sub(r"\b\w+Section\b", "section", e["msg"].removeprefix("Value error, "))
 

@@ -187,3 +187,10 @@ def test_max_steps_or_epochs(tmp_path):
 def test_roles_map_only_onto_chat_roles(tmp_path):
     assert "data.roles: gpt: 'bot' is not one of system, user, assistant" in \
         _error(tmp_path, _with("data", roles={"gpt": "bot"}))
+
+
+def test_an_unknown_value_is_named_with_the_choices(tmp_path):
+    assert ("optimizer.name: 'adam_ultra' is not one of adamw_32bit, adamw_8bit, paged_adamw_32bit, "
+            "paged_adamw_8bit") in _error(tmp_path, _with("optimizer", name="adam_ultra"))
+    assert "scheduler.name: 'cosin' is not one of constant, linear, cosine; did you mean cosine?" in \
+        _error(tmp_path, _with("scheduler", name="cosin"))
