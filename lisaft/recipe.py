@@ -270,6 +270,10 @@ class TrainingSection(_Section):
         description="Data parallel only: each rank keeps the moments of its share of the trainable "
         "parameters and broadcasts their update (optimizer memory / ranks; same results).",
     )
+    threads: int | Literal["auto"] = Field(
+        "auto", description="CPU threads for torch's kernels. auto: the CPUs this process may use "
+        "(affinity and container quota), shared among data-parallel processes on the machine; "
+        "OMP_NUM_THREADS, when set, counts instead. See README: threads on a busy CPU.")
 
     @model_validator(mode="after")
     def _length(self) -> TrainingSection:
@@ -277,6 +281,19 @@ class TrainingSection(_Section):
             raise ValueError("set training.max_steps (optimizer steps) or training.epochs (passes "
                              "over the train set)")
         return self
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        try:
+            n = _whole_number(v)
+        except ValueError:
+            n = None
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"must be a whole number of threads (1 or more) or auto, got {v!r}")
+        return n
 
     @field_validator("max_grad_norm")
     @classmethod
@@ -341,7 +358,8 @@ class Recipe(_Section):
 # activations, so turning it on after an out-of-memory stop continues the same run.
 CADENCE_KEYS = (
     "training.max_steps", "training.log_every", "training.eval_every", "training.eval_batches",
-    "training.save_every", "training.keep_last", "training.device", "model.gradient_checkpointing",
+    "training.save_every", "training.keep_last", "training.device", "training.threads",
+    "model.gradient_checkpointing",
     "logging.backends", "logging.wandb_project", "logging.wandb_mode",
 )
 
