@@ -70,7 +70,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
     ref, key = (model, "--model") if model else _model_ref(recipe)
     config, label = resolve_model(ref, key)
     return Settings(
-        model_label=label, config=config, dtype=recipe.model.dtype,
+        model_label=label, config=config, layers_path=recipe.model.layers_path, dtype=recipe.model.dtype,
         attention=_attention_for(recipe.model.attention, device, recipe.model.dtype),
         gradient_checkpointing=recipe.model.gradient_checkpointing,
         offload_activations=recipe.model.offload_activations,
@@ -191,7 +191,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
                           "no gradient stays on the device anyway")
     if s.in_backward and s.grad_accum_steps > 1:
         raise LisaftError("--in-backward cannot be combined with training.grad_accum_steps > 1")
-    layers = param_counts(s.config).layer_count
+    layers = param_counts(s.config, s.layers_path).layer_count
     if s.lisa and s.active_layers > layers:
         key = "--lisa-layers" if lisa_layers is not None else "lisa.active_layers"
         raise LisaftError(f"{key}: {s.active_layers} is more than the model's {layers} layers")
@@ -236,7 +236,7 @@ def build_report(s: Settings, budget: Budget) -> Report:
     from lisaft.models import context_length
 
     est = compute(s)
-    layers = param_counts(s.config).layer_count
+    layers = param_counts(s.config, s.layers_path).layer_count
     weights_fit = est.weights_bytes + est.components.get("cuda_context", 0) <= s.budget_bytes
     changes = advice(est, layers) if not est.fits and weights_fit else []
     lean = None

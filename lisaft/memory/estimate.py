@@ -60,6 +60,7 @@ class Settings:
 
     model_label: str
     config: object  # transformers PretrainedConfig
+    layers_path: str | None = None  # model.layers_path, where lisaft cannot find the layers itself
     dtype: str = "bfloat16"
     attention: str = "sdpa"  # flash_attention_2 | sdpa | eager
     gradient_checkpointing: bool = False
@@ -236,7 +237,7 @@ def _sparse_embedding_saving(counts: ParamCounts, shape: Shape, s: Settings, dt:
 
 
 def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None = None) -> Estimate:
-    counts = counts or param_counts(s.config)
+    counts = counts or param_counts(s.config, s.layers_path)
     shape = shape or shape_from_config(s.config)
     dt = DTYPE_BYTES[s.dtype]
     notes: list[str] = []
