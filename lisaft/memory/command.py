@@ -211,7 +211,8 @@ class Report:
     context_length: int | None
     weights_fit: bool
     leanest: Change | None  # when nothing offered fits: the least this model trains in
-    smallest_gpu: str | None
+    smallest_gpu: str | None  # the smallest catalogue card for the leanest setup
+    smallest_gpu_as_is: str | None  # the smallest catalogue card for the settings as given
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -223,7 +224,7 @@ class Report:
             advice=[{"set": c.overrides, "why": c.why, "total_bytes": c.estimate.total_bytes,
                      "fits": c.estimate.fits} for c in self.changes],
             smallest_budget_bytes=self.leanest.estimate.total_bytes if self.leanest else None,
-            smallest_gpu=self.smallest_gpu,
+            smallest_gpu=self.smallest_gpu, smallest_gpu_as_is=self.smallest_gpu_as_is,
             optimizers={opt: {mode: {"total_bytes": e.total_bytes, "fits": e.fits,
                                      "paged_host_bytes": e.paged_host_bytes}
                               for (o, mode), e in self.grid.items() if o == opt}
@@ -245,9 +246,10 @@ def build_report(s: Settings, budget: Budget) -> Report:
         changes = [c for c in changes if c.overrides != lean.overrides]
     gamma = s.active_layers if s.lisa else min(2, layers)
     card = smallest_gpu(lean.estimate.total_bytes) if lean else None
+    as_is = smallest_gpu(est.total_bytes)
     return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "seq_len"),
                   largest_fitting(s, "batch_size"), context_length(s.config), weights_fit, lean,
-                  card.name if card else None)
+                  card.name if card else None, as_is.name if as_is else None)
 
 
 def estimate_memory_command(recipe: Path | None = None, model: str | None = None,
