@@ -256,6 +256,19 @@ def test_invalid_json_line(tmp_path, tok):
         load_splits(DataSection(train=str(path)), tok, seed=0)
 
 
+@pytest.mark.parametrize("line, problem", [
+    ('{"text": "ab', "Unterminated string starting at column 10)"),
+    ('{"text": "a"', "the line ends before its JSON object does; was the file cut short?)"),
+    ('{"text": "a" "b"}', "Expecting ',' delimiter at column 14)"),
+])
+def test_a_bad_json_line_says_where_in_whole_words(tmp_path, tok, line, problem):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "a"}\n' + line)
+    with pytest.raises(LisaftError) as e:
+        load_splits(DataSection(train=str(path)), tok, seed=0)
+    assert str(e.value) == f"data.train: {path}: line 2: not valid JSON ({problem}"
+
+
 def test_missing_files_name_the_key_and_path(tmp_path, tok):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(LisaftError, match=r"^data\.train: .*nope\.jsonl: no such file"):
