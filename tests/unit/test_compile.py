@@ -24,6 +24,19 @@ def test_layers_compile_in_place_with_the_same_names_and_weights():
     assert model._compiled_call_impl is None
 
 
+def test_compiling_shows_no_deprecation_of_torchs_own_making():
+    """Importing inductor warns that torch.utils.mkldnn uses torch.jit.script_method; once per
+    process, so a fresh one is needed to see it."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch\nwarnings.simplefilter('error', DeprecationWarning)\n"
+            "from lisaft.models import compile_layers\n"
+            "compile_layers(torch.nn.ModuleList([torch.nn.Linear(2, 2)]), torch.device('cpu'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-1500:]
+
+
 def test_no_cpu_compiler_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(LisaftError) as e:
