@@ -285,13 +285,8 @@ def compile_layers(layers: nn.ModuleList, device: torch.device) -> None:
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         raise LisaftError("training.compile: torch.compile on CUDA needs triton, which is not installed; "
                           "pip install triton or set training.compile false")
-    with warnings.catch_warnings():
-        # torch.compile imports inductor, which imports torch.utils.mkldnn, whose classes still
-        # use torch.jit.script_method: torch's own deprecation, nothing a lisaft user can act on.
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
-                                category=DeprecationWarning)
-        for layer in layers:
-            layer.compile()
+    for layer in layers:
+        layer.compile()
 
 
 def long_context_memory(model: nn.Module, section: ModelSection, device: torch.device) -> None:
