@@ -83,7 +83,8 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         lisa=recipe.lisa.enabled, active_layers=recipe.lisa.active_layers,
         train_embeddings=recipe.lisa.train_embeddings, train_head=recipe.lisa.train_head,
         state_policy=recipe.lisa.state_policy, batch_size=recipe.training.batch_size,
-        seq_len=recipe.data.max_seq_len, grad_accum_steps=recipe.training.grad_accum_steps,
+        seq_len=recipe.data.max_seq_len, padded_rows=not recipe.data.packing,
+        grad_accum_steps=recipe.training.grad_accum_steps,
         clipping=recipe.training.max_grad_norm is not None, device=device,
         budget_bytes=budget_bytes,
     )

@@ -78,6 +78,7 @@ class Settings:
     state_policy: str = "discard"
     batch_size: int = 1
     seq_len: int = 1024
+    padded_rows: bool = False  # rows padded to the longest in a batch (batch > 1, no packing)
     grad_accum_steps: int = 1
     clipping: bool = True
     device: str = "cuda"
@@ -265,7 +266,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         train_embeddings=not s.lisa or s.train_embeddings,
         head_weight_trains=head_weight_trains,
         final_norm_trains=not s.lisa or s.train_head,
-        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens,
+        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, padded_rows=s.padded_rows and s.batch_size > 1,
     )
     saved_no_logp = act.layers + act.outside_layers
     loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
