@@ -260,8 +260,8 @@ class TrainingSection(_Section):
     eval_batches: Int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
     save_every: Int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
     keep_last: Int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
-    output_dir: str = Field(..., description="Run directory; a relative path means the recipe file's folder (the current "
-                            "directory when given with --set).")
+    output_dir: str = Field(..., description="Run directory; a relative path means the recipe file's "
+                            "folder (the current directory when given with --set).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
     compile: Bool = Field(
         False, description="Compile each decoder layer with torch.compile (regional: same weights, same "
