@@ -246,7 +246,7 @@ def test_a_sparse_row_gradient_updates_every_row_as_its_dense_form(monkeypatch, 
     for step in range(3):
         rows = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(step))
         values = torch.randn(40, 32, generator=torch.Generator().manual_seed(100 + step)).to(dtype)
-        sparse = torch.sparse_coo_tensor(rows[None], values, (512, 32)).coalesce()
+        sparse = torch.sparse_coo_tensor(rows[None], values, (512, 32), check_invariants=True).coalesce()
         dense_p.grad, sparse_p.grad = sparse.to_dense(), sparse
         for opt in opts:
             opt.rounding.step = step
