@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from lisaft import dist
+from lisaft import dist, runfiles
 from lisaft.train.session import Session
 
 
@@ -22,6 +22,7 @@ def save_final(session: Session) -> None:
     hf_logging.disable_progress_bar()
     session.model.save_pretrained(tmp, safe_serialization=True)
     session.tokenizer.save_pretrained(tmp)
+    runfiles.give_files_the_usual_mode(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -111,9 +111,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         resolve_device,
         use_sparse_embedding_grad,
     )
+    from lisaft.threads import apply_threads
     from lisaft.units import model_units
 
     t = recipe.training
+    apply_threads(t.threads, dist.local_world_size())
     if recipe.optimizer.in_backward and dist.world_size() > 1:
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")

@@ -102,7 +102,12 @@ def test_resume_extends_a_finished_run_and_refuses_without_more_steps(tiny_run):
     assert train(recipe, show=False) == 0
     run = tiny_run.dir / "run"
     result = runner.invoke(app, ["resume", str(run)])
-    assert result.exit_code == 2 and "--max-steps" in result.output
+    assert result.exit_code == 2 and "the run is complete at step 3 of 3; pass --max-steps N (N > 3)" in \
+        " ".join(result.output.split())
+    # A --max-steps not past the checkpoint is named as such: the run is not called complete.
+    result = runner.invoke(app, ["resume", str(run), "--max-steps", "2"])
+    assert result.exit_code == 2 and "--max-steps 2 is not past the newest checkpoint, at step 3" in \
+        " ".join(result.output.split())
     assert runner.invoke(app, ["resume", str(run), "--max-steps", "5"]).exit_code == 0
     assert sorted(losses(run)) == [1, 2, 3, 4, 5]
 
