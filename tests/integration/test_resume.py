@@ -145,7 +145,8 @@ def test_changing_max_steps_on_resume_keeps_the_lr_curve_unless_replanned(tiny_r
     assert result.exit_code == 0 and "re-planned" in result.output, result.output
     lrs = _lrs(tiny_run.dir / "cut")
     assert lrs[6] == reference[6]  # step 6 runs at the LR the run had reached: no jump
-    assert all(lrs[k + 1] < lrs[k] for k in range(6, 20)) and lrs[20] == pytest.approx(floor)
+    # the floor is reached one step after the last, so the last step still trains
+    assert all(lrs[k + 1] < lrs[k] for k in range(6, 20)) and floor < lrs[20] < 1.1 * floor
     assert lrs[7] > reference[7]  # the decay is stretched over the longer run
 
 
