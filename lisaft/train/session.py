@@ -58,7 +58,7 @@ class MemoryPeaks:
 
     grad_bytes: int = 0
     state_bytes: int = 0
-    activation_bytes: int | None = None   # saved for backward, measured on the first micro-batch
+    activation_bytes: int | None = None   # saved for backward by the longest micro-batch so far
     activation_seq_len: int = 0           # that micro-batch's padded length
 
 

@@ -253,3 +253,23 @@ def test_resume_of_what_is_not_a_run_says_what_it_is(tiny_run):
     assert f"is a recipe file; resume takes the run folder it trains into: `lisaft resume {tiny_run.dir / 'run'}`" \
         in " ".join(given_recipe.output.split())
     assert "not a lisaft run (no recipe.yaml in it)" in not_a_run.output
+
+
+def test_activations_are_measured_on_the_longest_batch_so_far(tiny_run):
+    """The end-of-run table estimates for the run's longest batch, where its peak comes from."""
+    from lisaft.batches import collate
+    from lisaft.recipe import load_recipe
+    from lisaft.train import build_session, train_step
+
+    recipe = load_recipe(tiny_run(training={"grad_accum_steps": 3, "batch_size": 2}))
+    session = build_session(recipe, tiny_run.dir / "run")
+    order = session.order.state_dict()
+    widths = []
+    for _ in range(3):
+        idx = session.order.next_indices()
+        widths.append(collate([session.train_examples[i] for i in idx], 0)["input_ids"].shape[1])
+    session.order.load_state_dict(order)
+    first = train_step(session, 0, measure_activations=True)
+    assert first.activation_seq_len == max(widths) and first.activation_bytes > 0
+    again = train_step(session, 1, measure_activations=True, longer_than=10**6)
+    assert again.activation_bytes is None  # nothing longer than before: no hooks this step
