@@ -253,10 +253,12 @@ class TrainingSection(_Section):
     epochs: Float | None = Field(
         None, gt=0, description="Passes over the train set, instead of max_steps: max_steps becomes "
         "ceil(epochs x train rows / (batch_size x grad_accum_steps x ranks)), worked out when the run "
-        "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts.")
+        "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts (a "
+        "warning says so).")
     max_grad_norm: Float | None = Field(1.0, description="Clip total grad norm; null disables.")
     log_every: Int = Field(1, ge=1, description="Write a train record every N steps.")
-    eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
+    eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); without "
+                            "an eval set (data.eval, data.eval_fraction) nothing is evaluated and a warning says so.")
     eval_batches: Int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
     save_every: Int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
     keep_last: Int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
