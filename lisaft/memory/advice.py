@@ -138,7 +138,10 @@ def _smallest(changes: list[Change]) -> Change:
 
 def leanest(s: Settings, layer_count: int) -> Change:
     """The least memory any combination reaches: what this model needs at the very least."""
-    lean = min(combinations(s, layer_count), key=lambda c: (c.estimate.total_bytes, c.cost))
+    every = combinations(s, layer_count)
+    if not every:  # every change lisaft has is made already
+        return Change({}, "the settings as given", compute(s))
+    lean = min(every, key=lambda c: (c.estimate.total_bytes, c.cost))
     return Change(lean.overrides, "the least memory lisaft can train this model in", lean.estimate, lean.cost,
                   lean.options)
 

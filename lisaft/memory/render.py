@@ -193,8 +193,8 @@ def _no_budget_fits(report) -> Text:
             f"No change lisaft offers fits it in {human(est.budget_bytes)}.")
     where = (f"the smallest GPU that could: --gpu {report.smallest_gpu}" if report.smallest_gpu else
              f"more than any GPU in the catalogue: {SEVERAL_GPUS}")
-    return Text(f"{head} The leanest setup ({lean.what}) needs {human(lean.estimate.total_bytes)}; "
-                f"{where}.", style="bold red")
+    setup = f"The leanest setup ({lean.what})" if lean.overrides else "These settings are the leanest lisaft has:"
+    return Text(f"{head} {setup} needs {human(lean.estimate.total_bytes)}; {where}.", style="bold red")
 
 
 def _as_is_line(report) -> Text:
