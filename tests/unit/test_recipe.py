@@ -102,7 +102,8 @@ def test_a_set_value_yaml_cannot_read_gets_the_quoting_that_works(tmp_path, raw)
 
 def test_command_line_paths_mean_the_current_directory(tmp_path, monkeypatch):
     """Paths in the file mean the recipe's folder; paths typed with --set mean where one stands."""
-    recipe = write(tmp_path / "recipes" if (tmp_path / "recipes").mkdir() is None else None, BASE)
+    (tmp_path / "recipes").mkdir()
+    recipe = write(tmp_path / "recipes", BASE)
     elsewhere = tmp_path / "work"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
