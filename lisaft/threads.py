@@ -4,9 +4,9 @@ torch runs its CPU kernels on an OpenMP pool. Between two parallel regions OpenM
 keeps the idle threads spinning (GNU OpenMP: 300,000 rounds, milliseconds) before they sleep.
 On a machine where another process wants a core, a spinning thread holds the core that the
 thread it waits for needs, and a small model's step (thousands of short regions) stalls: the
-quickstart fell from ~10k to ~150 tokens/s next to one busy process (benchmarks/threads_bench.py,
-docs/threads in README). A passive wait gives the core back at once; its cost on a quiet machine
-is a wake-up per region, measured by the same benchmark.
+quickstart fell from 10-14k to about 150 tokens/s next to one busy process (issue 23; README,
+"Threads on a busy CPU"; benchmarks/threads_bench.py). A passive wait gives the core back at
+once; what it costs is a wake-up per region.
 
 The wait policy is read once, when torch loads OpenMP, so `configure_openmp` runs before torch is
 imported (the command line's entry point). The thread count can change at any time:
