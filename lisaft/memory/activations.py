@@ -198,8 +198,14 @@ def activations(
     frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked)
     # SDPA turns the boolean padding mask into an additive one in the query's dtype at every
     # call, and keeps that copy for backward: batch x seq x seq per layer (eager adds it to the
-    # scores it keeps anyway; FlashAttention takes the unpadded rows and no mask).
-    mask = dt * batch * seq_len * seq_len if padded_rows and attention == "sdpa" else 0
+    # scores it keeps anyway; FlashAttention takes the unpadded rows and no mask). With a mask,
+    # transformers' SDPA path also repeats grouped k and v to every head, and those copies are
+    # what the kernel keeps; a single k/v head repeats as a view, without a copy.
+    mask = 0
+    if padded_rows and attention == "sdpa":
+        grouped = 1 < shape.kv_heads < shape.heads
+        repeated_kv = 2 * dt * tokens * (shape.heads - shape.kv_heads) * shape.head_dim if grouped else 0
+        mask = dt * batch * seq_len * seq_len + repeated_kv
     if checkpointing:
         resident = min(shape.layers, OFFLOAD_INFLIGHT_LAYERS) if offload else shape.layers
         layers = tokens * resident * checkpointed_layer_bytes_per_token(shape, dt)

@@ -66,17 +66,17 @@ def test_activations_match_saved_tensor_meter(model_type, dtype, attention, chec
     assert abs(est.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
 
 
-@pytest.mark.parametrize("dtype,attention,gamma", [
-    ("float32", "sdpa", 0), ("bfloat16", "sdpa", 1), ("float32", "eager", 0),
+@pytest.mark.parametrize("dtype,attention,gamma,kv_heads", [
+    ("float32", "sdpa", 0, 4), ("bfloat16", "sdpa", 1, 4), ("float32", "eager", 0, 4),
+    ("float32", "sdpa", 0, 2), ("float32", "sdpa", 1, 1), ("bfloat16", "sdpa", 0, 2), ("bfloat16", "sdpa", 1, 1),
 ])
-def test_padded_rows_keep_a_mask_per_layer_under_sdpa(dtype, attention, gamma):
+def test_padded_rows_keep_a_mask_per_layer_under_sdpa(dtype, attention, gamma, kv_heads):
     """Rows padded to the longest of the batch (no packing): SDPA keeps an additive mask per
-    layer; the estimate for padded rows must see it, the one for full rows must not. (Grouped
-    K/V heads with a mask take another SDPA path on CPU, which keeps more: not modelled.)"""
+    layer, and with grouped K/V heads the k and v repeated to every head; the estimate for padded
+    rows must see them, the one for full rows must not."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = LlamaConfig(**{**_BASE, "num_key_value_heads": _BASE["num_attention_heads"]},
-                             tie_word_embeddings=False)
+        config = LlamaConfig(**{**_BASE, "num_key_value_heads": kv_heads}, tie_word_embeddings=False)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attention)
     model.train()
@@ -94,7 +94,7 @@ def test_padded_rows_keep_a_mask_per_layer_under_sdpa(dtype, attention, gamma):
                         active_layers=gamma or 2, batch_size=batch, seq_len=seq, device="cpu")
     padded = compute(settings.with_(padded_rows=True)).saved_activation_bytes
     assert abs(padded - meter.bytes) <= 0.01 * meter.bytes
-    if attention == "sdpa":
+    if attention == "sdpa" and kv_heads == config.num_attention_heads:
         full = compute(settings).saved_activation_bytes
         assert padded - full == config.num_hidden_layers * batch * seq * seq * DTYPES[dtype].itemsize
 
