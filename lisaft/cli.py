@@ -214,6 +214,9 @@ def main() -> None:
 
     warnings.showwarning = _one_line_warning
     from lisaft.allocator import configure_cuda_allocator
+    from lisaft.threads import configure_openmp
+
+    configure_openmp()  # before torch loads OpenMP, which reads the wait policy once
 
     configure_cuda_allocator()  # before anything initialises CUDA
     try:

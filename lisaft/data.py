@@ -155,6 +155,23 @@ def _instruction_examples(rows: Rows, tokens: _Tokens, template: str | None) -> 
     return out
 
 
+# Role names of common chat datasets (ShareGPT, OpenAssistant, Gemini-style exports) and the role
+# each means; a name not here gets no guess, since a wrong one would move the loss onto the user.
+_KNOWN_ROLES = {
+    "human": "user", "prompter": "user", "question": "user", "customer": "user",
+    "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant", "chatgpt": "assistant",
+    "answer": "assistant", "response": "assistant", "assistant": "assistant", "user": "user",
+    "system": "system", "sys": "system", "system_prompt": "system",
+}
+
+
+def _role_hint(name: str) -> str:
+    target = _KNOWN_ROLES.get(name.strip().lower())
+    if target is not None:
+        return f"e.g. {{{name}: {target}}}"
+    return f"to the role it plays: {{{name}: user}}, {{{name}: assistant}} or {{{name}: system}}"
+
+
 def _check_messages(rows: Rows, i: int, roles: dict[str, str]) -> list[dict]:
     messages = rows.rows[i].get("messages")
     if messages is None:
@@ -172,7 +189,7 @@ def _check_messages(rows: Rows, i: int, roles: dict[str, str]) -> list[dict]:
         if role not in CHAT_ROLES:
             raise LisaftError(
                 f"{rows.where(i)}: messages[{j}] has role {m['role']!r}, not one of {', '.join(CHAT_ROLES)}; "
-                f"map it with data.roles, e.g. {{{m['role']}: assistant}}")
+                f"map it with data.roles, {_role_hint(m['role'])}")
         clean.append({"role": role, "content": m["content"]})
     return clean
 
@@ -258,32 +275,43 @@ def build_examples(rows: Rows, fmt: str, tokenizer, template: str | None = None,
     return _chat_examples(rows, tokenizer, tokens, roles or {})
 
 
-def _truncate_and_filter(examples: list[Example], max_seq_len: int, key: str) -> list[Example]:
-    truncated = dropped = 0
+def _numbers(rows: Rows, indices: list[int], shown: int = 5) -> str:
+    """Where the examples came from: "lines 4, 17 and 90", or the first few and how many more."""
+    names = [str(rows.numbers[i]) for i in indices[:shown]]
+    more = len(indices) - len(names)
+    listed = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+    if more:
+        listed = ", ".join(names) + f" and {more} more"
+    return f"{rows.unit}{'s' if len(indices) > 1 else ''} {listed}"
+
+
+def _truncate_and_filter(examples: list[Example], max_seq_len: int, rows: Rows) -> list[Example]:
+    truncated, dropped = [], []
     kept = []
-    for ex in examples:
+    for i, ex in enumerate(examples):
         if len(ex["input_ids"]) > max_seq_len:
-            truncated += 1
+            truncated.append(i)
             ex = {"input_ids": ex["input_ids"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
         # The label at position 0 is never predicted (nothing precedes it), so an example needs a
         # loss-carrying label after it to teach anything.
         if all(l == IGNORE_INDEX for l in ex["labels"][1:]):
-            dropped += 1
+            dropped.append(i)
             continue
         kept.append(ex)
+    where = f"{rows.key}: {rows.source}"
     if truncated:
         warnings.warn(
-            f"{key}: {truncated} of {len(examples)} examples were longer than data.max_seq_len="
-            f"{max_seq_len} and were cut at the end", DataWarning, stacklevel=3,
+            f"{where}: {len(truncated)} of {len(examples)} examples were longer than data.max_seq_len="
+            f"{max_seq_len} and were cut at the end ({_numbers(rows, truncated)})", DataWarning, stacklevel=3,
         )
     if dropped:
         warnings.warn(
-            f"{key}: dropped {dropped} of {len(examples)} examples with no response tokens left "
-            f"to learn from (prompt fills data.max_seq_len={max_seq_len}, or no assistant turn)",
-            DataWarning, stacklevel=3,
+            f"{where}: dropped {len(dropped)} of {len(examples)} examples with no response tokens left "
+            f"to learn from (prompt fills data.max_seq_len={max_seq_len}, or no assistant turn): "
+            f"{_numbers(rows, dropped)}", DataWarning, stacklevel=3,
         )
     if not kept:
-        raise LisaftError(f"{key}: no usable examples: every example lost its response tokens")
+        raise LisaftError(f"{where}: no usable examples: every example lost its response tokens")
     return kept
 
 
@@ -318,13 +346,13 @@ def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Exampl
 
     train = _truncate_and_filter(
         build_examples(train_rows, section.format, tokenizer, section.template, section.roles),
-        section.max_seq_len, "data.train"
+        section.max_seq_len, train_rows
     )
     evals = None
     if eval_rows is not None:
         evals = _truncate_and_filter(
             build_examples(eval_rows, section.format, tokenizer, section.template, section.roles),
-            section.max_seq_len, eval_rows.key
+            section.max_seq_len, eval_rows
         )
     return train, evals
 

@@ -25,6 +25,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def local_world_size() -> int:
+    """Processes of this run on this machine (torchrun sets LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def is_main() -> bool:
     return rank() == 0
 

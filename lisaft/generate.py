@@ -125,6 +125,9 @@ def _load(model_dir: Path):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise LisaftError(f"{model_dir}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     except (OSError, ValueError) as e:
         raise LisaftError(f"{model_dir}: cannot load the model: {first_line(e)}") from None

@@ -17,15 +17,36 @@ SMOOTHING = 0.8  # weight of the past in the exponential moving average of the t
 
 
 def read_records(run_dir: Path) -> list[dict]:
+    """The run's records. Only the last line may be cut short (the record being written now); a
+    bad line before it, or a file with nothing to plot, is an error: an empty grid would say the
+    run logged nothing, which a corrupt file does not show."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise LisaftError(f"{run_dir}: not a lisaft run (no metrics.jsonl)")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise LisaftError(f"{path}: not a text file (corrupt?)") from None
+    except OSError as e:
+        raise LisaftError(f"{path}: cannot read it: {e.strerror or e}") from None
+    lines = text.splitlines()
+    # A writer appends a record and its newline together: a last line without one is in progress.
+    in_progress = len(lines) if text and not text.endswith("\n") else None
     records = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            continue  # the record being written right now
+            record = None
+            if number == in_progress:
+                continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise LisaftError(f"{path}: line {number} is not a metrics record (a corrupt file?)")
+        records.append(record)
+    if not any("loss" in r or "eval_loss" in r for r in records):
+        raise LisaftError(f"{path}: no train or eval records yet: nothing to plot")
     return records
 
 
@@ -66,7 +87,7 @@ def _estimate(run_dir: Path) -> tuple[int | None, str, int | None]:
     except LisaftError as e:
         return None, f"no estimate: {e}", None
     note = f"estimate ({est.settings.device}, seq {recipe.data.max_seq_len})"
-    return est.comparable_peak_bytes, note, param_counts(est.settings.config).layer_count
+    return est.comparable_peak_bytes, note, param_counts(est.settings.config, est.settings.layers_path).layer_count
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:

@@ -29,6 +29,7 @@ from pydantic import (
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 from lisaft.hub import can_only_be_path
+from lisaft.overrides import Override, apply_overrides, parse_override
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
@@ -276,14 +277,17 @@ class TrainingSection(_Section):
     epochs: Float | None = Field(
         None, gt=0, description="Passes over the train set, instead of max_steps: max_steps becomes "
         "ceil(epochs x train rows / (batch_size x grad_accum_steps x ranks)), worked out when the run "
-        "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts.")
+        "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts (a "
+        "warning says so).")
     max_grad_norm: Float | None = Field(1.0, description="Clip total grad norm; null disables.")
     log_every: Int = Field(1, ge=1, description="Write a train record every N steps.")
-    eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end).")
+    eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); without "
+                            "an eval set (data.eval, data.eval_fraction) nothing is evaluated and a warning says so.")
     eval_batches: Int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
     save_every: Int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
     keep_last: Int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
-    output_dir: str = Field(..., description="Run directory; relative to the recipe file.")
+    output_dir: str = Field(..., description="Run directory; a relative path means the recipe file's "
+                            "folder (the current directory when given with --set).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
     compile: Bool = Field(
         False, description="Compile each decoder layer with torch.compile (regional: same weights, same "
@@ -300,6 +304,10 @@ class TrainingSection(_Section):
         "FSDP2 (one FSDP unit per training unit), for models larger than one card; LISA works. "
         "adamw_32bit and adamw_8bit only; a resume needs the same number of ranks (docs/distributed.md).",
     )
+    threads: int | Literal["auto"] = Field(
+        "auto", description="CPU threads for torch's kernels. auto: the CPUs this process may use "
+        "(affinity and container quota), shared among data-parallel processes on the machine; "
+        "OMP_NUM_THREADS, when set, counts instead. See README: threads on a busy CPU.")
 
     @model_validator(mode="after")
     def _length(self) -> TrainingSection:
@@ -307,6 +315,19 @@ class TrainingSection(_Section):
             raise ValueError("set training.max_steps (optimizer steps) or training.epochs (passes "
                              "over the train set)")
         return self
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        try:
+            n = _whole_number(v)
+        except ValueError:
+            n = None
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"must be a whole number of threads (1 or more) or auto, got {v!r}")
+        return n
 
     @field_validator("max_grad_norm")
     @classmethod
@@ -371,51 +392,26 @@ class Recipe(_Section):
 # activations, so turning it on after an out-of-memory stop continues the same run.
 CADENCE_KEYS = (
     "training.max_steps", "training.log_every", "training.eval_every", "training.eval_batches",
-    "training.save_every", "training.keep_last", "training.device", "model.gradient_checkpointing",
+    "training.save_every", "training.keep_last", "training.device", "training.threads",
+    "model.gradient_checkpointing",
     "logging.backends", "logging.wandb_project", "logging.wandb_mode",
 )
 
-# Recipe fields holding paths that are resolved against the recipe file's folder.
+# Recipe fields holding paths: resolved against the recipe file's folder, or the current directory
+# for a value given with --set.
 _PATH_FIELDS = (
     ("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"),
     ("data", "train"), ("data", "eval"), ("training", "output_dir"),
 )
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise LisaftError(f"--set {item!r}: expected key.path=value")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise LisaftError(f"--set {item!r}: bad key {key!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise LisaftError(f"--set {key}: value is not YAML: {e}") from None
-    return key.split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply dotted `key.path=value` overrides (values parsed as YAML) to a raw recipe dict."""
-    for item in overrides:
-        parts, value = _parse_override(item)
-        node = data
-        for part in parts[:-1]:
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            if not isinstance(nxt, dict):
-                raise LisaftError(f"--set {'.'.join(parts)}: {part!r} is not a section")
-            node = nxt
-        node[parts[-1]] = value
-    return data
-
-
-def _resolve_paths(data: dict, base: Path) -> None:
+def _resolve_paths(data: dict, base: Path, only: list[Override] | None = None) -> None:
+    """Resolve relative paths against `base`; with `only`, just the keys those overrides set."""
     for section, key in _PATH_FIELDS:
         sec = data.get(section)
         if not isinstance(sec, dict) or not isinstance(sec.get(key), str):
+            continue
+        if only is not None and not any(o.covers((section, key)) for o in only):
             continue
         value = sec[key]
         p = Path(value).expanduser()
@@ -453,25 +449,46 @@ def _message(e: dict) -> str:
         return f"must be a section of keys (a YAML mapping), got {type(e['input']).__name__}"
     if e["type"] == "bool_type":
         return "must be true or false"
+    if e["type"] == "string_type":
+        return "must be text"
+    if e["type"] == "literal_error":
+        choices = re.findall(r"'([^']*)'", e["ctx"]["expected"])
+        close = difflib.get_close_matches(str(e["input"]), choices, n=1, cutoff=0.6)
+        return f"{e['input']!r} is not one of {', '.join(choices)}" + (f"; did you mean {close[0]}?" if close else "")
     # pydantic's own words, minus its prefixes and any internal class name.
     return re.sub(r"\b\w+Section\b", "section", e["msg"].removeprefix("Value error, "))
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = []
+def format_validation_error(err: ValidationError, source: str, overrides: tuple[Override, ...] = ()) -> str:
+    """One line. A mistake in a key given with --set is blamed on the --set, the rest on `source`
+    (with the --set items when the recipe-wide check failed, where both may play a part)."""
+    from_file, from_set = [], []
+    recipe_wide = False
     for e in err.errors():
         # A failed Annotated/Literal/union member adds a non-key part to loc; keep the key path.
-        loc = ".".join(str(p) for p in e["loc"]
-                       if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
-        lines.append(f"{loc}: {_message(e)}" if loc else _message(e))
-    return f"{source}: invalid recipe: " + "; ".join(dict.fromkeys(lines))
+        keys = tuple(p for p in e["loc"]
+                     if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
+        loc = ".".join(map(str, keys))
+        line = f"{loc}: {_message(e)}" if loc else _message(e)
+        recipe_wide |= not keys
+        by = next((o for o in overrides if keys and o.covers(keys)), None)
+        if by is not None and e["type"] == "string_type" and not isinstance(by.value, str):
+            # YAML read the text as something else ("Q: {instruction}" is a mapping).
+            line += f" (YAML read {by.raw!r} as a {type(by.value).__name__}); to pass it as text, quote it: " \
+                    + by.as_text()
+        (from_set if by is not None else from_file).append(line)
+    parts = [f"--set {line}" for line in dict.fromkeys(from_set)]
+    if from_file:
+        where = source + ("".join(f" --set {o.item}" for o in overrides) if recipe_wide else "")
+        parts.insert(0, f"{where}: invalid recipe: " + "; ".join(dict.fromkeys(from_file)))
+    return "; ".join(parts)
 
 
-def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
+def recipe_from_dict(data: dict, source: str = "recipe", overrides: tuple[Override, ...] = ()) -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise LisaftError(format_validation_error(e, source)) from None
+        raise LisaftError(format_validation_error(e, source, overrides)) from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_paths: bool = True) -> Recipe:
@@ -494,10 +511,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_pa
         data = {}
     if not isinstance(data, dict):
         raise LisaftError(f"{path}: a recipe must be a YAML mapping of sections, got {type(data).__name__}")
-    data = apply_overrides(data, overrides or [])
-    if resolve_paths:
+    parsed = tuple(parse_override(item) for item in overrides or [])
+    if resolve_paths:  # the file's paths mean its folder, the command line's the current directory
         _resolve_paths(data, path.resolve().parent)
-    return recipe_from_dict(data, str(path))
+    data = apply_overrides(data, overrides or [])
+    if resolve_paths and parsed:
+        _resolve_paths(data, Path.cwd(), only=list(parsed))
+    return recipe_from_dict(data, str(path), parsed)
 
 
 def get_key(recipe: Recipe, dotted: str) -> Any:
@@ -524,8 +544,10 @@ def reference_markdown() -> str:
     lines = ["# Recipe reference", "",
              "Generated from `lisaft/recipe.py` by `python -m lisaft.recipe > docs/recipes.md`.",
              "Unknown keys are errors. Any key can be overridden on the command line with",
-             "`--set section.key=value` (the value is parsed as YAML). Relative paths resolve",
-             "against the recipe file's folder.", ""]
+             "`--set section.key=value` (the value is parsed as YAML; quote text that YAML would read",
+             "otherwise: `--set 'data.template=\"Q: {instruction}\"'`). A relative path in the recipe",
+             "file resolves against the file's folder; one given with `--set` against the current",
+             "directory, as any path typed on a command line.", ""]
     for name, f in Recipe.model_fields.items():
         section = f.annotation
         lines += [f"## {name}", "", "| key | default | meaning |", "| --- | --- | --- |"]

@@ -51,7 +51,7 @@ def _read_jsonl(path: Path, key: str) -> Rows:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise LisaftError(f"{key}: {path}: line {lineno}: not valid JSON ({e.msg})") from None
+            raise LisaftError(f"{key}: {path}: line {lineno}: not valid JSON ({_json_problem(e, line)})") from None
         if not isinstance(row, dict):
             raise LisaftError(f"{key}: {path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
@@ -59,6 +59,14 @@ def _read_jsonl(path: Path, key: str) -> Rows:
     out = Rows(rows, key, str(path), "line")
     out.numbers = numbers
     return out
+
+
+def _json_problem(e: json.JSONDecodeError, line: str) -> str:
+    """json's own words end in "at" and leave the place to its position fields: say where."""
+    if e.pos >= len(line.rstrip()):
+        return "the line ends before its JSON object does; was the file cut short?"
+    where = f"column {e.colno}"
+    return f"{e.msg} {where}" if e.msg.endswith(" at") else f"{e.msg} at {where}"
 
 
 def _read_json(path: Path, key: str) -> Rows:

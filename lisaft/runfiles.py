@@ -198,3 +198,14 @@ def make_run_dir(run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise LisaftError(f"training.output_dir: {run_dir} cannot be created: {e.strerror or e}") from None
+
+
+def give_files_the_usual_mode(folder: Path) -> None:
+    """safetensors creates its files 0600 whatever the umask; the files beside them (config,
+    tokenizer) get 0644 under the usual umask. Give every file in `folder` the mode a new file
+    gets, so a model folder can be shared or served like any other."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in Path(folder).iterdir():
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o666 & ~umask)

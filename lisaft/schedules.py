@@ -15,8 +15,9 @@ def lr_at(step: int, *, peak_lr: float, max_steps: int, name: str = "cosine",
     """LR used for optimizer step `step` (0-based).
 
     Warmup rises linearly to peak over `warmup_steps` (step 0 gets peak/warmup, not 0, so no
-    step is wasted); then constant, or a linear / cosine decay reaching peak*min_lr_ratio at the
-    last step.
+    step is wasted); then constant, or a linear / cosine decay that would reach peak*min_lr_ratio
+    one step after the last: the last step still moves the weights (with min_lr_ratio 0, an LR of
+    0 there would be a wasted update). Past max_steps the LR stays at the floor.
     """
     if step < 0:
         raise ValueError("step must be >= 0")
@@ -25,7 +26,7 @@ def lr_at(step: int, *, peak_lr: float, max_steps: int, name: str = "cosine",
     if name == "constant":
         return peak_lr
     floor = peak_lr * min_lr_ratio
-    decay_steps = max(1, max_steps - warmup_steps - 1)
+    decay_steps = max(1, max_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     if name == "linear":
         return floor + (peak_lr - floor) * (1.0 - progress)
@@ -37,10 +38,11 @@ def lr_at(step: int, *, peak_lr: float, max_steps: int, name: str = "cosine",
 def replanned_lr_at(step: int, *, start_step: int, start_lr: float, end_step: int, floor_lr: float,
                     name: str = "cosine") -> float:
     """A schedule re-planned on resume: from `start_lr` at `start_step` it decays with the same
-    shape to `floor_lr` at the last step before `end_step`, so the LR does not jump at the seam."""
+    shape toward `floor_lr`, reached at `end_step` (one past the last step, as in lr_at), so the
+    LR does not jump at the seam."""
     if name == "constant":
         return start_lr
-    progress = min(1.0, max(0, step - start_step) / max(1, end_step - start_step - 1))
+    progress = min(1.0, max(0, step - start_step) / max(1, end_step - start_step))
     if name == "linear":
         return floor_lr + (start_lr - floor_lr) * (1.0 - progress)
     return floor_lr + (start_lr - floor_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

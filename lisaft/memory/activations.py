@@ -200,23 +200,35 @@ def activations(
     shape: Shape, dt: int, batch: int, seq_len: int, attention: str, checkpointing: bool,
     trainable_layers: int, train_embeddings: bool, head_weight_trains: bool, final_norm_trains: bool,
     offload: bool = False, mlp_chunk_tokens: int | None = None, packing: bool = False,
+    padded_rows: bool = False,
 ) -> ActivationBreakdown:
     """Saved-for-backward bytes of one micro-batch.
 
     Every layer is taken to be on the graph: true when the embeddings train; with frozen
     embeddings it is the worst case (backward stops at the lowest trainable layer, which LISA
-    may sample at the bottom)."""
+    may sample at the bottom). `padded_rows`: rows padded to the longest in the batch, so
+    attention gets a padding mask."""
     tokens = batch * seq_len
     frozen_layers = shape.layers - trainable_layers
     chunked = mlp_chunked(seq_len, mlp_chunk_tokens)
     masked = packing and attention == "sdpa"
     full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked, masked)
     frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked, masked)
+    # SDPA turns the boolean padding mask into an additive one in the query's dtype at every
+    # call, and keeps that copy for backward: batch x seq x seq per layer (eager adds it to the
+    # scores it keeps anyway; FlashAttention takes the unpadded rows and no mask). With a mask,
+    # transformers' SDPA path also repeats grouped k and v to every head, and those copies are
+    # what the kernel keeps; a single k/v head repeats as a view, without a copy.
+    pad_mask = 0
+    if padded_rows and attention == "sdpa":
+        grouped = 1 < shape.kv_heads < shape.heads
+        repeated_kv = 2 * dt * tokens * (shape.heads - shape.kv_heads) * shape.head_dim if grouped else 0
+        pad_mask = dt * batch * seq_len * seq_len + repeated_kv
     if checkpointing:
         resident = min(shape.layers, OFFLOAD_INFLIGHT_LAYERS) if offload else shape.layers
         layers = tokens * resident * checkpointed_layer_bytes_per_token(shape, dt)
     else:
-        layers = tokens * (trainable_layers * full + frozen_layers * frozen)
+        layers = tokens * (trainable_layers * full + frozen_layers * frozen) + shape.layers * pad_mask
     outside = INT64 * tokens if train_embeddings else 0  # token ids, for the embedding gradient
     mask = packed_mask_bytes(attention, checkpointing, batch, seq_len, dt) if packing else 0
     if not checkpointing:
@@ -238,7 +250,7 @@ def activations(
             log_probs += tokens * dt * shape.vocab  # tanh output of the final soft-cap
     return ActivationBreakdown(
         layers=layers, outside_layers=outside, log_probs=log_probs,
-        one_layer_full=tokens * (full if trainable_layers else frozen),
+        one_layer_full=tokens * (full if trainable_layers else frozen) + pad_mask,
         mlp_chunk=mlp_chunk_bytes(shape, dt, batch, seq_len, mlp_chunk_tokens),
         packed_mask=mask, packed_mask_hooked=attention == "sdpa" and not checkpointing,
     )

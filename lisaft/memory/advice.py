@@ -1,12 +1,35 @@
-"""What to change when an estimate does not fit, and the largest shapes that do."""
+"""What to change when an estimate does not fit, and the largest shapes that do.
+
+Each change lisaft can make is an option in a group (at most one option per group: the
+optimizer is 8-bit or not, LISA trains γ=2 or γ=1 layers). Every combination is estimated (a few
+hundred at most, under a millisecond each), so the advice is exact rather than greedy: the
+smallest combination that fits, and when none does, the least memory any combination reaches.
+"Smallest" weighs what a change costs the run: nothing (attention kernel), time (checkpointing,
+8-bit moments, offloading, smaller micro-batches), or what the run learns (LISA, fewer layers,
+no gradient clipping), in that order.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 
 from lisaft.memory.estimate import Estimate, Settings, compute
 from lisaft.memory.optimizer_state import OPTIMIZERS
+
+# Positions per MLP chunk offered for long context: the shipped 16k recipe's choice.
+MLP_CHUNK_TOKENS = 2048
+# What a change costs the run, in the order a person would give things up.
+FREE, SLOWER, SLOWER_AND_HOST_MEMORY, LEARNS_LESS, CHANGES_TRAINING, LEARNS_MUCH_LESS = 0, 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True)
+class Option:
+    overrides: dict  # recipe keys and values, as `--set key=value` takes them
+    why: str
+    fields: dict  # the Settings fields it changes
+    cost: int
 
 
 @dataclass(frozen=True)
@@ -14,91 +37,127 @@ class Change:
     overrides: dict  # recipe keys and values, as `--set key=value` takes them
     why: str
     estimate: Estimate
+    cost: int = 0
+    options: int = 1  # how many of the options it combines
 
     @property
     def what(self) -> str:
         return ", ".join(f"{k}: {json.dumps(v)}" for k, v in self.overrides.items())
 
 
-def _candidates(s: Settings, layer_count: int) -> list[tuple[dict, str, Settings]]:
-    out = []
-    if not s.gradient_checkpointing:
-        out.append(({"model.gradient_checkpointing": True}, "keep one hidden state per layer",
-                    s.with_(gradient_checkpointing=True)))
-    if s.attention == "eager":
-        attention = "flash_attention_2" if s.device == "cuda" else "sdpa"
-        out.append(({"model.attention": attention}, "no s x s score matrix", s.with_(attention=attention)))
-    if s.optimizer != "paged_adamw_8bit" and s.device == "cuda":
-        out.append(({"optimizer.name": "paged_adamw_8bit"}, "2 B/param of moments, paged on pressure",
-                    s.with_(optimizer="paged_adamw_8bit")))
-    elif s.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
-        out.append(({"optimizer.name": "adamw_8bit"}, "2 B/param of moments",
-                    s.with_(optimizer="adamw_8bit")))
+def _lisa_options(s: Settings, layer_count: int) -> list[Option]:
+    def gamma(g: int, why: str, cost: int) -> Option:
+        keys = {"lisa.active_layers": g} if s.lisa else {"lisa.enabled": True, "lisa.active_layers": g}
+        return Option(keys, why, {"lisa": True, "active_layers": g}, cost)
+
     if not s.lisa:
-        gamma = min(2, layer_count)
-        out.append(({"lisa.enabled": True, "lisa.active_layers": gamma}, f"train {gamma} layers at a time",
-                    s.with_(lisa=True, active_layers=gamma)))
+        first = min(2, layer_count)
+        out = [gamma(first, f"train {first} layers at a time", LEARNS_LESS)]
     elif s.active_layers > 1:
-        gamma = max(1, s.active_layers // 2)
-        out.append(({"lisa.active_layers": gamma}, "fewer layers' gradients and moments",
-                    s.with_(active_layers=gamma)))
-    if not s.cpu_offload and s.device == "cuda":
-        offloaded = s.with_(cpu_offload=True, in_backward=False,
-                            clipping=s.clipping if not s.in_backward else True)
-        keys = {"optimizer.cpu_offload": True}
-        if s.in_backward:
-            keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
-        host = compute(offloaded).host_bytes
-        out.append((keys, f"moments, gradients and the step on the CPU (needs {host / 1024**3:.1f} GiB of RAM)",
-                    offloaded))
-    if not s.in_backward and not s.cpu_offload and s.grad_accum_steps == 1:
-        out.append(({"optimizer.in_backward": True, "training.max_grad_norm": None},
-                    "no full gradient set resident", s.with_(in_backward=True, clipping=False)))
-    if s.batch_size > 1:
-        accum = s.grad_accum_steps * s.batch_size
-        out.append(({"training.batch_size": 1, "training.grad_accum_steps": accum},
-                    "fewer tokens in flight, same batch", s.with_(batch_size=1, grad_accum_steps=accum)))
+        first = max(1, s.active_layers // 2)
+        out = [gamma(first, "fewer layers' gradients and moments", LEARNS_LESS)]
+    else:
+        return []
+    if first > 1:
+        out.append(gamma(1, "train 1 layer at a time", LEARNS_MUCH_LESS))
     return out
 
 
-def leanest(s: Settings, layer_count: int) -> Change:
-    """Every candidate change at once: the least memory lisaft can train this model in."""
-    combined, overrides = s, {}
-    for changes, _, changed in _candidates(s, layer_count):
-        overrides.update(changes)
-        combined = combined.with_(**{f: getattr(changed, f) for f in _CHANGED_FIELDS
-                                     if getattr(changed, f) != getattr(s, f)})
-    if combined.cpu_offload and combined.in_backward:
-        # The step on the CPU replaces the step in backward: the device holds neither moments nor
-        # a gradient set.
-        combined = combined.with_(in_backward=False, clipping=s.clipping)
-        overrides = {k: v for k, v in overrides.items() if k not in ("optimizer.in_backward", "training.max_grad_norm")}
+def _step_options(s: Settings) -> list[Option]:
+    """Where the optimizer step runs instead: inside backward, or on the CPU (one or the other:
+    the step on the CPU replaces the step in backward)."""
+    out = []
+    if not s.in_backward and not s.cpu_offload and s.grad_accum_steps == 1:
+        out.append(Option({"optimizer.in_backward": True, "training.max_grad_norm": None},
+                          "no full gradient set resident (and no clipping)",
+                          {"in_backward": True, "clipping": False}, CHANGES_TRAINING))
+    if not s.cpu_offload and s.device == "cuda":
+        keys = {"optimizer.cpu_offload": True}
+        fields = {"cpu_offload": True, "in_backward": False, "clipping": s.clipping or s.in_backward}
         if s.in_backward:
-            overrides.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
-    if combined.lisa and combined.active_layers > 1:  # the candidates above stop short of γ=1
-        overrides["lisa.active_layers"] = 1
-        combined = combined.with_(active_layers=1)
-    return Change(overrides, "every change above at once", compute(combined))
+            keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
+        host = compute(s.with_(**fields)).host_bytes
+        out.append(Option(keys, f"moments, gradients and the step on the CPU (needs {host / 1024**3:.1f} GiB "
+                          "of RAM)", fields, SLOWER_AND_HOST_MEMORY))
+    return out
 
 
-_CHANGED_FIELDS = ("gradient_checkpointing", "attention", "optimizer", "lisa", "active_layers",
-                   "in_backward", "cpu_offload", "clipping", "batch_size", "grad_accum_steps")
+def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
+    groups = []
+    if not s.gradient_checkpointing:
+        groups.append([Option({"model.gradient_checkpointing": True}, "keep one hidden state per layer",
+                              {"gradient_checkpointing": True}, SLOWER)])
+    if s.attention == "eager":
+        attention = "flash_attention_2" if s.device == "cuda" else "sdpa"
+        groups.append([Option({"model.attention": attention}, "no s x s score matrix", {"attention": attention}, FREE)])
+    if s.optimizer != "paged_adamw_8bit" and s.device == "cuda":
+        groups.append([Option({"optimizer.name": "paged_adamw_8bit"}, "2 B/param of moments, paged on pressure",
+                              {"optimizer": "paged_adamw_8bit"}, SLOWER)])
+    elif s.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
+        groups.append([Option({"optimizer.name": "adamw_8bit"}, "2 B/param of moments",
+                              {"optimizer": "adamw_8bit"}, SLOWER)])
+    groups.append(_lisa_options(s, layer_count))
+    groups.append(_step_options(s))
+    if s.batch_size > 1:
+        accum = s.grad_accum_steps * s.batch_size
+        groups.append([Option({"training.batch_size": 1, "training.grad_accum_steps": accum},
+                              "fewer tokens in flight, same batch", {"batch_size": 1, "grad_accum_steps": accum},
+                              SLOWER)])
+    # lisaft's long-context settings (docs/memory.md): layer inputs off the GPU, MLPs in chunks.
+    if s.device == "cuda" and not s.offload_activations:
+        groups.append([Option({"model.gradient_checkpointing": True, "model.offload_activations": True},
+                              "layer inputs in pinned host memory",
+                              {"gradient_checkpointing": True, "offload_activations": True},
+                              SLOWER_AND_HOST_MEMORY)])
+    if s.mlp_chunk_tokens is None and s.seq_len > MLP_CHUNK_TOKENS:
+        groups.append([Option({"model.mlp_chunk_tokens": MLP_CHUNK_TOKENS},
+                              f"MLP intermediates for {MLP_CHUNK_TOKENS} positions at a time",
+                              {"mlp_chunk_tokens": MLP_CHUNK_TOKENS}, SLOWER)])
+    return [g for g in groups if g]
+
+
+def _combine(s: Settings, options: tuple[Option, ...]) -> Change:
+    overrides, fields = {}, {}
+    for o in options:
+        overrides.update(o.overrides)
+        fields.update(o.fields)
+    why = "together: " + "; ".join(o.why for o in options) if len(options) > 1 else options[0].why
+    return Change(overrides, why, compute(s.with_(**fields)), sum(o.cost for o in options), len(options))
+
+
+def combinations(s: Settings, layer_count: int) -> list[Change]:
+    """Every non-empty combination of the options, one per group at most, estimated."""
+    groups = [[None, *g] for g in _groups(s, layer_count)]
+    return [_combine(s, tuple(o for o in pick if o is not None))
+            for pick in itertools.product(*groups) if any(pick)]
+
+
+def _smallest(changes: list[Change]) -> Change:
+    return min(changes, key=lambda c: (c.cost, c.options, c.estimate.total_bytes))
+
+
+def leanest(s: Settings, layer_count: int) -> Change:
+    """The least memory any combination reaches: what this model needs at the very least."""
+    every = combinations(s, layer_count)
+    if not every:  # every change lisaft has is made already
+        return Change({}, "the settings as given", compute(s))
+    lean = min(every, key=lambda c: (c.estimate.total_bytes, c.cost))
+    return Change(lean.overrides, "the least memory lisaft can train this model in", lean.estimate, lean.cost,
+                  lean.options)
 
 
 def advice(est: Estimate, layer_count: int) -> list[Change]:
     """Single changes that each lower the total, smallest total first; when none fits alone,
-    the combination of all of them is offered too."""
+    the smallest combination that fits (by what it costs the run); then, if the sequence is what
+    does not fit, the longest that does."""
     s = est.settings
-    changes = []
-    for overrides, why, changed in _candidates(s, layer_count):
-        e = compute(changed)
-        if e.total_bytes < est.total_bytes:
-            changes.append(Change(overrides, why, e))
-    changes.sort(key=lambda c: c.estimate.total_bytes)
-    if changes and not any(c.estimate.fits for c in changes):
-        lean = leanest(s, layer_count)
-        if lean.estimate.total_bytes < changes[0].estimate.total_bytes:
-            changes.append(lean)
+    every = combinations(s, layer_count)
+    changes = sorted((c for c in every if c.options == 1 and c.estimate.total_bytes < est.total_bytes),
+                     key=lambda c: c.estimate.total_bytes)
+    if not any(c.estimate.fits for c in changes):
+        fitting = [c for c in every if c.estimate.fits]
+        if fitting:
+            changes.append(_smallest(fitting))
     seq = largest_fitting(s, "seq_len")
     if not est.fits and seq and seq < s.seq_len:
         changes.append(Change({"data.max_seq_len": seq}, "largest sequence length that fits",

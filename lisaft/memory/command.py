@@ -70,7 +70,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
     ref, key = (model, "--model") if model else _model_ref(recipe)
     config, label = resolve_model(ref, key)
     return Settings(
-        model_label=label, config=config, dtype=recipe.model.dtype,
+        model_label=label, config=config, layers_path=recipe.model.layers_path, dtype=recipe.model.dtype,
         attention=_attention_for(recipe.model.attention, device, recipe.model.dtype),
         gradient_checkpointing=recipe.model.gradient_checkpointing,
         offload_activations=recipe.model.offload_activations,
@@ -85,7 +85,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         active_layers=1 if recipe.lisa.active_layers == "auto" else recipe.lisa.active_layers,
         train_embeddings=recipe.lisa.train_embeddings, train_head=recipe.lisa.train_head,
         state_policy=recipe.lisa.state_policy, batch_size=recipe.training.batch_size,
-        seq_len=recipe.data.max_seq_len, packing=recipe.data.packing,
+        seq_len=recipe.data.max_seq_len, packing=recipe.data.packing, padded_rows=not recipe.data.packing,
         grad_accum_steps=recipe.training.grad_accum_steps,
         clipping=recipe.training.max_grad_norm is not None, device=device,
         budget_bytes=budget_bytes,
@@ -194,7 +194,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
                           "no gradient stays on the device anyway")
     if s.in_backward and s.grad_accum_steps > 1:
         raise LisaftError("--in-backward cannot be combined with training.grad_accum_steps > 1")
-    layers = param_counts(s.config).layer_count
+    layers = param_counts(s.config, s.layers_path).layer_count
     if s.lisa and s.active_layers_auto:
         chosen = largest_fitting_layers(s, layers)
         s = s.with_(active_layers=chosen.settings.active_layers if chosen else 1)
@@ -217,7 +217,8 @@ class Report:
     context_length: int | None
     weights_fit: bool
     leanest: Change | None  # when nothing offered fits: the least this model trains in
-    smallest_gpu: str | None
+    smallest_gpu: str | None  # the smallest catalogue card for the leanest setup
+    smallest_gpu_as_is: str | None  # the smallest catalogue card for the settings as given
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -229,7 +230,7 @@ class Report:
             advice=[{"set": c.overrides, "why": c.why, "total_bytes": c.estimate.total_bytes,
                      "fits": c.estimate.fits} for c in self.changes],
             smallest_budget_bytes=self.leanest.estimate.total_bytes if self.leanest else None,
-            smallest_gpu=self.smallest_gpu,
+            smallest_gpu=self.smallest_gpu, smallest_gpu_as_is=self.smallest_gpu_as_is,
             optimizers={opt: {mode: {"total_bytes": e.total_bytes, "fits": e.fits,
                                      "paged_host_bytes": e.paged_host_bytes}
                               for (o, mode), e in self.grid.items() if o == opt}
@@ -242,7 +243,7 @@ def build_report(s: Settings, budget: Budget) -> Report:
     from lisaft.models import context_length
 
     est = compute(s)
-    layers = param_counts(s.config).layer_count
+    layers = param_counts(s.config, s.layers_path).layer_count
     weights_fit = est.weights_bytes + est.components.get("cuda_context", 0) <= s.budget_bytes
     changes = advice(est, layers) if not est.fits and weights_fit else []
     lean = None
@@ -251,9 +252,10 @@ def build_report(s: Settings, budget: Budget) -> Report:
         changes = [c for c in changes if c.overrides != lean.overrides]
     gamma = s.active_layers if s.lisa else min(2, layers)
     card = smallest_gpu(lean.estimate.total_bytes) if lean else None
+    as_is = smallest_gpu(est.total_bytes)
     return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "seq_len"),
                   largest_fitting(s, "batch_size"), context_length(s.config), weights_fit, lean,
-                  card.name if card else None)
+                  card.name if card else None, as_is.name if as_is else None)
 
 
 def estimate_memory_command(recipe: Path | None = None, model: str | None = None,

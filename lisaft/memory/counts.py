@@ -57,11 +57,11 @@ def build_meta_model(config):
             ) from None
 
 
-def _count(config) -> ParamCounts:
+def _count(config, layers_path: str | None) -> ParamCounts:
     from lisaft.models import model_parts
 
     model = build_meta_model(config)
-    parts = model_parts(model)
+    parts = model_parts(model, layers_path)
     layers = tuple(tuple(p.numel() for p in layer.parameters()) for layer in parts.layers)
     embeddings = tuple(p.numel() for p in parts.embeddings)
     head = tuple(p.numel() for p in parts.head)
@@ -79,12 +79,13 @@ def _count(config) -> ParamCounts:
 _CACHE: dict[str, ParamCounts] = {}
 
 
-def param_counts(config) -> ParamCounts:
-    """Counts for a transformers config; cached by the config's content."""
+def param_counts(config, layers_path: str | None = None) -> ParamCounts:
+    """Counts for a transformers config; cached by the config's content. `layers_path` is the
+    recipe's model.layers_path, for architectures whose decoder layers lisaft cannot find."""
     data = config.to_dict()
     for key in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
         data.pop(key, None)
-    key = json.dumps(data, sort_keys=True, default=str)
+    key = json.dumps([data, layers_path], sort_keys=True, default=str)
     if key not in _CACHE:
-        _CACHE[key] = _count(config)
+        _CACHE[key] = _count(config, layers_path)
     return _CACHE[key]

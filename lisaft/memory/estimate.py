@@ -60,6 +60,7 @@ class Settings:
 
     model_label: str
     config: object  # transformers PretrainedConfig
+    layers_path: str | None = None  # model.layers_path, where lisaft cannot find the layers itself
     dtype: str = "bfloat16"
     attention: str = "sdpa"  # flash_attention_2 | sdpa | eager
     gradient_checkpointing: bool = False
@@ -79,6 +80,7 @@ class Settings:
     batch_size: int = 1
     seq_len: int = 1024
     packing: bool = False  # data.packing: rows of documents kept apart by a mask or varlen kernels
+    padded_rows: bool = False  # rows padded to the longest in a batch (batch > 1, no packing)
     grad_accum_steps: int = 1
     clipping: bool = True
     device: str = "cuda"
@@ -239,7 +241,7 @@ def _sparse_embedding_saving(counts: ParamCounts, shape: Shape, s: Settings, dt:
 
 
 def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None = None) -> Estimate:
-    counts = counts or param_counts(s.config)
+    counts = counts or param_counts(s.config, s.layers_path)
     shape = shape or shape_from_config(s.config)
     dt = DTYPE_BYTES[s.dtype]
     notes: list[str] = []
@@ -268,6 +270,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         head_weight_trains=head_weight_trains,
         final_norm_trains=not s.lisa or s.train_head,
         offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
+        padded_rows=s.padded_rows and s.batch_size > 1,
     )
     saved_no_logp = act.layers + act.outside_layers + act.packed_mask
     loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)

@@ -130,6 +130,29 @@ def paged_lines(est: Estimate, explain: bool = False) -> Text | None:
     return Text(line + " (--explain: how paged memory is counted)")
 
 
+NOTHING_PAGED = (
+    "Nothing is paged with {optimizer}: every component above is an ordinary allocation on the "
+    "GPU, so torch's counters (max_memory_reserved) and nvidia-smi agree on it, except "
+    "cuda_context and cuda_kernels, which only nvidia-smi counts. Paging applies to "
+    "paged_adamw_32bit and paged_adamw_8bit (--optimizer) only."
+)
+NOTHING_PAGED_CPU = (
+    "Nothing is paged on CPU: the estimate is the process's peak resident set (RSS), as "
+    "`ps` and metrics.jsonl's peak_memory_bytes count it; paging needs CUDA unified memory."
+)
+# What lisaft offers when one card cannot hold a model. Change it when FSDP lands.
+SEVERAL_GPUS = ("it needs several GPUs with the model sharded across them, which lisaft does not do yet: "
+                "its data parallel keeps a whole copy on every GPU (FSDP2 sharding is planned, "
+                "docs/distributed.md)")
+
+
+def explain_lines(est: Estimate) -> Text:
+    """--explain when nothing is paged: say so, and what a measurement will count."""
+    if est.settings.device == "cpu":
+        return Text(NOTHING_PAGED_CPU)
+    return Text(NOTHING_PAGED.format(optimizer=est.settings.optimizer))
+
+
 def advice_table(changes: list[Change]) -> Table:
     t = Table(title="What brings it under", title_justify="left")
     t.add_column("change (recipe keys; --set key=value)")
@@ -168,11 +191,20 @@ def _no_budget_fits(report) -> Text:
     head = (f"Even the weights ({human(est.weights_bytes)}) do not fit in {human(est.budget_bytes)}: "
             "no setting trains this model on this budget."
             if not report.weights_fit else
-            f"No single change fits it in {human(est.budget_bytes)}.")
+            f"No change lisaft offers fits it in {human(est.budget_bytes)}.")
     where = (f"the smallest GPU that could: --gpu {report.smallest_gpu}" if report.smallest_gpu else
-             "more than any GPU in the catalogue: it needs several GPUs (sharded weights)")
-    return Text(f"{head} The leanest setup ({lean.what}) needs {human(lean.estimate.total_bytes)}; "
-                f"{where}.", style="bold red")
+             f"more than any GPU in the catalogue: {SEVERAL_GPUS}")
+    setup = f"The leanest setup ({lean.what})" if lean.overrides else "These settings are the leanest lisaft has:"
+    return Text(f"{head} {setup} needs {human(lean.estimate.total_bytes)}; {where}.", style="bold red")
+
+
+def _as_is_line(report) -> Text:
+    """The card a buyer would need for the run exactly as given."""
+    total = human(report.estimate.total_bytes)
+    if report.smallest_gpu_as_is:
+        return Text(f"As it is, it needs {total}: the smallest catalogue GPU that fits it is "
+                    f"--gpu {report.smallest_gpu_as_is}.")
+    return Text(f"As it is, it needs {total}: more than any GPU in the catalogue.")
 
 
 def _largest_line(report) -> Text:
@@ -199,6 +231,10 @@ def render(report, explain: bool = False) -> Group:
     paged = paged_lines(est, explain)
     if paged is not None:
         parts.append(paged)
+    elif explain:
+        parts.append(explain_lines(est))
+    if not est.fits and est.settings.device == "cuda":
+        parts.append(_as_is_line(report))
     if est.activation_host_bytes and not est.host_components:
         parts.append(Text(f"Host memory for offloaded activation checkpoints: "
                           f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))

@@ -6,13 +6,14 @@ import functools
 from pathlib import Path
 
 from lisaft import dist, runfiles
-from lisaft.console import say
-from lisaft.errors import LisaftError
+from lisaft.console import say, warn
 from lisaft.recipe import load_recipe
+from lisaft.resume_checks import run_recipe_file
 from lisaft.runlog import MetricsLog, check_backends
 from lisaft.train import resume as policy
 from lisaft.train.loop import run
 from lisaft.train.session import build_session
+from lisaft.unused_keys import unused_keys
 
 
 def _in_process_group(fn):
@@ -37,6 +38,9 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
     after that many optimizer steps."""
     recipe = load_recipe(recipe_path, overrides or [])
     check_backends(recipe.logging)
+    if dist.is_main():
+        for note in unused_keys(recipe):
+            warn(note)
     run_dir = Path(recipe.training.output_dir)
     runfiles.check_output_dir(run_dir, overwrite, force)
     session = build_session(recipe, run_dir)
@@ -60,9 +64,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     """`lisaft resume`: continue RUN_DIR from its newest complete checkpoint. A changed
     max_steps keeps the saved LR curve unless `reschedule` re-plans it from the current step."""
     run_dir = Path(run_dir).resolve()
-    recipe_file = run_dir / "recipe.yaml"
-    if not recipe_file.is_file():
-        raise LisaftError(f"{run_dir}: not a lisaft run (no recipe.yaml)")
+    recipe_file = run_recipe_file(run_dir)
     overrides = list(overrides or [])
     if max_steps is not None:
         overrides.append(f"training.max_steps={max_steps}")
@@ -72,7 +74,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     check_backends(recipe.logging)
     candidates = policy.checkpoints_to_try(run_dir, recipe_file)
     changed = policy.recipe_changes(candidates[0], recipe)
-    policy.check_resumable(run_dir, candidates[0], recipe)
+    policy.check_resumable(run_dir, candidates[0], recipe, max_steps)
     session = build_session(recipe, run_dir)
     ckpt = policy.load_newest(session, candidates, recipe_file)
     schedule_note = policy.continue_schedule(session, reschedule)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from lisaft import dist
+from lisaft import dist, runfiles
 from lisaft.train.session import Session
 
 
@@ -24,6 +24,7 @@ def save_final(session: Session) -> None:
     hf_logging.disable_progress_bar()
     session.model.save_pretrained(tmp, safe_serialization=True, state_dict=full)
     session.tokenizer.save_pretrained(tmp)
+    runfiles.give_files_the_usual_mode(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

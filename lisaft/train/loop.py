@@ -93,8 +93,10 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
             step = progress.step
             logs = (step + 1) % t.log_every == 0 or step + 1 == t.max_steps
             try:
-                result = train_step(session, step, measure_norm=logs,
-                                    measure_activations=session.peaks.activation_bytes is None)
+                # Measured again whenever a batch is longer than any before: the end-of-run table
+                # compares the estimate with the run's largest shape, where its peak comes from.
+                result = train_step(session, step, measure_norm=logs, measure_activations=True,
+                                    longer_than=session.peaks.activation_seq_len)
             except torch.OutOfMemoryError:
                 raise report.out_of_memory(session, step, base) from None
             _record_peaks(session, result)

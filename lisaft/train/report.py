@@ -73,8 +73,9 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     metrics.memory(estimate, measured)
     console = Console(highlight=False, soft_wrap=True)
     console.print(estimated_vs_measured_table(estimate, measured))
-    console.print(f"(estimated for batches of {recipe.training.batch_size} x {seq_len} tokens, the shape "
-                  f"measured; data.max_seq_len is {session.recipe.data.max_seq_len})", markup=False)
+    console.print(f"(estimated for the run's longest batch, {recipe.training.batch_size} x {seq_len} tokens, "
+                  f"where its activations were measured; data.max_seq_len is {session.recipe.data.max_seq_len})",
+                  markup=False)
 
 
 def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:

@@ -11,6 +11,7 @@ from lisaft.checkpoint import complete_checkpoints, read_components
 from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
+from lisaft.resume_checks import nothing_left
 from lisaft.runfiles import is_write_failure, write_failed
 from lisaft.schedules import Plan
 from lisaft.train.session import Session
@@ -41,16 +42,16 @@ def recipe_changes(ckpt: Path, recipe: Recipe) -> list[tuple[str, object, object
     return [(k, saved_flat.get(k), new_flat.get(k)) for k in changed]
 
 
-def check_resumable(run_dir: Path, ckpt: Path, recipe: Recipe) -> None:
-    """Refuse before any set-up: another world size, or a run already at its last step."""
+def check_resumable(run_dir: Path, ckpt: Path, recipe: Recipe, max_steps_given: int | None = None) -> None:
+    """Refuse before any set-up: another world size, or a run already at the step it would stop at."""
     progress = read_components(ckpt).get("progress", {})
     world = progress.get("world_size", 1)
     if world != dist.world_size():
         raise LisaftError(f"{ckpt.name} was written by {world} processes; resume with the same number "
                           f"(now {dist.world_size()})")
-    if progress.get("step", 0) >= recipe.training.max_steps:
-        raise LisaftError(f"{run_dir}: the run is complete at step {progress['step']}; pass "
-                          "--max-steps N to train further")
+    done = nothing_left(run_dir, progress.get("step", 0), recipe.training.max_steps, max_steps_given)
+    if done is not None:
+        raise done
 
 
 def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> Path:

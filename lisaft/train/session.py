@@ -63,7 +63,7 @@ class MemoryPeaks:
 
     grad_bytes: int = 0
     state_bytes: int = 0
-    activation_bytes: int | None = None   # saved for backward, measured on the first micro-batch
+    activation_bytes: int | None = None   # saved for backward by the longest micro-batch so far
     activation_seq_len: int = 0           # that micro-batch's padded length
 
 
@@ -123,6 +123,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         resolve_device,
         use_sparse_embedding_grad,
     )
+    from lisaft.threads import apply_threads
     from lisaft.units import model_units
 
     t = recipe.training
@@ -130,6 +131,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         from lisaft.fsdp import check_supported
 
         check_supported(recipe)
+    apply_threads(t.threads, dist.local_world_size())
     if recipe.optimizer.in_backward and dist.world_size() > 1:
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")

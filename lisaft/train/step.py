@@ -27,7 +27,7 @@ class StepResult:
     lr: float                         # the learning rate the step used
     grad_norm: float | None           # total gradient norm before clipping (None: not measured)
     grad_bytes: int                   # gradient bytes held before the optimizer step
-    activation_bytes: int | None = None  # saved for backward by the first micro-batch, when measured
+    activation_bytes: int | None = None  # saved for backward by the longest micro-batch, when measured
     activation_seq_len: int = 0          # that micro-batch's padded length
 
 
@@ -45,9 +45,11 @@ _NO_PHASES = Phases()
 
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
                phases: Phases = _NO_PHASES,
-               forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum) -> StepResult:
+               forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum,
+               longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
-    measure_activations: what the first micro-batch saves for backward (the hooks only observe)."""
+    measure_activations: what the step's longest micro-batch saves for backward, if it is longer
+    than `longer_than` positions (the hooks only observe)."""
     t = session.recipe.training
     controller = session.controller
     with phases.phase("lisa"):
@@ -68,6 +70,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     lr = session.schedule.lr(step)
     session.optimizers.set_lr(lr, step)
     activation_bytes, activation_seq_len = None, 0
+    widths = [int(b["input_ids"].shape[1]) for b in micro]
+    measured = widths.index(max(widths)) if measure_activations and max(widths) > longer_than else None
     loss_sum = 0.0
     in_backward = session.in_backward.step(measure_norm) if session.in_backward else contextlib.nullcontext()
     with in_backward as norm:
@@ -75,7 +79,7 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             batch = to_device(batch, session.device)
             with phases.phase("forward"):
                 # Under FSDP the gathered weights are not the parameters the meter excludes.
-                if measure_activations and i == 0 and session.shards is None:
+                if i == measured and session.shards is None:
                     from lisaft.memory.measure import saved_activations
 
                     with saved_activations(session.model) as meter:

@@ -28,15 +28,21 @@ def _rows(n: int, seed: int) -> list[dict]:
 
 
 @pytest.fixture
-def tiny_run(tmp_path: Path):
-    """Returns a function(**sections) that writes a recipe and returns its path."""
+def tiny_run(tmp_path: Path, monkeypatch):
+    """Returns a function(**sections) that writes a recipe and returns its path. The test runs in
+    the recipe's folder, so a relative path given with --set lands there too."""
+    monkeypatch.chdir(tmp_path)
     return make_tiny_run(tmp_path)
 
 
 @pytest.fixture(scope="module")
 def shared_tiny_run(tmp_path_factory):
-    """tiny_run for a module whose tests share runs (one folder for the whole module)."""
-    return make_tiny_run(tmp_path_factory.mktemp("shared"))
+    """tiny_run for a module whose tests share runs (one folder for the whole module), which
+    the module's tests run in."""
+    folder = tmp_path_factory.mktemp("shared")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        yield make_tiny_run(folder)
 
 
 def make_tiny_run(tmp_path: Path):

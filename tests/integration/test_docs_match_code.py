@@ -43,3 +43,25 @@ def test_gpu_table_in_docs_is_the_catalogue():
 
     rows = re.findall(r"^\| `([a-z0-9-]+)` \| \d+ MiB \| (\d+) MiB", (REPO / "docs" / "memory.md").read_text(), re.M)
     assert {name: int(usable) * 2**20 for name, usable in rows} == {g.name: g.usable_bytes for g in GPUS.values()}
+
+
+def _synopsis_flags() -> dict[str, set[str]]:
+    """The flags the README's command synopsis shows, per command; `--[no-]x` stands for both."""
+    block = (REPO / "README.md").read_text().split("## The commands", 1)[1].split("\n\n", 2)[1]
+    flags: dict[str, set[str]] = {}
+    command = None
+    for line in block.splitlines():
+        m = re.match(r"\s*lisaft ([a-z-]+)", line)
+        if m:
+            command = m.group(1)
+        for prefix, name in re.findall(r"--(\[no-\])?([a-z][a-z-]*)", line):
+            flags.setdefault(command, set()).update({f"--{name}"} | ({f"--no-{name}"} if prefix else set()))
+    return flags
+
+
+def test_the_readme_synopsis_shows_every_flag_of_every_command():
+    documented = _synopsis_flags()
+    for command in ("train", "resume", "estimate-memory", "plot", "generate"):
+        result = CliRunner().invoke(app, [command, "--help"], terminal_width=400)
+        offered = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", result.output)) - {"--help"}
+        assert documented.get(command, set()) == offered, command

@@ -180,3 +180,57 @@ def test_offline_hub_id_answers_at_once(monkeypatch):
         assert "no-such-org/no-such-model" in text
     finally:
         hub_offline.cache_clear()
+
+
+def _advice(*args) -> dict:
+    result = _invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_advice_proposes_the_smallest_combination_that_fits_and_lists_all_of_it():
+    """Llama-3.1-8B full fine-tuning in 24 GiB: no single change fits; LISA γ=2 with paged 8-bit
+    and checkpointing does (21.45 GiB), without giving up clipping or going down to γ=1."""
+    out = _advice("--model", "llama-3.1-8b")
+    fitting = [a for a in out["advice"] if a["fits"]]
+    assert len(fitting) == 1
+    assert fitting[0]["set"] == {"model.gradient_checkpointing": True, "optimizer.name": "paged_adamw_8bit",
+                                 "lisa.enabled": True, "lisa.active_layers": 2}
+    # the row says what it combines, each part named by its own row's words
+    assert fitting[0]["why"].startswith("together: ") and fitting[0]["why"].count(";") == 2
+    assert "above" not in " ".join(a["why"] for a in out["advice"])
+
+
+def test_long_context_advice_knows_offloading_before_cutting_the_context():
+    recipe = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
+    out = _advice(str(recipe), "--gpu", "rtx-4090", "--seq-len", "8192")
+    keys = [set(a["set"]) for a in out["advice"]]
+    first_fit = next(i for i, a in enumerate(out["advice"]) if a["fits"])
+    assert "model.offload_activations" in keys[first_fit] and "data.max_seq_len" not in keys[first_fit]
+    assert out["smallest_gpu_as_is"] == "a100-40gb"  # the card for the recipe exactly as given
+
+
+def test_when_nothing_fits_the_leanest_setup_is_the_least_memory_and_several_gpus_are_named():
+    out = _advice("--model", "llama-3.1-70b", "--gpu", "h200")
+    lean = out["smallest_budget_bytes"]
+    assert lean is not None and all(lean <= a["total_bytes"] for a in out["advice"])
+    assert out["smallest_gpu"] is None and out["smallest_gpu_as_is"] is None
+    text = " ".join(_invoke("--model", "llama-3.1-70b", "--gpu", "h200").stdout.split())
+    assert "No change lisaft offers fits it" in text and "several GPUs" in text and "FSDP" in text
+
+
+def test_explain_without_a_paged_optimizer_says_nothing_is_paged():
+    text = " ".join(_invoke("--model", "llama-3.2-1b", "--explain").stdout.split())
+    assert "Nothing is paged with adamw_32bit" in text
+    text = " ".join(_invoke("--model", "llama-3.2-1b", "--device", "cpu", "--explain").stdout.split())
+    assert "Nothing is paged on CPU" in text
+
+
+def test_settings_that_are_already_the_leanest_still_get_an_answer():
+    """Every change lisaft has is made already, and it still does not fit: say so, no empty list."""
+    recipe = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
+    # On CPU neither offloading applies: nothing is left to change.
+    result = _invoke(str(recipe), "--device", "cpu", "--budget", "16GiB", "--lisa-layers", "1", "--in-backward",
+                     "--seq-len", "512", "--set", "training.grad_accum_steps=1")
+    assert result.exit_code == 0, result.output
+    assert "These settings are the leanest lisaft has: needs" in " ".join(result.stdout.split())

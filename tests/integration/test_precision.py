@@ -49,3 +49,19 @@ def test_sparse_embedding_gradient_trains_as_the_dense_one(tiny_run):
     assert ls == pytest.approx(ld, rel=1e-5)
     assert torch.allclose(ws, wd, atol=1e-6)
     assert gd - gs > 0.5 * wd.numel() * 4  # the dense vocab x hidden gradient is gone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_last_step_moves_the_weights(tiny_run, dtype):
+    """A decay to min_lr_ratio 0 used to end on a step at LR 0: a whole forward and backward for
+    no update. Now the floor comes one step after the last, in float32 and bfloat16 alike."""
+    path = tiny_run(f"last-{dtype}.yaml", model={"dtype": dtype},
+                    scheduler={"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0},
+                    lisa={"enabled": False}, training={"max_steps": 2, "max_grad_norm": None})
+    session = build_session(load_recipe(path), tiny_run.dir / f"run-last-{dtype}")
+    train_step(session, 0)
+    before = [p.detach().clone() for p in session.model.parameters()]
+    last = train_step(session, 1)
+    assert last.lr > 0
+    moved = sum(not torch.equal(b, p) for b, p in zip(before, session.model.parameters()))
+    assert moved >= len(before) // 2, (moved, len(before))

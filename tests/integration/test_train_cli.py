@@ -36,6 +36,9 @@ def test_train_end_to_end_writes_the_run_directory(tiny_run):
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tok = AutoTokenizer.from_pretrained(run / "final")
     assert model.config.num_hidden_layers == 4 and len(tok) == model.config.vocab_size
+    # The weights get the mode their neighbours get (safetensors alone writes 0600).
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (run / "final").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] != 0o600, modes
 
 
 def test_loss_goes_down_full_finetuning(tiny_run):
@@ -238,3 +241,62 @@ def test_auto_active_layers_trains_the_largest_gamma_that_fits(tiny_run, monkeyp
     result = runner.invoke(app, ["train", str(recipe), "--set", "training.output_dir=run2"])
     assert result.exit_code != 0 and "lisa.active_layers: auto: even γ=1 needs" in result.output
     assert "Traceback" not in result.output and not (tiny_run.dir / "run2").exists()
+
+
+def test_keys_a_run_would_not_use_are_named_when_it_starts(tiny_run):
+    from lisaft.console import LisaftWarning
+    from lisaft.train import train
+
+    recipe = tiny_run(training={"max_steps": 2, "epochs": 3, "eval_every": 1}, data={"eval": None})
+    with pytest.warns(LisaftWarning) as caught:
+        assert train(recipe, show=False) == 0
+    said = [str(w.message) for w in caught]
+    assert any(m.startswith("training.epochs (3) is ignored: training.max_steps (2) is set too") for m in said)
+    assert any(m.startswith("training.eval_every (1) is ignored: there is no eval set") for m in said)
+
+
+def test_training_threads_sets_torchs_thread_count(tiny_run):
+    import torch
+
+    from lisaft.recipe import load_recipe
+    from lisaft.train import build_session
+
+    before = torch.get_num_threads()
+    try:
+        build_session(load_recipe(tiny_run(training={"threads": 1})), tiny_run.dir / "run")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_resume_of_what_is_not_a_run_says_what_it_is(tiny_run):
+    recipe = tiny_run()
+    missing = runner.invoke(app, ["resume", str(tiny_run.dir / "nope")])
+    given_recipe = runner.invoke(app, ["resume", str(recipe)])
+    not_a_run = runner.invoke(app, ["resume", str(tiny_run.dir / "model")])
+    for result in (missing, given_recipe, not_a_run):
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "no such folder" in missing.output
+    assert f"is a recipe file; resume takes the run folder it trains into: `lisaft resume {tiny_run.dir / 'run'}`" \
+        in " ".join(given_recipe.output.split())
+    assert "not a lisaft run (no recipe.yaml in it)" in not_a_run.output
+
+
+def test_activations_are_measured_on_the_longest_batch_so_far(tiny_run):
+    """The end-of-run table estimates for the run's longest batch, where its peak comes from."""
+    from lisaft.batches import collate
+    from lisaft.recipe import load_recipe
+    from lisaft.train import build_session, train_step
+
+    recipe = load_recipe(tiny_run(training={"grad_accum_steps": 3, "batch_size": 2}))
+    session = build_session(recipe, tiny_run.dir / "run")
+    order = session.order.state_dict()
+    widths = []
+    for _ in range(3):
+        idx = session.order.next_indices()
+        widths.append(collate([session.train_examples[i] for i in idx], 0)["input_ids"].shape[1])
+    session.order.load_state_dict(order)
+    first = train_step(session, 0, measure_activations=True)
+    assert first.activation_seq_len == max(widths) and first.activation_bytes > 0
+    again = train_step(session, 1, measure_activations=True, longer_than=10**6)
+    assert again.activation_bytes is None  # nothing longer than before: no hooks this step

@@ -144,7 +144,7 @@ def test_chat_without_template_is_an_error(tmp_path, tok):
 
 def test_truncation_cuts_at_the_end_and_warns(tmp_path, tok):
     rows = [{"text": "abcdefghijklmnop"}, {"text": "ab"}]
-    with pytest.warns(DataWarning, match="1 of 2 examples were longer"):
+    with pytest.warns(DataWarning, match=r"train.jsonl: 1 of 2 examples were longer .* \(line 1\)$"):
         train, _ = load_splits(split(tmp_path, rows, format="text", max_seq_len=8), tok, seed=0)
     assert [len(ex["input_ids"]) for ex in train] == [8, 4]
     assert train[0]["input_ids"] == [tok.bos_token_id] + enc(tok, "abcdefg")
@@ -153,9 +153,20 @@ def test_truncation_cuts_at_the_end_and_warns(tmp_path, tok):
 @pytest.mark.filterwarnings("ignore:.*were longer than:lisaft.data.DataWarning")
 def test_examples_without_response_left_are_dropped_with_a_count(tmp_path, tok):
     rows = [{"instruction": "Reverse", "input": "abcdefghij" * 3, "output": "x"}] + INSTR[:1]
-    with pytest.warns(DataWarning, match="dropped 1 of 2"):
+    with pytest.warns(DataWarning, match=r"train.jsonl: dropped 1 of 2 .*: line 1$"):
         train, _ = load_splits(split(tmp_path, rows, max_seq_len=20), tok, seed=0)
     assert len(train) == 1 and response_ids(train[0]) == enc(tok, "cba") + [tok.eos_token_id]
+
+
+@pytest.mark.filterwarnings("ignore:.*were longer than:lisaft.data.DataWarning")
+def test_dropped_examples_are_named_by_line_a_few_at_most(tmp_path, tok):
+    long = {"instruction": "Reverse", "input": "abcdefghij" * 3, "output": "x"}
+    rows = [long, INSTR[0], long, long, INSTR[0], long, long, long, long]
+    with pytest.warns(DataWarning, match=r"dropped 7 of 9 .*: lines 1, 3, 4, 6, 7 and 2 more$"):
+        load_splits(split(tmp_path, rows, max_seq_len=20), tok, seed=0)
+    (tmp_path / "two").mkdir()
+    with pytest.warns(DataWarning, match=r"dropped 2 of 3 .*: lines 1 and 3$"):
+        load_splits(split(tmp_path / "two", rows[:3], max_seq_len=20), tok, seed=0)
 
 
 @pytest.mark.filterwarnings("ignore::lisaft.data.DataWarning")
@@ -230,6 +241,19 @@ def test_invalid_json_line(tmp_path, tok):
     path.write_text('{"text": "a"}\n{"text": \n')
     with pytest.raises(LisaftError, match=r"train\.jsonl: line 2: not valid JSON"):
         load_splits(DataSection(train=str(path)), tok, seed=0)
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"text": "ab', "Unterminated string starting at column 10)"),
+    ('{"text": "a"', "the line ends before its JSON object does; was the file cut short?)"),
+    ('{"text": "a" "b"}', "Expecting ',' delimiter at column 14)"),
+])
+def test_a_bad_json_line_says_where_in_whole_words(tmp_path, tok, line, problem):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "a"}\n' + line)
+    with pytest.raises(LisaftError) as e:
+        load_splits(DataSection(train=str(path)), tok, seed=0)
+    assert str(e.value) == f"data.train: {path}: line 2: not valid JSON ({problem}"
 
 
 def test_missing_files_name_the_key_and_path(tmp_path, tok):
@@ -388,6 +412,20 @@ def test_an_unknown_role_names_the_role_and_the_line(tmp_path, tok, role):
     with pytest.raises(LisaftError, match=rf"train.jsonl: line 2: messages\[{len(CHAT) - 1}\] has role "
                                           rf"'{role}'.*data.roles"):
         load_splits(section, tok, seed=0)
+
+
+@pytest.mark.parametrize("role, hint", [
+    ("human", "e.g. {human: user}"), ("gpt", "e.g. {gpt: assistant}"), ("Model", "e.g. {Model: assistant}"),
+    ("speaker_b", "to the role it plays: {speaker_b: user}, {speaker_b: assistant} or {speaker_b: system}"),
+])
+def test_an_unknown_role_is_hinted_at_the_role_it_plays(tmp_path, tok, role, hint):
+    """A user's turn mapped to assistant would put the loss on the user's words."""
+    bad = [dict(m) for m in CHAT]
+    bad[1]["role"] = role
+    section = split(tmp_path, [{"messages": bad}], format="chat")
+    with pytest.raises(LisaftError) as e:
+        load_splits(section, tok, seed=0)
+    assert str(e.value).endswith("map it with data.roles, " + hint)
 
 
 def test_instruction_template_is_used_for_the_prompt(tmp_path, tok):

@@ -26,3 +26,23 @@ def test_a_long_layer_list_is_cut_not_wrapped():
 def test_eval_line():
     assert eval_line({"step": 50, "eval_loss": 0.97, "eval_token_accuracy": 0.654}) == \
         "eval step 50  loss 0.9700  token accuracy 65.4%"
+
+
+def test_the_example_lines_in_docs_logging_are_what_the_code_prints():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "logging.md").read_text()
+    pattern = (r"^    (step (\d+)/(\d+) +loss ([\d.]+) +lr ([\d.e-]+) +gn ([\d.]+) +([\d.]+)(k?) tok/s +"
+               r"mem (\d+)MiB +layers ([\d,]+))$")
+    lines = re.findall(pattern, text, re.MULTILINE)
+    assert len(lines) >= 2, "docs/logging.md has no progress-line example"
+    for line, step, total, loss, lr, gn, rate, k, mem, layers in lines:
+        rec = {"step": int(step), "loss": float(loss), "lr": float(lr), "grad_norm": float(gn),
+               "tokens_per_s": float(rate) * (1000 if k else 1), "peak_memory_bytes": int(mem) * 2**20,
+               "active_layers": [int(x) for x in layers.split(",")]}
+        assert train_line(rec, int(total)) == line
+    evals = re.findall(r"^    (eval step .*)$", text, re.MULTILINE)
+    assert evals and all(eval_line({"step": int(e.split()[2]), "eval_loss": float(e.split()[4]),
+                                    "eval_token_accuracy": float(e.split()[-1].rstrip("%")) / 100}) == e
+                         for e in evals)

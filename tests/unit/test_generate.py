@@ -57,3 +57,15 @@ def test_unfinished_run_is_one_clear_error(tmp_path):
     (tmp_path / "recipe.yaml").write_text("x: 1\n")
     with pytest.raises(LisaftError, match="no final/ model yet"):
         resolve_target(tmp_path, None)
+
+
+def test_a_model_folder_without_a_tokenizer_blames_the_tokenizer(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lisaft.generate import _load
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    with pytest.raises(LisaftError, match=r"model: cannot load the tokenizer: "):
+        _load(tmp_path / "model")

@@ -177,3 +177,26 @@ def test_loss_buffers_follow_the_chunked_loss():
     assert est.sizes["logits_loss"] == chunk * 128256 * (4 + 2)
     small = compute(s.with_(seq_len=64))  # 64 x 128256 < 2^24: unchunked
     assert small.sizes["logits_loss"] == 64 * 128256 * (4 + 2)  # the gradient and its bf16 cast
+
+
+def test_model_layers_path_reaches_the_estimator(tmp_path):
+    """An architecture whose decoder layers lisaft cannot find: the recipe's model.layers_path
+    is what the estimate (estimate-memory and the end-of-run table) counts layers by."""
+    from transformers import OPTConfig
+
+    from lisaft.memory.command import estimate_for_recipe
+    from lisaft.recipe import recipe_from_dict
+
+    config = OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=3, num_attention_heads=4,
+                       max_position_embeddings=64, word_embed_proj_dim=32)
+    with pytest.raises(LisaftError, match="set model.layers_path"):
+        param_counts(config)
+    assert param_counts(config, "model.decoder.layers").layer_count == 3
+    config.save_pretrained(tmp_path / "opt")
+    recipe = recipe_from_dict({
+        "model": {"config": str(tmp_path / "opt"), "tokenizer": "unused", "layers_path": "model.decoder.layers"},
+        "data": {"train": "unused.jsonl", "max_seq_len": 16},
+        "lisa": {"enabled": True, "active_layers": 1},
+        "training": {"max_steps": 1, "output_dir": str(tmp_path / "run")}})
+    est = estimate_for_recipe(recipe, device="cpu")
+    assert est.trainable_params < est.total_params  # LISA counted one of the three layers

@@ -34,7 +34,7 @@ def _model(model_type, dtype, attention, checkpointing, gamma):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attention)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
     if gamma:
@@ -92,6 +92,38 @@ def test_packed_rows_activations_match_saved_tensor_meter(model_type, dtype, att
     assert abs(est.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
     mask = 2 * seq * seq * DTYPES[dtype].itemsize if attention == "sdpa" else 0
     assert est.sizes["activations"] - compute(settings).sizes["activations"] >= mask
+
+@pytest.mark.parametrize("dtype,attention,gamma,kv_heads", [
+    ("float32", "sdpa", 0, 4), ("bfloat16", "sdpa", 1, 4), ("float32", "eager", 0, 4),
+    ("float32", "sdpa", 0, 2), ("float32", "sdpa", 1, 1), ("bfloat16", "sdpa", 0, 2), ("bfloat16", "sdpa", 1, 1),
+])
+def test_padded_rows_keep_a_mask_per_layer_under_sdpa(dtype, attention, gamma, kv_heads):
+    """Rows padded to the longest of the batch (no packing): SDPA keeps an additive mask per
+    layer, and with grouped K/V heads the k and v repeated to every head; the estimate for padded
+    rows must see them, the one for full rows must not."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = LlamaConfig(**{**_BASE, "num_key_value_heads": kv_heads}, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation=attention)
+    model.train()
+    if gamma:
+        for i, layer in enumerate(model_parts(model).layers):
+            layer.requires_grad_(i == 1)
+    batch, seq = 3, 24
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    mask = torch.ones_like(ids)
+    mask[1:, 16:] = 0
+    with saved_activations(model) as meter:
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+    loss.backward()
+    settings = Settings(model_label="llama", config=config, dtype=dtype, attention=attention, lisa=bool(gamma),
+                        active_layers=gamma or 2, batch_size=batch, seq_len=seq, device="cpu")
+    padded = compute(settings.with_(padded_rows=True)).saved_activation_bytes
+    assert abs(padded - meter.bytes) <= 0.01 * meter.bytes
+    if attention == "sdpa" and kv_heads == config.num_attention_heads:
+        full = compute(settings).saved_activation_bytes
+        assert padded - full == config.num_hidden_layers * batch * seq * seq * DTYPES[dtype].itemsize
 
 
 def test_meter_counts_views_once_and_skips_parameters():

@@ -246,7 +246,7 @@ def test_a_sparse_row_gradient_updates_every_row_as_its_dense_form(monkeypatch, 
     for step in range(3):
         rows = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(step))
         values = torch.randn(40, 32, generator=torch.Generator().manual_seed(100 + step)).to(dtype)
-        sparse = torch.sparse_coo_tensor(rows[None], values, (512, 32)).coalesce()
+        sparse = torch.sparse_coo_tensor(rows[None], values, (512, 32), check_invariants=True).coalesce()
         dense_p.grad, sparse_p.grad = sparse.to_dense(), sparse
         for opt in opts:
             opt.rounding.step = step
@@ -262,7 +262,7 @@ def test_clip_grad_norm_counts_sparse_values_and_scales_them():
     emb = torch.nn.Parameter(torch.zeros(5, 2))
     dense.grad = torch.tensor([3.0, 0.0, 0.0])
     rows = torch.tensor([[4.0, 0.0], [0.0, 12.0]])
-    emb.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), rows, (5, 2)).coalesce()
+    emb.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), rows, (5, 2), check_invariants=True).coalesce()
     assert optim.clip_grad_norm([dense, emb], 1.3) == pytest.approx(13.0)
     assert torch.allclose(dense.grad, torch.tensor([0.3, 0.0, 0.0]), atol=1e-6)
     assert torch.allclose(emb.grad.to_dense()[4], torch.tensor([0.0, 1.2]), atol=1e-6)

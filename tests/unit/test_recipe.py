@@ -68,7 +68,51 @@ def test_bad_values_name_the_key(tmp_path, override, key):
     with pytest.raises(LisaftError) as e:
         load_recipe(write(tmp_path, BASE), override)
     assert key in str(e.value)
-    assert str(tmp_path / "r.yaml") in str(e.value)
+    if override[0].startswith("optimizer.in_backward"):
+        # A combination of the file's keys and the command line's: both are named.
+        assert str(e.value).startswith(f"{tmp_path / 'r.yaml'} --set {override[0]}")
+    else:  # the --set alone is wrong: the recipe file is not blamed
+        assert str(e.value).startswith(f"--set {override[0].split('=')[0]}: ")
+        assert "r.yaml" not in str(e.value)
+
+
+def test_a_set_mistake_next_to_a_file_mistake_names_each_where_it_is(tmp_path):
+    with pytest.raises(LisaftError) as e:
+        load_recipe(write(tmp_path, _with("lisa", active_layer=2)), ["optimizer.lr=0"])
+    assert str(e.value) == (f"{tmp_path / 'r.yaml'}: invalid recipe: lisa.active_layer: unknown key; did you "
+                            "mean lisa.active_layers?; --set optimizer.lr: must be > 0")
+
+
+@pytest.mark.parametrize("raw", ["Q: {instruction}\nA: ", "it's: \"x\" {y}", "a: b: c"])
+def test_a_set_value_yaml_cannot_read_gets_the_quoting_that_works(tmp_path, raw):
+    import shlex
+
+    from lisaft.overrides import parse_override
+
+    with pytest.raises(LisaftError) as e:
+        load_recipe(write(tmp_path, BASE), [f"data.template={raw}"])
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("--set data.template: ")
+    assert "the value is not valid YAML (" in message or "must be text (YAML read" in message
+    suggested = message.split("quote it: ", 1)[1]
+    argv = shlex.split(suggested)  # as the shell would pass it
+    assert argv[0] == "--set" and parse_override(argv[1]).value == raw
+
+
+def test_command_line_paths_mean_the_current_directory(tmp_path, monkeypatch):
+    """Paths in the file mean the recipe's folder; paths typed with --set mean where one stands."""
+    (tmp_path / "recipes").mkdir()
+    recipe = write(tmp_path / "recipes", BASE)
+    elsewhere = tmp_path / "work"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = load_recipe(recipe, ["data.eval=mine/eval.jsonl", "training.output_dir=runs/here"])
+    assert r.data.eval == str(elsewhere / "mine" / "eval.jsonl")
+    assert r.training.output_dir == str(elsewhere / "runs" / "here")
+    assert r.data.train == str(tmp_path / "recipes" / "data" / "train.jsonl")  # from the file
+    whole = load_recipe(recipe, ["data={train: t.jsonl}"])
+    assert whole.data.train == str(elsewhere / "t.jsonl")
 
 
 def test_not_yaml_and_missing_file(tmp_path):
@@ -187,3 +231,10 @@ def test_max_steps_or_epochs(tmp_path):
 def test_roles_map_only_onto_chat_roles(tmp_path):
     assert "data.roles: gpt: 'bot' is not one of system, user, assistant" in \
         _error(tmp_path, _with("data", roles={"gpt": "bot"}))
+
+
+def test_an_unknown_value_is_named_with_the_choices(tmp_path):
+    assert ("optimizer.name: 'adam_ultra' is not one of adamw_32bit, adamw_8bit, paged_adamw_32bit, "
+            "paged_adamw_8bit") in _error(tmp_path, _with("optimizer", name="adam_ultra"))
+    assert "scheduler.name: 'cosin' is not one of constant, linear, cosine; did you mean cosine?" in \
+        _error(tmp_path, _with("scheduler", name="cosin"))

@@ -95,3 +95,21 @@ def test_overwrite_removes_only_lisaft_files_and_refuses_others_without_force(tm
         check_output_dir(run, overwrite=False, force=True)
     clear_run(run)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+
+def test_files_get_the_mode_a_new_file_gets(tmp_path):
+    import os
+
+    from safetensors.torch import save_file
+
+    from lisaft.runfiles import give_files_the_usual_mode
+
+    before = os.umask(0o027)
+    try:
+        save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text("{}")
+        give_files_the_usual_mode(tmp_path)
+        assert {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()} == \
+            {"model.safetensors": 0o640, "config.json": 0o640}
+    finally:
+        os.umask(before)

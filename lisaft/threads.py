@@ -1,0 +1,82 @@
+"""CPU threads: how many, and how idle ones wait.
+
+torch runs its CPU kernels on an OpenMP pool. Between two parallel regions OpenMP's own default
+keeps the idle threads spinning (GNU OpenMP: 300,000 rounds, milliseconds) before they sleep.
+On a machine where another process wants a core, a spinning thread holds the core that the
+thread it waits for needs, and a small model's step (thousands of short regions) stalls: the
+quickstart fell from 10-14k to about 150 tokens/s next to one busy process (issue 23; README,
+"Threads on a busy CPU"; benchmarks/threads_bench.py). A passive wait gives the core back at
+once; what it costs is a wake-up per region.
+
+The wait policy is read once, when torch loads OpenMP, so `configure_openmp` runs before torch is
+imported (the command line's entry point). The thread count can change at any time:
+`apply_threads` sets it from `training.threads` when a run starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+# Any of these in the environment means the user chose how OpenMP waits: lisaft leaves it alone.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def configure_openmp(environ: dict | None = None) -> None:
+    """Idle OpenMP threads sleep instead of spinning, unless the environment says otherwise.
+    Must run before torch is imported."""
+    env = os.environ if environ is None else environ
+    if not any(name in env for name in WAIT_VARIABLES):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def _cgroup_cpu_limit(root: Path) -> float | None:
+    """CPUs' worth of time the container's quota allows (docker --cpus), or None when unlimited.
+    cgroup v2 writes "quota period" in cpu.max, v1 two files."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may run on (taskset, cpusets) and, under a CPU quota, no more than the
+    quota pays for. os.cpu_count() counts the whole machine, which a container may not have."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit(cgroup_root)
+    if limit is not None:
+        cpus = min(cpus, max(1, math.ceil(limit)))
+    return max(1, cpus)
+
+
+def thread_count(setting: int | str, local_processes: int = 1, environ: dict | None = None) -> int | None:
+    """Intra-op threads for `training.threads`: a number is taken as it is; `auto` shares the
+    usable CPUs among the processes of this machine (data parallel on CPU), unless OMP_NUM_THREADS
+    is set (torchrun sets it too), which then counts. None: leave torch's count alone."""
+    env = os.environ if environ is None else environ
+    if setting != "auto":
+        return int(setting)
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, usable_cpus() // max(1, local_processes))
+
+
+def apply_threads(setting: int | str, local_processes: int = 1) -> int:
+    """Set torch's intra-op thread count from `training.threads`; returns the count in force."""
+    import torch
+
+    n = thread_count(setting, local_processes)
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
