@@ -68,7 +68,7 @@ SETTINGS = {
                  lrs=[3e-4, 1e-3, 3e-3], seeds=[0, 1, 2], sweep_all_seeds=True, precision_lr=1e-5),
     "quick": dict(layers=4, hidden=64, intermediate=192, pretrain_steps=60, pretrain_batch_size=32,
                   pretrain_lr=3e-3, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=30,
-                  steps=20, batch_size=16, interval_steps=5, warmup_steps=2, eval_every=10,
+                  steps=30, batch_size=16, interval_steps=5, warmup_steps=2, eval_every=10,
                   curve_examples=24, final_examples=30, max_seq_len=64,
                   lrs=[3e-3], seeds=[0], precision_lr=1e-5),
 }
