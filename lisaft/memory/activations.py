@@ -214,23 +214,20 @@ def activations(
     masked = packing and attention == "sdpa"
     full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked, masked)
     frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked, masked)
-    # SDPA turns the boolean padding mask into an additive one in the query's dtype at every
-    # call, and keeps that copy for backward: batch x seq x seq per layer (eager adds it to the
-    # scores it keeps anyway; FlashAttention takes the unpadded rows and no mask). With a mask,
+    # Padded rows give sdpa a padding mask: lisaft hands it one additive mask per forward, shared
+    # by every layer (lisaft/doc_attention.py; counted with the packed mask below). With a mask,
     # transformers' SDPA path also repeats grouped k and v to every head, and those copies are
     # what the kernel keeps; a single k/v head repeats as a view, without a copy.
-    pad_mask = 0
-    if padded_rows and attention == "sdpa":
-        grouped = 1 < shape.kv_heads < shape.heads
-        repeated_kv = 2 * dt * tokens * (shape.heads - shape.kv_heads) * shape.head_dim if grouped else 0
-        pad_mask = dt * batch * seq_len * seq_len + repeated_kv
+    pad_kv = 0
+    if padded_rows and attention == "sdpa" and 1 < shape.kv_heads < shape.heads:
+        pad_kv = 2 * dt * tokens * (shape.heads - shape.kv_heads) * shape.head_dim
     if checkpointing:
         resident = min(shape.layers, OFFLOAD_INFLIGHT_LAYERS) if offload else shape.layers
         layers = tokens * resident * checkpointed_layer_bytes_per_token(shape, dt)
     else:
-        layers = tokens * (trainable_layers * full + frozen_layers * frozen) + shape.layers * pad_mask
+        layers = tokens * (trainable_layers * full + frozen_layers * frozen) + shape.layers * pad_kv
     outside = INT64 * tokens if train_embeddings else 0  # token ids, for the embedding gradient
-    mask = packed_mask_bytes(attention, checkpointing, batch, seq_len, dt) if packing else 0
+    mask = packed_mask_bytes(attention, checkpointing, batch, seq_len, dt) if packing or padded_rows else 0
     if not checkpointing:
         outside += 2 * dt * seq_len * shape.rotary_dim  # cos and sin, shared by all layers
     outside += tokens * _norm(shape, dt, final_norm_trains)
@@ -250,7 +247,7 @@ def activations(
             log_probs += tokens * dt * shape.vocab  # tanh output of the final soft-cap
     return ActivationBreakdown(
         layers=layers, outside_layers=outside, log_probs=log_probs,
-        one_layer_full=tokens * (full if trainable_layers else frozen) + pad_mask,
+        one_layer_full=tokens * (full if trainable_layers else frozen) + pad_kv,
         mlp_chunk=mlp_chunk_bytes(shape, dt, batch, seq_len, mlp_chunk_tokens),
         packed_mask=mask, packed_mask_hooked=attention == "sdpa" and not checkpointing,
     )

@@ -27,7 +27,8 @@ def test_packing_bench_quick(tmp_path):
     assert runs["packed"]["real_share"] > runs["padded8"]["real_share"]
     assert runs["packed"]["fill"] >= 0.9 and runs["packed"]["summary"].startswith("packing: 64 examples in ")
     for r in runs.values():
-        assert r["real_tokens_per_s"] > 0 and r["step_peak_bytes"] > 0 and math.isfinite(r["eval_loss"])
+        # A step's peak growth is a CUDA figure: on a CPU freed pages are reused and it often reads 0.
+        assert r["real_tokens_per_s"] > 0 and r["step_peak_bytes"] >= 0 and math.isfinite(r["eval_loss"])
     assert set(s["summary"]["targets"]) >= {"packed_fill_ok", "speedup_ok", "eval_loss_ok"}
     assert "| packed |" in (tmp_path / "packing.md").read_text()
     assert len({r["steps"] for r in runs.values()}) == 1
