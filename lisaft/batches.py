@@ -129,30 +129,34 @@ def collate(examples: list[Example], pad_id: int, flatten: bool = False) -> dict
         return _collate_flat(examples)
     if not any("doc_lens" in ex for ex in examples):
         return _collate_padded(examples, pad_id)
-    width = max(len(ex["input_ids"]) for ex in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.zeros((len(examples), width), dtype=torch.long)
+    input_ids, labels = _pad_rows(examples, pad_id)
+    width = input_ids.shape[1]
+    position_ids = torch.zeros_like(input_ids)
     for row, ex in enumerate(examples):
         k = len(ex["input_ids"])
         lens = doc_lens(ex) + ([width - k] if k < width else [])
-        input_ids[row, :k] = torch.tensor(ex["input_ids"], dtype=torch.long)
-        labels[row, :k] = torch.tensor(ex["labels"], dtype=torch.long)
         labels[row, _doc_starts(doc_lens(ex))] = IGNORE_INDEX
         position_ids[row] = torch.from_numpy(_doc_positions(lens))
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
-def _collate_padded(examples: list[Example], pad_id: int) -> dict:
+def _pad_rows(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and labels of the examples, each row padded to the longest (no loss on padding)."""
     width = max(len(ex["input_ids"]) for ex in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
     for row, ex in enumerate(examples):
         k = len(ex["input_ids"])
         input_ids[row, :k] = torch.tensor(ex["input_ids"], dtype=torch.long)
         labels[row, :k] = torch.tensor(ex["labels"], dtype=torch.long)
-        attention_mask[row, :k] = 1
+    return input_ids, labels
+
+
+def _collate_padded(examples: list[Example], pad_id: int) -> dict:
+    input_ids, labels = _pad_rows(examples, pad_id)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ex in enumerate(examples):
+        attention_mask[row, : len(ex["input_ids"])] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
