@@ -101,32 +101,15 @@ def pretrain(work: Path, s: dict) -> dict:
     """Family A from random init with lisaft full fine-tuning; saved as an HF folder."""
     import torch
 
-    from benchmarks.learning.arms import lisaft_recipe, load_data, scores
-    from lisaft.data import load_splits
-    from lisaft.recipe import DataSection
-    from lisaft.train import build_session, train_step
+    from benchmarks.learning.arms import load_data, pretrain_family_a, scores
 
     target = work / "pretrained"
     (work / "config.json").write_text(json.dumps(model_config(s), indent=2))
     data = load_data(str(work / "data"), str(TOKENIZER), s["max_seq_len"])
-    a_train, _ = load_splits(DataSection(train=str(work / "data" / "A_train.jsonl"), format="instruction",
-                                         max_seq_len=s["max_seq_len"]), data.tokenizer, 0)
-    job = {"arm": "pretrain", "seed": 0, "tokenizer": str(TOKENIZER),
-           "settings": {**s, "batch_size": s["pretrain_batch_size"], "warmup_steps": s["pretrain_warmup_steps"]}}
-    recipe = lisaft_recipe(job, {"lisa": None}, {"config": str(work / "config.json")}, work / "pretrain-run",
-                           s["pretrain_steps"], s["pretrain_lr"])
-    session = build_session(recipe, work / "pretrain-run", tokenizer=data.tokenizer, train_examples=a_train,
-                            eval_examples=None)
-    t0 = time.perf_counter()
-    for step in range(s["pretrain_steps"]):
-        loss = train_step(session, step).loss
-        if (step + 1) % 100 == 0:
-            print(f"pre-train step {step + 1}/{s['pretrain_steps']}  loss {loss:.4f}", flush=True)
-    train_s = time.perf_counter() - t0
-    session.model.save_pretrained(str(target))
-    data.tokenizer.save_pretrained(str(target))
+    model, loss, started = pretrain_family_a(work, s, work / "data", data.tokenizer, str(TOKENIZER), log_every=100)
+    train_s = time.perf_counter() - started
     with torch.no_grad():
-        base = scores(session.model, data, s["final_examples"], generate=True)
+        base = scores(model, data, s["final_examples"], generate=True)
     record = {"steps": s["pretrain_steps"], "train_s": train_s, "last_loss": loss, "scores": base}
     (target / "pretraining.json").write_text(json.dumps(record, indent=1) + "\n")
     return record

@@ -91,6 +91,34 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
     }, f"learning_bench:{job['arm']}")
 
 
+def pretrain_family_a(work: Path, s: dict, data_dir: Path, tokenizer, tokenizer_ref: str,
+                      log_every: int | None = None) -> tuple[torch.nn.Module, float, float]:
+    """Family A from random init (work/config.json) with lisaft full fine-tuning, saved with its
+    tokenizer as an HF folder in work/pretrained. Both protocols pre-train this way. Returns the
+    model, the last step's loss and the perf_counter time training started."""
+    from lisaft.data import load_splits
+    from lisaft.recipe import DataSection
+    from lisaft.train import build_session, train_step
+
+    a_train, _ = load_splits(DataSection(train=str(Path(data_dir) / "A_train.jsonl"), format="instruction",
+                                         max_seq_len=s["max_seq_len"]), tokenizer, 0)
+    job = {"arm": "pretrain", "seed": 0, "tokenizer": tokenizer_ref,
+           "settings": {**s, "batch_size": s["pretrain_batch_size"], "warmup_steps": s["pretrain_warmup_steps"]}}
+    recipe = lisaft_recipe(job, {"lisa": None}, {"config": str(work / "config.json")}, work / "pretrain-run",
+                           s["pretrain_steps"], s["pretrain_lr"])
+    session = build_session(recipe, work / "pretrain-run", tokenizer=tokenizer, train_examples=a_train,
+                            eval_examples=None)
+    started = time.perf_counter()
+    loss = float("nan")
+    for step in range(s["pretrain_steps"]):
+        loss = train_step(session, step).loss
+        if log_every and (step + 1) % log_every == 0:
+            print(f"pre-train step {step + 1}/{s['pretrain_steps']}  loss {loss:.4f}", flush=True)
+    session.model.save_pretrained(str(work / "pretrained"))
+    tokenizer.save_pretrained(str(work / "pretrained"))
+    return session.model, loss, started
+
+
 class LisaftArm:
     def __init__(self, job: dict, spec: dict, data: Data, run_dir: Path):
         from lisaft.train import build_session

@@ -23,11 +23,8 @@ def pretrain(job: dict) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from benchmarks.learning.arms import lisaft_recipe
+    from benchmarks.learning.arms import pretrain_family_a
     from benchmarks.learning.tasks import load_task_data
-    from lisaft.data import load_splits
-    from lisaft.recipe import DataSection
-    from lisaft.train import build_session, train_step
 
     torch.set_num_threads(job["threads"])
     hf_logging.disable_progress_bar()
@@ -35,21 +32,9 @@ def pretrain(job: dict) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(job["config"], indent=2))
     first = load_task_data(job["data_dirs"][0], str(TOKENIZER), s["max_seq_len"])
-    a_train, _ = load_splits(DataSection(train=str(Path(job["data_dirs"][0]) / "A_train.jsonl"),
-                                         format="instruction", max_seq_len=s["max_seq_len"]), first.tokenizer, 0)
-    pjob = {"arm": "pretrain", "seed": 0, "tokenizer": str(TOKENIZER),
-            "settings": {**s, "batch_size": s["pretrain_batch_size"], "warmup_steps": s["pretrain_warmup_steps"]}}
-    recipe = lisaft_recipe(pjob, {"lisa": None}, {"config": str(work / "config.json")}, work / "pretrain-run",
-                           s["pretrain_steps"], s["pretrain_lr"])
-    session = build_session(recipe, work / "pretrain-run", tokenizer=first.tokenizer, train_examples=a_train,
-                            eval_examples=None)
-    t0 = time.perf_counter()
-    for step in range(s["pretrain_steps"]):
-        loss = train_step(session, step).loss
-    session.model.save_pretrained(str(work / "pretrained"))
-    first.tokenizer.save_pretrained(str(work / "pretrained"))
+    model, loss, t0 = pretrain_family_a(work, s, Path(job["data_dirs"][0]), first.tokenizer, str(TOKENIZER))
     with torch.no_grad():
-        scores = {Path(d).name: p2.split_scores(session.model, load_task_data(d, str(TOKENIZER), s["max_seq_len"]),
+        scores = {Path(d).name: p2.split_scores(model, load_task_data(d, str(TOKENIZER), s["max_seq_len"]),
                                                 None, True) for d in job["data_dirs"]}
     record = {"depth": s["layers"], "steps": s["pretrain_steps"], "train_s": time.perf_counter() - t0,
               "last_loss": loss, "scores": scores}
