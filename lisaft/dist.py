@@ -40,11 +40,12 @@ def barrier() -> None:
 
 
 def init_from_env() -> bool:
-    """Join the process group torchrun describes in the environment (WORLD_SIZE > 1): NCCL on
-    CUDA, gloo on CPU. Returns True when this process is one rank of several."""
+    """Join the process group torchrun describes in the environment: NCCL on CUDA, gloo on CPU.
+    Returns True when this process is a rank of a torchrun launch, even of one process
+    (training.fsdp on one rank needs the group)."""
     if is_initialized():
         return True
-    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -91,7 +92,7 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
 def all_reduce_grads(params: list) -> None:
     """Sum the trainable set's gradients over ranks. The loss is already divided by the global
     token count, so a sum gives exactly the single-process gradient."""
-    if not is_initialized():
+    if not is_initialized() or world_size() == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:

@@ -16,8 +16,10 @@ What lisaft keeps of its own, and why:
   gathered for forward and backward but gets no gradient, no reduce-scatter and no moments.
   Every rank samples the same layers by construction; `check_same_layers` proves it at each
   switch, so a rank that disagrees fails with one line instead of hanging in a collective.
-- Checkpoints: each rank writes its slice of the weights (`ShardFiles`) and its optimizer state
-  (optimizer/rank-R/); a resume needs the same number of ranks.
+- Checkpoints: the weights go through torch.distributed.checkpoint (`ShardFiles`), and each
+  rank writes the moments of its slices (optimizer/rank-R/). A resume on as many ranks restores
+  every slice bit for bit; on another number DCP reshards the weights and lisaft/reshard.py the
+  moments.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from lisaft import dist
@@ -51,9 +53,10 @@ def check_supported(recipe) -> None:
                           "shards the optimizer state: set one of them false")
     if recipe.training.compile:
         raise LisaftError("training.compile is not supported with training.fsdp yet; set it false")
-    if not dist.is_initialized() or dist.world_size() < 2:
-        raise LisaftError("training.fsdp needs several processes: launch with torchrun --nproc-per-node N "
-                          "(N >= 2), or set training.fsdp false")
+    if not dist.is_initialized():
+        # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU).
+        raise LisaftError("training.fsdp needs torchrun: launch with torchrun --nproc-per-node N, "
+                          "or set training.fsdp false")
 
 
 def _head_modules(model: nn.Module, parts: ModelParts) -> list[nn.Module]:
@@ -165,38 +168,57 @@ class LocalShards:
 
 
 class ShardFiles:
-    """A checkpoint folder component (checkpoint.FolderComponent): shards/rank-R.safetensors,
-    this rank's slice of every parameter (and the buffers)."""
+    """A checkpoint folder component (checkpoint.FolderComponent): shards/, the sharded weights
+    and buffers written through torch.distributed.checkpoint (each rank its slices, rank 0 the
+    metadata). DCP reads them back on any number of ranks: each rank loads the rows its slices
+    cover now, from whichever files hold them, without gathering a unit."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def _state(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
         from torch.distributed.fsdp import FSDPModule
 
         # The root keeps its weights gathered after a forward (eval, or the last micro-batch):
-        # register the slices again so the names below are the sharded parameters.
+        # register the slices again so the state dict holds the sharded parameters.
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        named = [*self.model.named_parameters(), *self.model.named_buffers()]
-        return {name: _local(t) for name, t in named}
+        return get_model_state_dict(self.model)
 
     def write(self, folder: Path, base: Path | None) -> list[Path]:
+        import torch.distributed.checkpoint as dcp
+
         folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"rank-{dist.rank()}.safetensors"
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in self._tensors().items()}, str(target),
-                  metadata={"rank": str(dist.rank()), "world_size": str(dist.world_size())})
-        return [target]
+        # sync_files: the writer fsyncs what it wrote before the checkpoint's marker is written.
+        dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+        return []
 
     @torch.no_grad()
     def read(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if any(folder.glob("rank-*.safetensors")):
+            self._read_rank_files(folder)
+            return
+        if not (folder / ".metadata").is_file():
+            raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards (written without training.fsdp)")
+        # In place: the state dict's DTensors share storage with the parameters' local slices,
+        # which the unit optimizers also hold (LocalShards).
+        dcp.load(self._state(), storage_reader=dcp.FileSystemReader(folder))
+
+    def _read_rank_files(self, folder: Path) -> None:
+        """Checkpoints written before shards moved to DCP: shards/rank-R.safetensors, one per rank, read
+        on as many ranks as wrote them."""
         path = folder / f"rank-{dist.rank()}.safetensors"
         if not path.is_file():
             raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards for rank {dist.rank()} "
-                              "(written without training.fsdp, or by fewer ranks)")
+                              "(its shards/rank-R files can only be resumed on as many ranks as wrote them)")
         saved = load_file(str(path), device="cpu")
-        for name, local in self._tensors().items():
+        named = [*self._state().items()]
+        for name, t in named:
+            local = _local(t)
             if name not in saved or saved[name].shape != local.shape:
                 raise LisaftError(f"checkpoint {folder.parent.name}: {name} does not match this model's shard")
             local.copy_(saved[name])

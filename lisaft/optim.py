@@ -369,8 +369,7 @@ def state_dict_bytes(sd: dict) -> int:
 def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSection, device: torch.device,
                          rounding: Rounding, unit_index: int, pool: PagedPool | None) -> AdamW:
     """The unit's optimizer; weight decay on matrices and embeddings (>= 2-D) only."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    decay, no_decay = _decay_split(params)
     groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     paged = section.name.startswith("paged_")
     if paged and device.type != "cuda" and section.name not in _warned_cpu_paging:
@@ -381,3 +380,13 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
                  weight_decay=section.weight_decay, eight_bit=section.name.endswith("_8bit"),
                  paged=paged, bnb_32bit=section.name == "paged_adamw_32bit", rounding=rounding,
                  unit_index=unit_index, pool=pool)
+
+
+def _decay_split(params: list) -> tuple[list, list]:
+    return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+
+def state_order(params: list) -> list:
+    """The unit's parameters in the order of their indices in its optimizer's state_dict."""
+    decay, no_decay = _decay_split(params)
+    return decay + no_decay

@@ -14,8 +14,11 @@ from pathlib import Path
 import torch
 
 from lisaft import dist
+from lisaft.console import warn
 from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
+from lisaft.optim import state_order
+from lisaft.reshard import ReshardNotes, read_resharded, saved_world_size
 from lisaft.units import UnitOptimizers
 
 
@@ -71,6 +74,9 @@ class OptimizerFiles:
         is loaded first) get optimizers on the device, the others go where lisa.state_policy keeps
         inactive units (nowhere for discard)."""
         opts = self.optimizers
+        if self.per_rank and saved_world_size(folder) not in (0, dist.world_size()):
+            self._read_resharded(folder)
+            return
         folder = self._dir(folder)
         names = {f.name[:-3] for f in folder.glob("*.pt")} if folder.is_dir() else set()
         unknown = sorted(names - set(opts.units))
@@ -84,6 +90,30 @@ class OptimizerFiles:
                 sd = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True)
                 opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
         opts.dirty.clear()
+
+    def _read_resharded(self, folder: Path) -> None:
+        """training.fsdp on another number of ranks than wrote the checkpoint: each unit's state
+        for this rank's slices, cut from every old rank's (lisaft/reshard.py)."""
+        opts = self.optimizers
+        opts.clear()
+        resident = self.controller.resident_units()
+        notes = ReshardNotes()
+        eight_bit = opts.section.name.endswith("_8bit")
+        names = sorted({f.name[:-3] for f in folder.glob("rank-*/*.pt")})
+        unknown = [n for n in names if n not in opts.units]
+        if unknown:
+            raise LisaftError(f"checkpoint {folder.parent.name} holds optimizer state for units this model "
+                              f"does not have: {', '.join(unknown[:3])}")
+        for name in names:
+            shapes = [p.shape for p in state_order(opts.units[name].params)]
+            sd = read_resharded(folder, name, shapes, dist.world_size(), dist.rank(), eight_bit, notes)
+            if sd is not None:
+                opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
+        opts.dirty.update(names)  # every rank's files are new: none can be linked from this checkpoint
+        if notes.requantized and dist.is_main():
+            warn(f"the 8-bit optimizer moments of {notes.requantized} tensors were dequantized and quantized "
+                 "again for the new slices: their blocks do not line up across the change of ranks "
+                 "(docs/distributed.md)")
 
 
 def _link(source: Path, target: Path) -> bool:

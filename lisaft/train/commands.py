@@ -74,6 +74,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     check_backends(recipe.logging)
     candidates = policy.checkpoints_to_try(run_dir, recipe_file)
     changed = policy.recipe_changes(candidates[0], recipe)
+    saved_world = policy.saved_world_size(candidates[0])
     policy.check_resumable(run_dir, candidates[0], recipe, max_steps)
     session = build_session(recipe, run_dir)
     ckpt = policy.load_newest(session, candidates, recipe_file)
@@ -84,6 +85,8 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
             runfiles.write_atomic(recipe_file, recipe.to_yaml())
     if dist.is_main():
         msg = f"resuming {run_dir} from {ckpt.name} (step {session.progress.step})"
+        if saved_world != dist.world_size():
+            msg += f" on {dist.world_size()} ranks (written by {saved_world})"
         if changed:
             msg += "; changed: " + ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed)
         if schedule_note:

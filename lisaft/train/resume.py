@@ -26,29 +26,59 @@ def checkpoints_to_try(run_dir: Path, recipe_file: Path) -> list[Path]:
     return candidates
 
 
+# A resume on another number of ranks may change these, as long as the global batch stays.
+BATCH_KEYS = ("training.batch_size", "training.grad_accum_steps")
+
+
 def recipe_changes(ckpt: Path, recipe: Recipe) -> list[tuple[str, object, object]]:
     """(key, saved, now) for each key the resume changes; refuses a change that alters the
-    training path (anything but the cadence keys)."""
+    training path (anything but the cadence keys, and the per-rank batch when the number of
+    ranks changes with the global batch kept)."""
     saved = recipe_from_dict(json.loads((ckpt / "recipe.json").read_text()), f"{ckpt}/recipe.json")
     saved_flat = flatten(saved.model_dump(mode="json"))
     new_flat = flatten(recipe.model_dump(mode="json"))
     saved_flat["training.output_dir"] = new_flat["training.output_dir"]  # the run may have moved
     changed = [k for k in sorted(set(saved_flat) | set(new_flat)) if saved_flat.get(k) != new_flat.get(k)]
-    refused = [k for k in changed if k not in CADENCE_KEYS]
+    saved_world = saved_world_size(ckpt)
+    allowed = CADENCE_KEYS + (BATCH_KEYS if saved_world != dist.world_size() else ())
+    refused = [k for k in changed if k not in allowed]
     if refused:
         k = refused[0]
-        raise LisaftError(f"{k}: cannot change on resume (it alters the training path): checkpoint "
+        hint = (" (it may change when the number of ranks does, with the global batch kept)"
+                if k in BATCH_KEYS else "")
+        raise LisaftError(f"{k}: cannot change on resume (it alters the training path{hint}): checkpoint "
                           f"has {saved_flat.get(k)!r}, now {new_flat.get(k)!r}")
+    if saved_world != dist.world_size():
+        _check_global_batch(saved.training, recipe.training, saved_world)
     return [(k, saved_flat.get(k), new_flat.get(k)) for k in changed]
 
 
+def saved_world_size(ckpt: Path) -> int:
+    return int(read_components(ckpt).get("progress", {}).get("world_size", 1))
+
+
+def _check_global_batch(saved, now, saved_world: int) -> None:
+    """Another number of ranks continues the same run only with the same examples per optimizer
+    step; say which per-rank batch keeps it."""
+    world = dist.world_size()
+    before = saved.batch_size * saved.grad_accum_steps * saved_world
+    after = now.batch_size * now.grad_accum_steps * world
+    if before == after:
+        return
+    fix = ""
+    if before % (now.grad_accum_steps * world) == 0:
+        fix = f"; pass --set training.batch_size={before // (now.grad_accum_steps * world)}"
+    elif before % (now.batch_size * world) == 0:
+        fix = f"; pass --set training.grad_accum_steps={before // (now.batch_size * world)}"
+    raise LisaftError(
+        f"the checkpoint was written by {saved_world} ranks at a global batch of {before} (batch_size "
+        f"{saved.batch_size} x grad_accum_steps {saved.grad_accum_steps} x {saved_world}); on {world} ranks "
+        f"that is {now.batch_size} x {now.grad_accum_steps} x {world} = {after}, another training path{fix}")
+
+
 def check_resumable(run_dir: Path, ckpt: Path, recipe: Recipe, max_steps_given: int | None = None) -> None:
-    """Refuse before any set-up: another world size, or a run already at the step it would stop at."""
+    """Refuse before any set-up a run already at the step it would stop at."""
     progress = read_components(ckpt).get("progress", {})
-    world = progress.get("world_size", 1)
-    if world != dist.world_size():
-        raise LisaftError(f"{ckpt.name} was written by {world} processes; resume with the same number "
-                          f"(now {dist.world_size()})")
     done = nothing_left(run_dir, progress.get("step", 0), recipe.training.max_steps, max_steps_given)
     if done is not None:
         raise done

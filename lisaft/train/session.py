@@ -44,7 +44,7 @@ class Progress:
 
     step: int = 0                     # optimizer steps completed
     tokens_seen: int = 0              # global non-padding tokens trained on
-    world_size: int = 1               # processes that wrote the checkpoint
+    world_size: int = 1               # processes of this run now (a resume may change it)
     window: dict = field(default_factory=dict)  # the logging window not yet written (loss sums)
 
     def state_dict(self) -> dict:
@@ -53,7 +53,6 @@ class Progress:
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
         self.tokens_seen = int(sd.get("tokens_seen", 0))
-        self.world_size = int(sd.get("world_size", 1))
         self.window = dict(sd.get("window") or {})
 
 
@@ -150,7 +149,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
     model = load_model(recipe.model, device, seed=t.seed)
     check_context_length(model.config, recipe.data.max_seq_len)
-    use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad,
+    # Not under FSDP, even on one rank: the embedding is a sharded unit with a dense gradient.
+    use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and not t.fsdp,
                               trains=not recipe.lisa.enabled or recipe.lisa.train_embeddings,
                               tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
                               world_size=dist.world_size())

@@ -13,9 +13,9 @@ from lisaft.runlog import read_metrics
 from lisaft.train import train
 
 
-def torchrun(*args: str, cwd) -> subprocess.CompletedProcess:
+def torchrun(*args: str, cwd, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "lisaft", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -109,13 +109,27 @@ def test_sharded_state_resumes_bit_identically(dp):
     assert all(weights(dp.tiny_run.dir / "shcut")[k].equal(dp.weights[k]) for k in dp.weights)
 
 
-def test_resume_at_another_world_size_is_refused(cut):
+def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(dp, cut):
+    import shutil
+
     from typer.testing import CliRunner
 
     from lisaft.cli import app
+    from lisaft.train import resume
 
     out = CliRunner().invoke(app, ["resume", str(cut), "--max-steps", "6"])
-    assert out.exit_code == 2 and "2 processes" in out.output
+    assert out.exit_code == 2 and "written by 2 ranks at a global batch of 4" in out.output
+    assert "--set training.batch_size=4" in out.output and len(out.output.strip().splitlines()) == 1
+    # The step-2 checkpoint continued in one process at batch 4: the two-rank run, up to the
+    # order of float32 additions.
+    one = cut.parent / "cut-one"
+    shutil.copytree(cut, one)
+    shutil.rmtree(one / "final")
+    shutil.rmtree(one / "checkpoints" / "step-000004")
+    assert resume(one, overrides=["training.batch_size=4"], show=False) == 0
+    losses = train_losses(one)
+    assert losses[:2] == dp.losses[:2]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(dp.losses), rtol=1e-4, atol=1e-5), (losses, dp.losses)
 
 
 def test_two_ranks_sample_the_same_cyclic_layers(tiny_run):

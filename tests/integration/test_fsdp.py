@@ -40,7 +40,15 @@ def lisa(shared_tiny_run):
 
 @pytest.fixture(scope="module")
 def bf16(shared_tiny_run):
-    return fsdp_run(shared_tiny_run, "bf16", BF16, compare=False)
+    # Twice as wide, so that tensors reach bitsandbytes' 4096 elements and keep 8-bit moments:
+    # the MLP matrices on each rank's half, the embeddings and head only when whole.
+    import json
+
+    cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
+    (shared_tiny_run.dir / "wide").mkdir()
+    cfg.update(hidden_size=64, intermediate_size=128)
+    (shared_tiny_run.dir / "wide" / "config.json").write_text(json.dumps(cfg))
+    return fsdp_run(shared_tiny_run, "bf16", {**BF16, "model": {**BF16["model"], "config": "wide/config.json"}})
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +72,8 @@ def test_lisa_on_two_ranks_matches_one_process_at_twice_the_batch(lisa):
     records = [r for r in read_metrics(lisa.run / "metrics.jsonl") if "loss" in r]
     assert [r["active_layers"] for r in records] == [[0, 2], [0, 2], [0, 1], [0, 1]]  # layer 1 joins after a switch
     ckpt = lisa.run / "checkpoints" / "step-000004"
-    assert {p.name for p in (ckpt / "shards").iterdir()} == {"rank-0.safetensors", "rank-1.safetensors"}
+    # torch.distributed.checkpoint: each rank's slices in its own file, and rank 0's metadata.
+    assert {p.name for p in (ckpt / "shards").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert (ckpt / "optimizer" / "rank-1" / "layer-00001.pt").is_file() and not (ckpt / "weights").exists()
 
 
@@ -82,12 +91,15 @@ def test_the_export_loads_in_transformers_and_matches_one_process(lisa, shared_t
     assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
-def test_bf16_lisa_with_8bit_moments_offloaded_trains_like_float32(bf16, lisa):
+def test_bf16_lisa_with_8bit_moments_offloaded_trains_like_one_process(bf16):
     # bf16 weights take stochastically rounded updates whose noise differs per slice, and 8-bit
-    # moments are quantized per slice: close to the float32 run, not equal. Layer 1 is frozen at
-    # the first forward and trains after the switch (the bf16 unfreeze path FSDP once broke on).
+    # moments are quantized per slice: close to one process, not equal. Layer 1 is frozen at the
+    # first forward and trains after the switch (the bf16 unfreeze path FSDP once broke on).
     assert bf16.losses[-1] < bf16.losses[0]
-    assert torch.allclose(torch.tensor(bf16.losses), torch.tensor(lisa.single_losses), rtol=2e-2, atol=0)
+    assert torch.allclose(torch.tensor(bf16.losses), torch.tensor(bf16.single_losses), rtol=2e-2, atol=0)
+    moments = torch.load(bf16.run / "checkpoints" / "step-000004" / "optimizer" / "rank-0" / "layer-00001.pt",
+                         weights_only=True)
+    assert any(st["exp_avg"].dtype == torch.uint8 for st in moments["state"].values())
 
 
 def test_two_ranks_resume_bit_identically(bf16, shared_tiny_run):
@@ -104,13 +116,62 @@ def test_two_ranks_resume_bit_identically(bf16, shared_tiny_run):
     assert all(resumed[k].equal(bf16.weights[k]) for k in bf16.weights)
 
 
-def test_a_resume_on_another_number_of_ranks_is_refused(bf16):
+def cut_at_step_2(run, name: str):
+    """A copy of the run as if it had stopped after its step-2 checkpoint."""
+    cut = run.parent / name
+    shutil.copytree(run, cut)
+    shutil.rmtree(cut / "final")
+    shutil.rmtree(cut / "checkpoints" / "step-000004")
+    return cut
+
+
+def test_a_two_rank_float32_run_resumes_on_one_rank_as_it_would_have_gone_on(lisa, shared_tiny_run):
+    # DCP reshards the weights and lisaft/reshard.py the float32 moments, both exactly, so only the
+    # order of float32 additions (one rank sums what two summed) separates the two continuations.
+    cut = cut_at_step_2(lisa.run, "lisa-to-one")
+    result = torchrun("resume", str(cut), "--set", "training.batch_size=4", cwd=shared_tiny_run.dir, nproc=1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on 1 ranks (written by 2)" in result.stdout + result.stderr
+    losses = train_losses(cut)
+    assert losses[:2] == lisa.losses[:2]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(lisa.losses), rtol=1e-5, atol=0), (losses, lisa.losses)
+    resumed = weights(cut)
+    for k, w in lisa.weights.items():
+        assert torch.allclose(resumed[k].float(), w.float(), rtol=1e-4, atol=1e-4), k
+
+
+def test_bf16_8bit_moments_offloaded_resume_on_one_rank(bf16, shared_tiny_run):
+    # On one rank the embeddings cross bitsandbytes' 4096-element line (float32 moments on each
+    # half become 8-bit) and the MLP's 8-bit blocks of 256 would straddle the halves' rows of 64:
+    # those moments are quantized once more, which the resume says.
+    cut = cut_at_step_2(bf16.run, "bf16-to-one")
+    result = torchrun("resume", str(cut), "--set", "training.batch_size=4", cwd=shared_tiny_run.dir, nproc=1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dequantized and quantized again" in result.stdout + result.stderr
+    losses = train_losses(cut)
+    assert losses[:2] == bf16.losses[:2]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(bf16.losses), rtol=2e-2, atol=0), (losses, bf16.losses)
+
+
+def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(bf16):
     from typer.testing import CliRunner
 
     from lisaft.cli import app
 
     out = CliRunner().invoke(app, ["resume", str(bf16.run), "--max-steps", "6"])
-    assert out.exit_code == 2 and "2 processes" in out.output
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert "written by 2 ranks at a global batch of 4" in out.output
+    assert "--set training.batch_size=4" in out.output
+
+
+def test_an_fsdp_run_resumed_without_torchrun_is_refused_in_one_line(bf16):
+    from typer.testing import CliRunner
+
+    from lisaft.cli import app
+
+    out = CliRunner().invoke(app, ["resume", str(bf16.run), "--max-steps", "6", "--set", "training.batch_size=4"])
+    assert out.exit_code == 2 and "torchrun --nproc-per-node" in out.output, out.output
+    assert len(out.output.strip().splitlines()) == 1
 
 
 def test_fsdp_in_one_process_is_refused_in_one_line_and_writes_nothing(tiny_run):
