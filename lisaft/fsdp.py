@@ -151,11 +151,21 @@ class LocalShards:
             raise LisaftError(f"ranks disagree on LISA's layers for interval {interval}: "
                               f"{[o[1:] for o in every]}; every rank must run the same recipe and lisaft")
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict in host memory on rank 0 (empty elsewhere); collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def write_hf_weights(self, folder: Path) -> None:
+        """The model's weights as a Hugging Face safetensors folder, without the whole model in
+        one rank's memory: every rank writes its slices (DCP's Hugging Face writer), then rank 0
+        joins them into whole tensors, one tensor in memory at a time, in files of at most
+        EXPORT_FILE_BYTES with the usual index. Collective."""
+        import shutil
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        import torch.distributed.checkpoint as dcp
+
+        state = ShardFiles(self.model).state()
+        writer = dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True, enable_consolidation=True,
+                                              fqn_to_index_mapping=_file_indices(state))
+        dcp.save(state, storage_writer=writer)
+        if dist.is_main():
+            shutil.rmtree(folder / "sharded")  # the slices, now joined
 
     def checkpointer(self, checkpointer):
         """The session's checkpointer with this rank's weight slices instead of unit files and its
@@ -176,7 +186,8 @@ class ShardFiles:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def _state(self) -> dict[str, torch.Tensor]:
+    def state(self) -> dict[str, torch.Tensor]:
+        """The sharded state dict: DTensors over this rank's slices of the weights."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         from torch.distributed.fsdp import FSDPModule
 
@@ -192,7 +203,7 @@ class ShardFiles:
 
         folder.mkdir(parents=True, exist_ok=True)
         # sync_files: the writer fsyncs what it wrote before the checkpoint's marker is written.
-        dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+        dcp.save(self.state(), storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
         return []
 
     @torch.no_grad()
@@ -206,7 +217,7 @@ class ShardFiles:
             raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards (written without training.fsdp)")
         # In place: the state dict's DTensors share storage with the parameters' local slices,
         # which the unit optimizers also hold (LocalShards).
-        dcp.load(self._state(), storage_reader=dcp.FileSystemReader(folder))
+        dcp.load(self.state(), storage_reader=dcp.FileSystemReader(folder))
 
     def _read_rank_files(self, folder: Path) -> None:
         """Checkpoints written before shards moved to DCP: shards/rank-R.safetensors, one per rank, read
@@ -216,7 +227,7 @@ class ShardFiles:
             raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards for rank {dist.rank()} "
                               "(its shards/rank-R files can only be resumed on as many ranks as wrote them)")
         saved = load_file(str(path), device="cpu")
-        named = [*self._state().items()]
+        named = [*self.state().items()]
         for name, t in named:
             local = _local(t)
             if name not in saved or saved[name].shape != local.shape:
@@ -225,6 +236,22 @@ class ShardFiles:
 
     def committed(self) -> None:
         pass
+
+
+# The largest file of an export, as Hugging Face's save_pretrained cuts them by default.
+EXPORT_FILE_BYTES = 5 * 10**9
+
+
+def _file_indices(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Which export file (from 1) holds each tensor: in state-dict order, a new file when the
+    next tensor would pass EXPORT_FILE_BYTES."""
+    out, index, size = {}, 1, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > EXPORT_FILE_BYTES:
+            index, size = index + 1, 0
+        out[name], size = index, size + nbytes
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """training.fsdp over torch.distributed: two gloo processes on CPU, each holding half of every unit."""
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -42,8 +43,6 @@ def lisa(shared_tiny_run):
 def bf16(shared_tiny_run):
     # Twice as wide, so that tensors reach bitsandbytes' 4096 elements and keep 8-bit moments:
     # the MLP matrices on each rank's half, the embeddings and head only when whole.
-    import json
-
     cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
     (shared_tiny_run.dir / "wide").mkdir()
     cfg.update(hidden_size=64, intermediate_size=128)
@@ -89,6 +88,10 @@ def test_the_export_loads_in_transformers_and_matches_one_process(lisa, shared_t
     logits = [AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=ids).logits
               for path in (lisa.run / "final", shared_tiny_run.dir / "lisa-single" / "final")]
     assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    # Joined tensor by tensor from the ranks' slices (DCP's Hugging Face writer), with its index.
+    final = lisa.run / "final"
+    assert (final / "model.safetensors.index.json").is_file() and not (final / "sharded").exists()
+    assert json.loads((final / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_bf16_lisa_with_8bit_moments_offloaded_trains_like_one_process(bf16):
