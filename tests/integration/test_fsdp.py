@@ -14,6 +14,9 @@ from lisaft.train import train
 COMMON = dict(scheduler={"name": "constant"}, lisa={"interval_steps": 2},
               training={"max_steps": 4, "eval_every": 2, "eval_batches": 3, "save_every": 2})
 BF16 = {"model": {"dtype": "bfloat16"}, "optimizer": {"name": "adamw_8bit"}, "lisa": {"state_policy": "offload_cpu"}}
+# Twice as wide, so that tensors reach bitsandbytes' 4096 elements and keep 8-bit moments:
+# the MLP matrices on each rank's half, the embeddings and head only when whole.
+WIDE_BF16 = {**BF16, "model": {**BF16["model"], "config": "wide/config.json"}}
 
 
 def recipe(tiny_run, name: str, sections: dict | None = None, **training):
@@ -41,13 +44,11 @@ def lisa(shared_tiny_run):
 
 @pytest.fixture(scope="module")
 def bf16(shared_tiny_run):
-    # Twice as wide, so that tensors reach bitsandbytes' 4096 elements and keep 8-bit moments:
-    # the MLP matrices on each rank's half, the embeddings and head only when whole.
     cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
     (shared_tiny_run.dir / "wide").mkdir()
     cfg.update(hidden_size=64, intermediate_size=128)
     (shared_tiny_run.dir / "wide" / "config.json").write_text(json.dumps(cfg))
-    return fsdp_run(shared_tiny_run, "bf16", {**BF16, "model": {**BF16["model"], "config": "wide/config.json"}})
+    return fsdp_run(shared_tiny_run, "bf16", WIDE_BF16)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,61 @@ def test_bf16_8bit_moments_offloaded_resume_on_one_rank(bf16, shared_tiny_run):
     losses = train_losses(cut)
     assert losses[:2] == bf16.losses[:2]
     assert torch.allclose(torch.tensor(losses), torch.tensor(bf16.losses), rtol=2e-2, atol=0), (losses, bf16.losses)
+
+
+def test_offload_disk_under_fsdp_trains_as_discard_and_resumes_on_one_rank(lisa, shared_tiny_run):
+    # Layer 2 trains in steps 1-2 and never again within 4 steps, so where its moments go at the
+    # switch changes nothing: the run equals the discard one bit for bit. Each rank offloads its
+    # own slices' moments to its own folder and the checkpoint links them.
+    disk = fsdp_run(shared_tiny_run, "disk", {"lisa": {"state_policy": "offload_disk"}}, compare=False)
+    assert disk.losses == lisa.losses
+    assert all(disk.weights[k].equal(w) for k, w in lisa.weights.items())
+    for rank in (0, 1):
+        assert (disk.run / "checkpoints" / "step-000004" / "optimizer" / f"rank-{rank}" / "layer-00002.pt").is_file()
+    # Resumed on one rank, the offloaded moments of both halves are joined and offloaded again.
+    cut = cut_at_step_2(disk.run, "disk-to-one")
+    result = torchrun("resume", str(cut), "--set", "training.batch_size=4", cwd=shared_tiny_run.dir, nproc=1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert torch.allclose(torch.tensor(train_losses(cut)), torch.tensor(lisa.losses), rtol=1e-5, atol=0)
+
+
+def test_keep_under_fsdp_trains_as_discard(lisa, shared_tiny_run):
+    keep = fsdp_run(shared_tiny_run, "keep", {"lisa": {"state_policy": "keep"}}, compare=False)
+    assert keep.losses == lisa.losses
+    assert all(keep.weights[k].equal(w) for k, w in lisa.weights.items())
+
+
+def test_sigkill_while_writing_an_fsdp_checkpoint_leaves_the_run_resumable(bf16, shared_tiny_run):
+    # Killed with every rank's slices and moments of step 4 written but not rank 0's completion
+    # marker: the worst moment. The resume continues from step 2, bit for bit.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = recipe(shared_tiny_run, "killed", WIDE_BF16, batch_size=2, fsdp=True)
+    run = shared_tiny_run.dir / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LISAFT_TEST_PAUSE_BEFORE_MARKER": "4:120"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "lisaft", "train", str(path)], cwd=shared_tiny_run.dir, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 180
+    while not (run / "checkpoints" / "PAUSED").exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "step-000002" in names and "step-000004" not in names and ".tmp-step-000004" in names
+    result = torchrun("resume", str(run), cwd=shared_tiny_run.dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "from step-000002" in result.stdout + result.stderr
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert train_losses(run) == bf16.losses
+    resumed = weights(run)
+    assert all(resumed[k].equal(bf16.weights[k]) for k in bf16.weights)
 
 
 def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(bf16):
