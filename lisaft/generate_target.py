@@ -35,6 +35,8 @@ def resolve_target(path: Path, fmt: str | None) -> Target:
         return _checkpoint_target(path, fmt)
     if not path.exists():
         raise LisaftError(f"{path}: no such run or model folder")
+    if path.name == _CHECKPOINTS and (path.parent / "recipe.yaml").is_file():
+        raise LisaftError(f"{path}: give one checkpoint folder in it; {_checkpoints_there(path.parent)}")
     run_dir = path if (path / "recipe.yaml").is_file() else path.parent
     model_dir = path / "final" if path == run_dir else path
     if not (model_dir / "config.json").is_file():

@@ -72,10 +72,11 @@ def test_a_bad_row_names_its_file_and_line(chat_run, tmp_path):
     assert re.search(rf"{re.escape(str(bad))}: line 3: missing field 'messages'", result.output), result.output
 
 
-def test_a_missing_checkpoint_names_the_ones_there(chat_run):
-    result = _generate(chat_run / "checkpoints" / "step-3", "--prompt", "abc")
+@pytest.mark.parametrize("where", ["checkpoints/step-3", "checkpoints"])
+def test_a_missing_checkpoint_names_the_ones_there(chat_run, where):
+    result = _generate(chat_run / where, "--prompt", "abc")
     assert result.exit_code != 0
-    assert "step-000002, step-000004" in result.output, result.output
+    assert "complete checkpoints of the run: step-000002, step-000004" in result.output, result.output
 
 
 def test_an_fsdp_checkpoint_is_refused_in_one_line(chat_run, tmp_path):
