@@ -148,8 +148,9 @@ def load_model(target: Target):
 
 
 def _checkpoint_model(target: Target, device):
-    """Built as training built it (lisaft/models.py), then the checkpoint's weights read in by the
-    checkpoint module's own reader."""
+    """Built as training built it (lisaft/models.py), then the checkpoint's weights read in."""
+    # The checkpoint module's own reader of weights/ and aliases.json (resume loads through it),
+    # so the two cannot drift apart.
     from lisaft.checkpoint import _load_weights
     from lisaft.models import load_model as run_model
 
