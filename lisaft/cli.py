@@ -175,14 +175,16 @@ def plot(
 @app.command()
 def generate(
     path: Path = typer.Argument(..., metavar="RUN_OR_MODEL_DIR",
-                                help="A run (uses RUN/final and RUN/recipe.yaml) or a model folder."),
+                                help="A run (uses RUN/final and RUN/recipe.yaml), one of its checkpoints "
+                                     "(RUN/checkpoints/step-N) or a model folder."),
     prompt: Optional[str] = typer.Option(None, "--prompt", metavar="TEXT",
                                          help="The instruction, user message or text to continue."),
     input_text: Optional[str] = typer.Option(None, "--input", metavar="TEXT",
                                              help="The `input` field of an instruction prompt."),
     input_file: Optional[Path] = typer.Option(
         None, "--input-file", metavar="FILE",
-        help="Rows in the run's data format (jsonl, ...); answers given are compared."),
+        help="Rows as the run's data.train takes them (jsonl, ...; its data.columns and data.roles "
+             "apply); answers given are compared."),
     limit: Optional[int] = typer.Option(None, "--limit", metavar="N", help="Only the first N rows of --input-file."),
     fmt: Optional[str] = typer.Option(None, "--format", metavar="FORMAT",
                                       help="instruction, chat or text. Default: the run's data.format."),

@@ -80,7 +80,8 @@ def render_instruction_prompt(instruction: str, input: str | None = None, templa
 # Rows to examples
 
 
-def _field(rows: Rows, i: int, name: str, optional: bool = False) -> str | None:
+def row_field(rows: Rows, i: int, name: str, optional: bool = False) -> str | None:
+    """A row's text field, or an error naming the row; `lisaft generate` checks its rows with it too."""
     row = rows.rows[i]
     value = row.get(name)
     if value is None:
@@ -129,7 +130,7 @@ def prompt_prefix(tokenizer) -> list[int]:
 
 def _text_examples(rows: Rows, tokens: _Tokens) -> list[Example]:
     eos = tokens.need_eos(rows.key)
-    texts = [_field(rows, i, "text") for i in range(len(rows.rows))]
+    texts = [row_field(rows, i, "text") for i in range(len(rows.rows))]
     out = []
     for ids in tokens.encode(texts):
         ids = tokens.prefix + ids + [eos]
@@ -141,9 +142,9 @@ def _instruction_examples(rows: Rows, tokens: _Tokens, template: str | None) -> 
     eos = tokens.need_eos(rows.key)
     prompts, outputs = [], []
     for i in range(len(rows.rows)):
-        instruction = _field(rows, i, "instruction")
-        inp = _field(rows, i, "input", optional=True)
-        outputs.append(_field(rows, i, "output"))
+        instruction = row_field(rows, i, "instruction")
+        inp = row_field(rows, i, "input", optional=True)
+        outputs.append(row_field(rows, i, "output"))
         prompts.append(render_instruction_prompt(instruction, inp, template))
     out = []
     # Prompt and response are tokenized apart so the boundary between loss and no loss falls on
@@ -172,7 +173,9 @@ def _role_hint(name: str) -> str:
     return f"to the role it plays: {{{name}: user}}, {{{name}: assistant}} or {{{name}: system}}"
 
 
-def _check_messages(rows: Rows, i: int, roles: dict[str, str]) -> list[dict]:
+def chat_messages(rows: Rows, i: int, roles: dict[str, str]) -> list[dict]:
+    """A chat row's turns with data.roles applied, or an error naming the row (training and
+    `lisaft generate` alike)."""
     messages = rows.rows[i].get("messages")
     if messages is None:
         have = ", ".join(sorted(map(str, rows.rows[i]))) or "none"
@@ -200,7 +203,7 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
 
 def _chat_example(rows: Rows, i: int, tokenizer, tokens: _Tokens, special: set[int],
                   roles: dict[str, str]) -> Example:
-    messages = _check_messages(rows, i, roles)
+    messages = chat_messages(rows, i, roles)
     try:
         full = _render(tokenizer, messages, False)
         spans = []

@@ -1,8 +1,11 @@
 """`lisaft generate`: try a trained model with the prompt format its run trained on.
 
-A prompt is built exactly as training built the prompt part of an example (lisaft/data.py):
-instruction rows through the instruction template, chat rows through the tokenizer's chat
-template with the generation prompt, text rows as they are. Greedy unless --temperature > 0.
+A prompt is built exactly as training built the prompt part of an example (lisaft/data.py): rows
+are read and renamed by the run's data.columns, chat turns mapped by its data.roles and checked by
+the same functions training uses; instruction rows go through the run's template, chat rows
+through the tokenizer's chat template with the generation prompt, text rows stay as they are.
+Greedy unless --temperature > 0. The model is RUN/final (a Hugging Face folder) or a checkpoint,
+built from the checkpoint's own recipe as training built it (lisaft/generate_target.py).
 """
 
 from __future__ import annotations
@@ -11,85 +14,102 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lisaft.console import first_line
+from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError
-
-FORMATS = ("text", "instruction", "chat")
+from lisaft.generate_target import Target, load_model, load_tokenizer, resolve_target
+from lisaft.rows import Rows
 
 
 @dataclass
-class Target:
-    model_dir: Path
-    format: str
-    source: str  # where the format came from, for the header line
-    template: str | None = None  # the run's data.template for instruction rows
-
-
-def resolve_target(path: Path, fmt: str | None) -> Target:
-    """RUN (uses RUN/final and RUN/recipe.yaml), RUN/final, or any Hugging Face model folder."""
-    path = Path(path)
-    if not path.exists():
-        raise LisaftError(f"{path}: no such run or model folder")
-    run_dir = path if (path / "recipe.yaml").is_file() else path.parent
-    model_dir = path / "final" if path == run_dir else path
-    if not (model_dir / "config.json").is_file():
-        what = ("the run has no final/ model yet; it is written when the run completes"
-                if path == run_dir else "not a model folder (no config.json)")
-        raise LisaftError(f"{model_dir}: {what}")
-    if fmt is not None:
-        if fmt not in FORMATS:
-            raise LisaftError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
-        return Target(model_dir, fmt, "--format")
-    recipe_file = run_dir / "recipe.yaml"
-    if recipe_file.is_file():
-        from lisaft.recipe import load_recipe
-
-        recipe = load_recipe(recipe_file, resolve_paths=False)
-        return Target(model_dir, recipe.data.format, f"{recipe_file}: data.format", recipe.data.template)
-    raise LisaftError(f"{model_dir}: no recipe.yaml beside it to say how prompts were formatted; "
-                      "pass --format instruction|chat|text")
+class Prompt:
+    row: dict  # the row as given (a file's own field names), shown under --json
+    ids: list[int]  # the prompt's token ids, as training laid them out
+    reference: str | None  # the expected answer, when the row holds one
+    shown: str  # what the "> " line shows of the prompt
 
 
 def read_prompts(prompt: str | None, input_text: str | None, input_file: Path | None,
-                 fmt: str, limit: int | None) -> list[dict]:
-    """Rows in the training format of `fmt`. A row may carry its expected answer (`output`, or a
-    final assistant message), which is then compared with the generation."""
+                 fmt: str, limit: int | None, columns: dict[str, str] | None = None) -> tuple[Rows, list[dict]]:
+    """Rows in the training format of `fmt` (a file's renamed by the run's data.columns, as
+    training renames them), and the rows as given. A row may carry its expected answer
+    (`output`, or a final assistant message), which is then compared with the generation."""
     if (prompt is None) == (input_file is None):
         raise LisaftError("give --prompt TEXT or --input-file FILE.jsonl (one of them)")
     if prompt is not None:
         if fmt == "instruction":
-            return [{"instruction": prompt, "input": input_text}]
-        if fmt == "chat":
-            return [{"messages": [{"role": "user", "content": prompt}]}]
-        return [{"text": prompt}]
-    from lisaft.rows import read_rows
+            row = {"instruction": prompt, "input": input_text}
+        elif fmt == "chat":
+            row = {"messages": [{"role": "user", "content": prompt}]}
+        else:
+            row = {"text": prompt}
+        return Rows([row], "--prompt", "the command line", "row"), [row]
+    from lisaft.rows import read_rows, rename_columns
 
-    rows = read_rows(str(input_file), "--input-file").rows
-    return rows[:limit] if limit else rows
+    rows = read_rows(str(input_file), "--input-file")
+    if limit:
+        rows = rows.subset(list(range(min(limit, len(rows.rows)))))
+    given = list(rows.rows)  # rename_columns builds new dicts, so these stay as the file has them
+    return rename_columns(rows, columns or {}), given
 
 
-def prompt_and_reference(tokenizer, fmt: str, row: dict, where: str,
-                         template: str | None = None) -> tuple[list[int], str | None]:
-    """The prompt's token ids, as training laid them out, and the expected answer if any."""
-    from lisaft.data import prompt_prefix, render_instruction_prompt
+def prompt_and_reference(tokenizer, fmt: str, rows: Rows, i: int, template: str | None = None,
+                         roles: dict[str, str] | None = None) -> tuple[list[int], str | None, str]:
+    """Row i's prompt token ids, its expected answer if any, and the part of it to show."""
+    from lisaft.data import chat_messages, prompt_prefix, render_instruction_prompt, row_field
 
+    if fmt == "instruction":
+        instruction, given = row_field(rows, i, "instruction"), row_field(rows, i, "input", optional=True)
+        text = render_instruction_prompt(instruction, given, template)
+        shown = instruction + (f": {given}" if given else "")
+        return prompt_prefix(tokenizer) + _encode(tokenizer, text), row_field(rows, i, "output", optional=True), shown
+    if fmt == "chat":
+        messages = chat_messages(rows, i, roles or {})
+        reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
+        if not messages:
+            raise LisaftError(f"{rows.where(i)}: the conversation is a single assistant turn; nothing "
+                              "comes before it to prompt with")
+        # The rendered text carries the template's own BOS, as in training.
+        return _encode(tokenizer, _chat_prompt(tokenizer, messages, rows.where(i))), reference, messages[-1]["content"]
+    text = row_field(rows, i, "text")
+    return prompt_prefix(tokenizer) + _encode(tokenizer, text), None, text
+
+
+def _chat_prompt(tokenizer, messages: list[dict], where: str) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise LisaftError(f"{where}: chat prompts need a chat template and the tokenizer has none; "
+                          "pass --format instruction or text")
     try:
-        if fmt == "instruction":
-            text = render_instruction_prompt(row["instruction"], row.get("input"), template)
-            return prompt_prefix(tokenizer) + _encode(tokenizer, text), row.get("output")
-        if fmt == "chat":
-            messages = list(row["messages"])
-            reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            # The rendered text carries the template's own BOS, as in training.
-            return _encode(tokenizer, text), reference
-        return prompt_prefix(tokenizer) + _encode(tokenizer, row["text"]), None
-    except (KeyError, TypeError, IndexError) as e:
-        raise LisaftError(f"{where}: not a {fmt} row ({type(e).__name__}: {e}); see docs/data.md") from None
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja errors from the template itself (e.g. role order rules)
+        raise LisaftError(f"{where}: the chat template rejected this conversation: {first_line(e)}") from None
 
 
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _ignored_input(fmt: str, input_file: Path | None) -> str | None:
+    """What to say when --input has no place to go (it fills an instruction row's `input`)."""
+    if input_file is not None:
+        return "--input is ignored with --input-file: each row holds its own input"
+    if fmt == "chat":
+        return "--input is ignored for chat prompts (it fills an instruction's input); put the whole " \
+               "user message in --prompt"
+    if fmt == "text":
+        return "--input is ignored for text prompts; put the whole text in --prompt"
+    return None
+
+
+def _prompts(target: Target, tokenizer, rows: Rows, given: list[dict], from_file: bool) -> list[Prompt]:
+    data = target.data
+    template = data.template if data is not None else None
+    # A file's role names are the dataset's, mapped as training mapped them; --prompt's are lisaft's.
+    roles = data.roles if data is not None and from_file else {}
+    out = []
+    for i, row in enumerate(given):
+        ids, reference, shown = prompt_and_reference(tokenizer, target.format, rows, i, template, roles)
+        out.append(Prompt(row, ids, reference, shown))
+    return out
 
 
 def generate_command(path: Path, prompt: str | None = None, input_text: str | None = None,
@@ -99,40 +119,28 @@ def generate_command(path: Path, prompt: str | None = None, input_text: str | No
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or (limit is not None and limit < 1):
         raise LisaftError("--temperature must be >= 0, --top-p in (0, 1], --max-new-tokens and --limit >= 1")
     target = resolve_target(path, fmt)
-    rows = read_prompts(prompt, input_text, input_file, target.format, limit)
-    model, tokenizer = _load(target.model_dir)
-    encoded = [prompt_and_reference(tokenizer, target.format, row, f"--input-file: row {i + 1}",
-                                    target.template) for i, row in enumerate(rows)]
+    if input_text is not None and (note := _ignored_input(target.format, input_file)):
+        warn(note)
+    rows, given = read_prompts(prompt, input_text, input_file, target.format, limit,
+                               target.data.columns if target.data is not None else None)
+    # Every row is checked before the model loads: a bad line costs no wait.
+    tokenizer = load_tokenizer(target)
+    prompts = _prompts(target, tokenizer, rows, given, from_file=input_file is not None)
+    model = load_model(target)
     if not json_out:
         print(f"{target.model_dir}: {target.format} prompts ({target.source}); "
               + ("greedy" if temperature == 0 else f"sampled, temperature {temperature}, top-p {top_p}"),
               flush=True)
     exact = 0
-    for row, (ids, reference) in zip(rows, encoded):
-        output = _generate(model, tokenizer, ids, max_new_tokens, temperature, top_p, seed)
-        hit = None if reference is None else output.strip() == reference.strip()
+    for p in prompts:
+        output = _generate(model, tokenizer, p.ids, max_new_tokens, temperature, top_p, seed)
+        hit = None if p.reference is None else output.strip() == p.reference.strip()
         exact += bool(hit)
-        _show(row, output, reference, hit, json_out)
-    with_ref = sum(ref is not None for _, ref in encoded)
+        _show(p, output, hit, json_out)
+    with_ref = sum(p.reference is not None for p in prompts)
     if with_ref and not json_out:
         print(f"exact match: {exact}/{with_ref} ({exact / with_ref:.0%})")
     return 0
-
-
-def _load(model_dir: Path):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise LisaftError(f"{model_dir}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    except (OSError, ValueError) as e:
-        raise LisaftError(f"{model_dir}: cannot load the model: {first_line(e)}") from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return model.to(device).eval(), tokenizer
 
 
 def _generate(model, tokenizer, ids: list[int], max_new_tokens: int, temperature: float,
@@ -151,15 +159,10 @@ def _generate(model, tokenizer, ids: list[int], max_new_tokens: int, temperature
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
-def _show(row: dict, output: str, reference: str | None, hit: bool | None, json_out: bool) -> None:
+def _show(prompt: Prompt, output: str, hit: bool | None, json_out: bool) -> None:
     if json_out:
-        print(json.dumps({"prompt": row, "output": output, "reference": reference, "exact": hit}), flush=True)
+        print(json.dumps({"prompt": prompt.row, "output": output, "reference": prompt.reference, "exact": hit}),
+              flush=True)
         return
-    if "instruction" in row:
-        shown = row["instruction"] + (f": {row['input']}" if row.get("input") else "")
-    elif "messages" in row:
-        shown = row["messages"][-1]["content"] if reference is None else row["messages"][-2]["content"]
-    else:
-        shown = row.get("text", "")
-    mark = "" if hit is None else ("  [exact]" if hit else f"  [expected {reference!r}]")
-    print(f"> {shown}\n{output}{mark}", flush=True)
+    mark = "" if hit is None else ("  [exact]" if hit else f"  [expected {prompt.reference!r}]")
+    print(f"> {prompt.shown}\n{output}{mark}", flush=True)

@@ -7,8 +7,9 @@ import pytest
 from lisaft.batches import IGNORE_INDEX
 from lisaft.data import build_examples
 from lisaft.errors import LisaftError
-from lisaft.generate import prompt_and_reference, resolve_target
-from lisaft.rows import Rows
+from lisaft.generate import prompt_and_reference, read_prompts
+from lisaft.generate_target import resolve_target
+from lisaft.rows import Rows, rename_columns
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "quickstart" / "tokenizer"
 
@@ -20,8 +21,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(TOKENIZER)
 
 
-def _trained_prompt(tokenizer, fmt, row):
-    ex = build_examples(Rows([row], "data.train", "test", "line"), fmt, tokenizer)[0]
+def _trained_prompt(tokenizer, fmt, row, template=None, roles=None, columns=None):
+    rows = rename_columns(Rows([row], "data.train", "test", "line"), columns or {})
+    ex = build_examples(rows, fmt, tokenizer, template, roles)[0]
     first_loss = next(i for i, l in enumerate(ex["labels"]) if l != IGNORE_INDEX)
     return ex["input_ids"][:first_loss], ex["input_ids"][first_loss:]
 
@@ -34,10 +36,41 @@ def _trained_prompt(tokenizer, fmt, row):
 ])
 def test_prompt_is_the_trained_prompt(tokenizer, fmt, row, answer):
     prompt, response = _trained_prompt(tokenizer, fmt, row)
-    ids, reference = prompt_and_reference(tokenizer, fmt, row, "row 1")
+    ids, reference, _ = prompt_and_reference(tokenizer, fmt, Rows([row], "--input-file", "f", "line"), 0)
     assert ids == prompt
     assert reference == answer
     assert tokenizer.decode(response, skip_special_tokens=True) == answer
+
+
+SHAREGPT = {"conversations": "messages", "from": "role", "value": "content"}
+
+
+@pytest.mark.parametrize("fmt, row, data, answer", [
+    ("chat", {"conversations": [{"from": "human", "value": "abc"}, {"from": "gpt", "value": "cba"}]},
+     {"columns": SHAREGPT, "roles": {"human": "user", "gpt": "assistant"}}, "cba"),
+    ("instruction", {"prompt": "Reverse", "context": "abc", "completion": "cba"},
+     {"columns": {"prompt": "instruction", "context": "input", "completion": "output"},
+      "template": "Q: {instruction} {input}\nA: "}, "cba"),
+])
+def test_a_file_row_is_read_through_the_runs_columns_roles_and_template(tokenizer, tmp_path, fmt, row, data, answer):
+    import json
+
+    file = tmp_path / "eval.jsonl"
+    file.write_text(json.dumps(row) + "\n")
+    prompt, _ = _trained_prompt(tokenizer, fmt, row, data.get("template"), data.get("roles"), data["columns"])
+    rows, given = read_prompts(None, None, file, fmt, None, data["columns"])
+    assert given == [row]
+    ids, reference, _ = prompt_and_reference(tokenizer, fmt, rows, 0, data.get("template"), data.get("roles"))
+    assert (ids, reference) == (prompt, answer)
+
+
+def test_a_row_missing_its_field_is_named_by_file_and_line(tokenizer, tmp_path):
+    file = tmp_path / "eval.jsonl"
+    file.write_text('{"instruction": "Say hi"}\n\n{"input": "x"}\n')
+    rows, _ = read_prompts(None, None, file, "instruction", None)
+    assert prompt_and_reference(tokenizer, "instruction", rows, 0)[1] is None
+    with pytest.raises(LisaftError, match=rf"^--input-file: {file}: line 3: missing field 'instruction'"):
+        prompt_and_reference(tokenizer, "instruction", rows, 1)
 
 
 def test_run_folder_resolves_to_final_and_its_format(tmp_path):
@@ -62,10 +95,10 @@ def test_unfinished_run_is_one_clear_error(tmp_path):
 def test_a_model_folder_without_a_tokenizer_blames_the_tokenizer(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lisaft.generate import _load
+    from lisaft.generate_target import Target, load_tokenizer
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     with pytest.raises(LisaftError, match=r"model: cannot load the tokenizer: "):
-        _load(tmp_path / "model")
+        load_tokenizer(Target(tmp_path / "model", "text", "--format"))
