@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Protocol
 
@@ -314,6 +315,26 @@ def prune(run_dir: Path, keep_last: int) -> None:
             continue
         if complete:
             shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """A checkpoint's weights into a whole (unsharded) model, in one process: the unit files, or
+    the slices a training.fsdp run wrote through torch.distributed.checkpoint, joined by DCP."""
+    shards = ckpt / "shards"
+    if not shards.is_dir():
+        _load_weights(ckpt, model)
+        return
+    if not (shards / ".metadata").is_file():
+        raise LisaftError(f"checkpoint {ckpt.name} holds FSDP shards in the layout before "
+                          "torch.distributed.checkpoint (shards/rank-R.safetensors), which only a resume reads")
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()
+    with warnings.catch_warnings():
+        # DCP warns that it runs without a process group, which is the point here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        # In place: each whole tensor is filled from the rows every rank's file holds.
+        dcp.load(state, storage_reader=dcp.FileSystemReader(shards), no_dist=True)
 
 
 def _load_weights(ckpt: Path, model: torch.nn.Module) -> None:

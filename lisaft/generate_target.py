@@ -94,11 +94,6 @@ def _checkpoint_target(ckpt: Path, fmt: str | None) -> Target:
     run_dir = ckpt.parent.parent
     if not ckpt.is_dir():
         raise LisaftError(f"{ckpt}: no such checkpoint; {_checkpoints_there(run_dir)}")
-    if (ckpt / "shards").is_dir():
-        # training.fsdp: each rank wrote its slice of every unit; reading them back is not done here.
-        raise LisaftError(f"{ckpt}: checkpoint {ckpt.name} holds FSDP weight shards (training.fsdp), which "
-                          f"generate cannot read; generate from {run_dir / 'final'}, written when the run "
-                          f"completes (`lisaft resume {run_dir}` finishes it)")
     from lisaft.checkpoint import is_complete
 
     complete, why = is_complete(ckpt)
@@ -149,9 +144,9 @@ def load_model(target: Target):
 
 def _checkpoint_model(target: Target, device):
     """Built as training built it (lisaft/models.py), then the checkpoint's weights read in."""
-    # The checkpoint module's own reader of weights/ and aliases.json (resume loads through it),
-    # so the two cannot drift apart.
-    from lisaft.checkpoint import _load_weights
+    # The checkpoint module's own reader of weights/ (or a training.fsdp run's shards/), the one
+    # resume uses, so the two cannot drift apart.
+    from lisaft.checkpoint import load_weights
     from lisaft.models import load_model as run_model
 
     section = target.checkpoint_recipe.model
@@ -162,8 +157,8 @@ def _checkpoint_model(target: Target, device):
         "attention": "auto" if section.attention == "flash_attention_2" else section.attention})
     model = _from_recipe(target, lambda: run_model(section, device, seed=target.checkpoint_recipe.training.seed))
     try:
-        _load_weights(target.model_dir, model)
-    except (OSError, RuntimeError, ValueError) as e:
+        load_weights(target.model_dir, model)
+    except (OSError, RuntimeError, ValueError, LisaftError) as e:
         raise LisaftError(f"{target.model_dir}: cannot read its weights into the model its recipe.json "
                           f"builds: {first_line(e)}") from None
     if hasattr(model.config, "use_cache"):

@@ -77,6 +77,30 @@ def test_lisa_on_two_ranks_matches_one_process_at_twice_the_batch(lisa):
     assert (ckpt / "optimizer" / "rank-1" / "layer-00001.pt").is_file() and not (ckpt / "weights").exists()
 
 
+def test_generate_reads_a_sharded_checkpoint_in_one_process(lisa):
+    # DCP joins the two ranks' slices into the whole model without a process group: the step-4
+    # checkpoint holds exactly what the export does, and generate gives the same text from both.
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from lisaft.checkpoint import load_weights
+    from lisaft.cli import app
+
+    ckpt = lisa.run / "checkpoints" / "step-000004"
+    model = AutoModelForCausalLM.from_pretrained(lisa.run / "final")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_weights(ckpt, model)
+    state = model.state_dict()
+    assert all(state[k].equal(w) for k, w in lisa.weights.items())
+    outputs = [CliRunner().invoke(app, ["generate", str(path), "--prompt", "abc", "--max-new-tokens", "5"])
+               for path in (ckpt, lisa.run / "final")]
+    assert outputs[0].exit_code == 0 and outputs[1].exit_code == 0, outputs[0].output + outputs[1].output
+    assert "warning" not in outputs[0].output
+    assert outputs[0].output.split("> abc")[1] == outputs[1].output.split("> abc")[1]
+
+
 def test_full_fine_tuning_with_gradient_checkpointing_on_two_ranks_matches_one_process(full):
     # A recomputed layer gathers its weights again in backward.
     close_to_one_process(full)

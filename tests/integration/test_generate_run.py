@@ -79,17 +79,18 @@ def test_a_missing_checkpoint_names_the_ones_there(chat_run, where):
     assert "complete checkpoints of the run: step-000002, step-000004" in result.output, result.output
 
 
-def test_an_fsdp_checkpoint_is_refused_in_one_line(chat_run, tmp_path):
-    # The layout training.fsdp writes: each rank's slices under shards/, no weights/ folder.
+def test_an_fsdp_checkpoint_of_the_layout_before_dcp_is_refused_in_one_line(chat_run, tmp_path):
+    # training.fsdp once wrote shards/rank-R.safetensors (no DCP metadata); only a resume reads them.
     run = tmp_path / "run"
     shutil.copytree(chat_run, run, ignore=shutil.ignore_patterns("final"))
     ckpt = run / "checkpoints" / "step-000004"
     shutil.rmtree(ckpt / "weights")
     (ckpt / "shards").mkdir()
+    (ckpt / "shards" / "rank-0.safetensors").write_bytes(b"")
     result = _generate(ckpt, "--prompt", "abc")
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "FSDP weight shards" in lines[0] and "final" in lines[0], result.output
+    assert len(lines) == 1 and "before torch.distributed.checkpoint" in lines[0], result.output
 
 
 def test_a_checkpoints_model_holds_that_checkpoints_weights(chat_run):
