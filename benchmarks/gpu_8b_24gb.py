@@ -89,6 +89,8 @@ def _table_cell(gamma: int, seq: int, steps: int = 4) -> Config:
                   steps=steps, expected_s=25.0 if seq < 8192 else 35.0, gamma=gamma, seq=seq)
 
 
+FSDP_COMMON = ("optimizer.name=adamw_8bit", "model.sparse_embedding_grad=false")
+
 CONFIGS = [
     Config("headroom", overrides=("model.offload_activations=true",), steps=12),
     _table_cell(2, 2048, steps=10),  # the recipe as shipped (expandable segments)
@@ -107,6 +109,11 @@ CONFIGS = [
     _table_cell(2, 8192, steps=6),
     Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6,
            expected_s=35.0),
+    # training.fsdp on one rank (issue 21): the NVML peak against the same recipe without FSDP.
+    # Paged optimizers are refused under FSDP and a sharded embedding takes dense gradients, so
+    # both runs use adamw_8bit and dense embedding gradients.
+    Config("fsdp-ref", overrides=FSDP_COMMON, steps=8),
+    Config("fsdp-1rank", overrides=(*FSDP_COMMON, "training.fsdp=true"), steps=8, expected_s=40.0),
     *[_table_cell(g, s) for g, s in ((1, 512), (4, 2048), (1, 8192), (4, 8192), (2, 512), (4, 512), (1, 2048))],
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
@@ -237,6 +244,7 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
         result["nvml_baseline_bytes"] = NvmlPeak._read()  # the context alone
     vocab = json.loads(Path(recipe.model.config).read_text())["vocab_size"]
     examples = synthetic_examples(cfg.steps * t.batch_size * t.grad_accum_steps, recipe.data.max_seq_len, vocab, t.seed)
+    joined = _one_rank_group(workdir, cuda) if t.fsdp else False
     with NvmlPeak() as nvml:
         try:
             session = build_session(recipe, workdir / cfg.name, tokenizer=_PadOnly(), train_examples=examples,
@@ -244,6 +252,8 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
             _train(session, cfg.steps, cuda, result)
         except torch.OutOfMemoryError as e:
             result.update(oom=True, oom_message=str(e).splitlines()[0])
+    if joined:
+        torch.distributed.destroy_process_group()
     result["nvml_peak_used_bytes"] = nvml.peak
     result["peak_rss_bytes"] = peak_rss_bytes()  # host memory: pinned offload buffers show here
     if cuda:
@@ -253,6 +263,15 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
     result.update(_flop_bound(recipe, cuda))
     _derive(result, cuda)
     return result
+
+
+def _one_rank_group(workdir: Path, cuda: bool) -> bool:
+    """training.fsdp needs a process group: this process alone, as `torchrun --nproc-per-node 1`."""
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{workdir / 'pg-store'}",
+                                  rank=0, world_size=1)
+    return True
 
 
 def _flop_bound(recipe, cuda: bool) -> dict:
@@ -327,6 +346,13 @@ def tables(results: list[dict]) -> str:
         for (gamma, seq), r in sorted(cells.items()):
             rows.append(f"| {gamma} | {seq} | {_g(r.get('nvml_peak_used_bytes'))} | {_g(r['estimated_total_bytes'])} | "
                         f"{_pct(r.get('estimate_error'))} | {_pct(r.get('reserved_paged_error'))} |")
+    fsdp = {r["run"]: r for r in results if r["run"].startswith("fsdp-") and r.get("steps_done")}
+    if len(fsdp) == 2:
+        key = "nvml_peak_used_bytes" if fsdp["fsdp-ref"].get("nvml_peak_used_bytes") else "peak_rss_bytes"
+        ref, one = fsdp["fsdp-ref"].get(key), fsdp["fsdp-1rank"].get(key)
+        if ref and one:
+            rows += ["", f"training.fsdp on one rank against the same run without it ({key}): "
+                         f"{_g(one)} GiB vs {_g(ref)} GiB, {_pct(one / ref - 1)} (target: within 3%)"]
     return "\n".join(rows)
 
 

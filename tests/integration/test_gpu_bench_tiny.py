@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -18,14 +20,14 @@ def _env(tmp_path):
 
 def test_gpu_suite_tiny_mode_end_to_end(tmp_path):
     proc = subprocess.run([str(REPO / "benchmarks" / "gpu_run.sh"), "--tiny", "--configs",
-                           "long-16k,full-in-backward"],
+                           "long-16k,full-in-backward,fsdp-ref,fsdp-1rank"],
                           capture_output=True, text=True, timeout=400, env=_env(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "out"
     summary = json.loads((out / "gpu_8b_24gb.json").read_text())
     assert summary["mode"] == "tiny-cpu" and summary["complete"] is True
     runs = {r["run"]: r for r in summary["runs"]}
-    assert list(runs) == ["long-16k", "full-in-backward"]
+    assert list(runs) == ["long-16k", "full-in-backward", "fsdp-ref", "fsdp-1rank"]
     for r in runs.values():
         assert r["steps_done"] == 3 and not r["oom"]
         assert r["tokens_per_s"] > 0 and r["estimated_total_bytes"] > 0 and r["peak_rss_bytes"] > 0
@@ -38,6 +40,10 @@ def test_gpu_suite_tiny_mode_end_to_end(tmp_path):
     # LISA keeps moments for 2 of 4 layers plus embeddings and head only.
     assert long["optimizer_state_bytes"] < full["optimizer_state_bytes"]
     assert "| full-in-backward |" in (out / "gpu_8b_24gb.md").read_text()
+    # training.fsdp on one rank (its own process group) trains the same steps; the table compares
+    # its peak with the run without FSDP.
+    assert runs["fsdp-1rank"]["last_loss"] == pytest.approx(runs["fsdp-ref"]["last_loss"], rel=1e-4)
+    assert "training.fsdp on one rank against the same run without it" in (out / "gpu_8b_24gb.md").read_text()
     assert "| long-16k |" in (out / "gpu_8b_24gb.log").read_text()
 
 
