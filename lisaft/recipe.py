@@ -302,7 +302,8 @@ class TrainingSection(_Section):
         False,
         description="Under torchrun: shard weights, gradients and optimizer state over the ranks with "
         "FSDP2 (one FSDP unit per training unit), for models larger than one card; LISA works. "
-        "adamw_32bit and adamw_8bit only; a resume needs the same number of ranks (docs/distributed.md).",
+        "adamw_32bit and adamw_8bit only; a resume may change the number of ranks if the global batch "
+        "stays the same (docs/distributed.md).",
     )
     threads: int | Literal["auto"] = Field(
         "auto", description="CPU threads for torch's kernels. auto: the CPUs this process may use "
@@ -557,8 +558,10 @@ def reference_markdown() -> str:
             lines.append(f"| `{name}.{key}` | {default} | {field.description or ''} |")
         lines.append("")
     lines += ["## Keys a resume may change", "",
-              ", ".join(f"`{k}`" for k in CADENCE_KEYS) + ". Every other key alters the training "
-              "path and is refused by `lisaft resume`.", ""]
+              ", ".join(f"`{k}`" for k in CADENCE_KEYS) + ". On another number of ranks than wrote "
+              "the checkpoint, also `training.batch_size` and `training.grad_accum_steps`, as long as "
+              "batch_size x grad_accum_steps x ranks stays the same (docs/distributed.md). Every other key "
+              "alters the training path and is refused by `lisaft resume`.", ""]
     return "\n".join(lines)
 
 

@@ -153,14 +153,20 @@ def cut_at_step_2(run, name: str):
     return cut
 
 
+def resume_on_one_rank(run, name: str, tiny_run):
+    """The run's step-2 checkpoint continued by one rank at the same global batch: its losses
+    (the first two are the two-rank run's own) and what the resume printed."""
+    cut = cut_at_step_2(run, name)
+    result = torchrun("resume", str(cut), "--set", "training.batch_size=4", cwd=tiny_run.dir, nproc=1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return cut, train_losses(cut), result.stdout + result.stderr
+
+
 def test_a_two_rank_float32_run_resumes_on_one_rank_as_it_would_have_gone_on(lisa, shared_tiny_run):
     # DCP reshards the weights and lisaft/reshard.py the float32 moments, both exactly, so only the
     # order of float32 additions (one rank sums what two summed) separates the two continuations.
-    cut = cut_at_step_2(lisa.run, "lisa-to-one")
-    result = torchrun("resume", str(cut), "--set", "training.batch_size=4", cwd=shared_tiny_run.dir, nproc=1)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "on 1 ranks (written by 2)" in result.stdout + result.stderr
-    losses = train_losses(cut)
+    cut, losses, output = resume_on_one_rank(lisa.run, "lisa-to-one", shared_tiny_run)
+    assert "on 1 ranks (written by 2)" in output
     assert losses[:2] == lisa.losses[:2]
     assert torch.allclose(torch.tensor(losses), torch.tensor(lisa.losses), rtol=1e-5, atol=0), (losses, lisa.losses)
     resumed = weights(cut)
@@ -172,11 +178,8 @@ def test_bf16_8bit_moments_offloaded_resume_on_one_rank(bf16, shared_tiny_run):
     # On one rank the embeddings cross bitsandbytes' 4096-element line (float32 moments on each
     # half become 8-bit) and the MLP's 8-bit blocks of 256 would straddle the halves' rows of 64:
     # those moments are quantized once more, which the resume says.
-    cut = cut_at_step_2(bf16.run, "bf16-to-one")
-    result = torchrun("resume", str(cut), "--set", "training.batch_size=4", cwd=shared_tiny_run.dir, nproc=1)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "dequantized and quantized again" in result.stdout + result.stderr
-    losses = train_losses(cut)
+    _, losses, output = resume_on_one_rank(bf16.run, "bf16-to-one", shared_tiny_run)
+    assert "dequantized and quantized again" in output
     assert losses[:2] == bf16.losses[:2]
     assert torch.allclose(torch.tensor(losses), torch.tensor(bf16.losses), rtol=2e-2, atol=0), (losses, bf16.losses)
 
@@ -191,10 +194,8 @@ def test_offload_disk_under_fsdp_trains_as_discard_and_resumes_on_one_rank(lisa,
     for rank in (0, 1):
         assert (disk.run / "checkpoints" / "step-000004" / "optimizer" / f"rank-{rank}" / "layer-00002.pt").is_file()
     # Resumed on one rank, the offloaded moments of both halves are joined and offloaded again.
-    cut = cut_at_step_2(disk.run, "disk-to-one")
-    result = torchrun("resume", str(cut), "--set", "training.batch_size=4", cwd=shared_tiny_run.dir, nproc=1)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert torch.allclose(torch.tensor(train_losses(cut)), torch.tensor(lisa.losses), rtol=1e-5, atol=0)
+    _, losses, _ = resume_on_one_rank(disk.run, "disk-to-one", shared_tiny_run)
+    assert torch.allclose(torch.tensor(losses), torch.tensor(lisa.losses), rtol=1e-5, atol=0)
 
 
 def test_keep_under_fsdp_trains_as_discard(lisa, shared_tiny_run):
