@@ -140,19 +140,46 @@ def test_model_source_exclusive(tmp_path):
         load_recipe(write(tmp_path, data))
 
 
-def test_resume_accepts_cadence_changes_and_refuses_the_rest(tmp_path):
+def _checkpoint(tmp_path, saved, world_size: int):
+    """What resume reads of a checkpoint before set-up: its recipe and how many ranks wrote it."""
     import json
-
-    from lisaft.train.resume import recipe_changes
 
     ckpt = tmp_path / "step-000002"
     ckpt.mkdir()
-    saved = load_recipe(write(tmp_path, BASE))
     (ckpt / "recipe.json").write_text(json.dumps(saved.model_dump(mode="json")))
+    progress = {"step": 2, "world_size": world_size}
+    (ckpt / "state.json").write_text(json.dumps({"format": 2, "components": {"progress": progress}}))
+    return ckpt
+
+
+def test_resume_accepts_cadence_changes_and_refuses_the_rest(tmp_path):
+    from lisaft.train.resume import recipe_changes
+
+    saved = load_recipe(write(tmp_path, BASE))
+    ckpt = _checkpoint(tmp_path, saved, world_size=1)
     cadence = load_recipe(write(tmp_path, BASE), ["training.log_every=5", "training.max_steps=99"])
     assert [k for k, _, _ in recipe_changes(ckpt, cadence)] == ["training.log_every", "training.max_steps"]
     with pytest.raises(LisaftError, match="training.seed: cannot change on resume"):
         recipe_changes(ckpt, load_recipe(write(tmp_path, BASE), ["training.seed=7"]))
+    # On as many ranks the per-rank batch is the training path too.
+    with pytest.raises(LisaftError, match="training.batch_size: cannot change on resume .*when the number of ranks"):
+        recipe_changes(ckpt, load_recipe(write(tmp_path, BASE), ["training.batch_size=2"]))
+
+
+def test_a_resume_on_fewer_ranks_may_change_the_per_rank_batch_but_not_the_global_one(tmp_path):
+    from lisaft.train.resume import recipe_changes
+
+    as_saved = ["training.batch_size=2", "training.grad_accum_steps=3"]
+    ckpt = _checkpoint(tmp_path, load_recipe(write(tmp_path, BASE), as_saved), world_size=2)
+    # This process is one rank: 2 x 3 x 2 = 12 examples per step, kept by 4 x 3 or 2 x 6.
+    for keep in (["training.batch_size=4", "training.grad_accum_steps=3"],
+                 ["training.batch_size=2", "training.grad_accum_steps=6"]):
+        changed = recipe_changes(ckpt, load_recipe(write(tmp_path, BASE), keep))
+        assert {k for k, _, _ in changed} <= {"training.batch_size", "training.grad_accum_steps"}
+    with pytest.raises(LisaftError) as e:
+        recipe_changes(ckpt, load_recipe(write(tmp_path, BASE), as_saved))
+    assert "written by 2 ranks at a global batch of 12" in str(e.value) and "\n" not in str(e.value)
+    assert "pass --set training.batch_size=4" in str(e.value)
 
 
 def test_every_shipped_recipe_validates():
