@@ -135,6 +135,10 @@ def estimate_memory(
                                       "rtx-4090, a6000, l4, a100-40gb, a100-80gb, h100-80gb, h200."),
     device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE",
                                          help="cuda or cpu (default: the recipe's, else cuda)."),
+    fsdp: Optional[bool] = typer.Option(None, "--fsdp/--no-fsdp",
+                                        help="Weights, gradients and moments sharded over ranks (or not)."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", metavar="N",
+                                        help="Per-rank figures for N processes (with --fsdp)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON.", **FLAG),
     explain: bool = typer.Option(False, "--explain", help="Explain paged optimizer memory.", **FLAG),
@@ -149,7 +153,7 @@ def estimate_memory(
             gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
             in_backward=in_backward, cpu_offload=cpu_offload, host_ram=host_ram,
             budget=budget, gpu=gpu, device=device, overrides=set_ or [],
-            json_out=json_out, explain=explain,
+            json_out=json_out, explain=explain, fsdp=fsdp, ranks=ranks,
         )
     except LisaftError as e:
         _fail(str(e))

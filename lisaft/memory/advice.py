@@ -39,10 +39,12 @@ class Change:
     estimate: Estimate
     cost: int = 0
     options: int = 1  # how many of the options it combines
+    ranks: int | None = None  # training.fsdp over this many processes (torchrun --nproc-per-node)
 
     @property
     def what(self) -> str:
-        return ", ".join(f"{k}: {json.dumps(v)}" for k, v in self.overrides.items())
+        keys = ", ".join(f"{k}: {json.dumps(v)}" for k, v in self.overrides.items())
+        return keys + (f"; torchrun --nproc-per-node {self.ranks}" if self.ranks else "")
 
 
 def _lisa_options(s: Settings, layer_count: int) -> list[Option]:
@@ -65,8 +67,10 @@ def _lisa_options(s: Settings, layer_count: int) -> list[Option]:
 
 def _step_options(s: Settings) -> list[Option]:
     """Where the optimizer step runs instead: inside backward, or on the CPU (one or the other:
-    the step on the CPU replaces the step in backward)."""
+    the step on the CPU replaces the step in backward). Neither runs under training.fsdp."""
     out = []
+    if s.fsdp:
+        return out
     if not s.in_backward and not s.cpu_offload and s.grad_accum_steps == 1:
         out.append(Option({"optimizer.in_backward": True, "training.max_grad_norm": None},
                           "no full gradient set resident (and no clipping)",
@@ -90,7 +94,7 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
     if s.attention == "eager":
         attention = "flash_attention_2" if s.device == "cuda" else "sdpa"
         groups.append([Option({"model.attention": attention}, "no s x s score matrix", {"attention": attention}, FREE)])
-    if s.optimizer != "paged_adamw_8bit" and s.device == "cuda":
+    if s.optimizer != "paged_adamw_8bit" and s.device == "cuda" and not s.fsdp:
         groups.append([Option({"optimizer.name": "paged_adamw_8bit"}, "2 B/param of moments, paged on pressure",
                               {"optimizer": "paged_adamw_8bit"}, SLOWER)])
     elif s.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
@@ -165,6 +169,45 @@ def advice(est: Estimate, layer_count: int) -> list[Change]:
     return changes
 
 
+# Process counts offered for training.fsdp, fewest first.
+RANKS = (2, 4, 8, 16, 32, 64)
+
+
+def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
+    """`s` as training.fsdp runs it, and the recipe keys that says: paged optimizers become their
+    unpaged kind, the step in backward or on the CPU goes back to the optimizer step (each refused
+    under FSDP, lisaft/fsdp.py)."""
+    keys, fields = {"training.fsdp": True}, {"fsdp": True}
+    if s.optimizer.startswith("paged_"):
+        keys["optimizer.name"] = fields["optimizer"] = s.optimizer.removeprefix("paged_")
+    if s.in_backward:
+        keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
+        fields.update(in_backward=False, clipping=True)
+    if s.cpu_offload:
+        keys["optimizer.cpu_offload"] = fields["cpu_offload"] = False
+    return s.with_(**fields), keys
+
+
+def fewest_ranks(s: Settings, layer_count: int) -> Change | None:
+    """The fewest ranks (of RANKS, more than `s` runs on) over which training.fsdp fits the run
+    as given; failing that at every count, the fewest with the cheapest change that fits there.
+    None when not even 64 do."""
+    base, keys = fsdp_ready(s)
+    counts = [n for n in RANKS if n > s.ranks]
+    for n in counts:
+        est = compute(base.with_(ranks=n))
+        if est.fits:
+            return Change(keys, f"each of {n} GPUs holds 1/{n} of the weights, gradients and moments "
+                          "(training.fsdp)", est, ranks=n)
+    for n in counts:
+        fitting = [c for c in combinations(base.with_(ranks=n), layer_count) if c.estimate.fits]
+        if fitting:
+            best = _smallest(fitting)
+            return Change({**keys, **best.overrides}, f"training.fsdp over {n} GPUs, with: {best.why}",
+                          best.estimate, best.cost, best.options + 1, ranks=n)
+    return None
+
+
 def largest_fitting(s: Settings, field: str, limit: int | None = None) -> int | None:
     """Largest value of `field` (seq_len or batch_size) whose estimate fits with nothing paged;
     None if even 1 does not. Memory grows with both, so a binary search is exact. Sequences stop
@@ -194,9 +237,11 @@ def largest_fitting(s: Settings, field: str, limit: int | None = None) -> int | 
 
 def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     """The four optimizers x (full fine-tuning, LISA γ), everything else as in `s`. Columns are
-    keyed "full" and "lisa_<γ>"."""
+    keyed "full" and "lisa_<γ>". Under training.fsdp the paged ones, which it refuses, are left out."""
     grid = {}
     for opt in OPTIMIZERS:
+        if s.fsdp and opt.startswith("paged_"):
+            continue
         grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False))
         grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma))
     return grid

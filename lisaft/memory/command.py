@@ -10,7 +10,15 @@ from pathlib import Path
 
 from lisaft.allocator import expandable_segments
 from lisaft.errors import LisaftError
-from lisaft.memory.advice import Change, advice, largest_fitting, largest_fitting_layers, leanest, optimizer_grid
+from lisaft.memory.advice import (
+    Change,
+    advice,
+    fewest_ranks,
+    largest_fitting,
+    largest_fitting_layers,
+    leanest,
+    optimizer_grid,
+)
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
@@ -65,8 +73,17 @@ def _model_ref(recipe: Recipe) -> tuple[str, str]:
     return recipe.model.name_or_path, "model.name_or_path"
 
 
+def _ranks(recipe: Recipe, ranks: int | None) -> int:
+    """Per-rank figures under training.fsdp: for `ranks`, else this process group's size."""
+    if ranks is not None or not recipe.training.fsdp:
+        return ranks or 1
+    from lisaft import dist
+
+    return dist.world_size()
+
+
 def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int = 24 * GiB,
-                         model: str | None = None) -> Settings:
+                         model: str | None = None, ranks: int | None = None) -> Settings:
     ref, key = (model, "--model") if model else _model_ref(recipe)
     config, label = resolve_model(ref, key)
     return Settings(
@@ -88,7 +105,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         seq_len=recipe.data.max_seq_len, packing=recipe.data.packing, padded_rows=not recipe.data.packing,
         grad_accum_steps=recipe.training.grad_accum_steps,
         clipping=recipe.training.max_grad_norm is not None, device=device,
-        budget_bytes=budget_bytes,
+        budget_bytes=budget_bytes, fsdp=recipe.training.fsdp, ranks=_ranks(recipe, ranks),
     )
 
 
@@ -112,7 +129,8 @@ def _device_budget(device: str) -> int:
 
 def estimate_for_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int | None = None) -> Estimate:
     """The estimate for a run of `recipe` on `device` ("cuda", "cpu", or a torch.device); the
-    budget defaults to the device's memory (GPU total memory, or physical RAM)."""
+    budget defaults to the device's memory (GPU total memory, or physical RAM). Under
+    training.fsdp it is one rank's, for this process group's number of ranks."""
     device = getattr(device, "type", device)
     if device == "auto":
         import torch
@@ -135,7 +153,8 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
                    seq_len: int | None, gradient_checkpointing: bool | None,
                    attention: str | None, dtype: str | None, in_backward: bool | None,
                    budget_bytes: int, device: str | None, overrides: list[str] | None = None,
-                   cpu_offload: bool | None = None, host_ram: str | None = None) -> Settings:
+                   cpu_offload: bool | None = None, host_ram: str | None = None,
+                   fsdp: bool | None = None, ranks: int | None = None) -> Settings:
     """Recipe values (after --set) first, each flag given on the command line overriding its key."""
     _check_choice("--device", device, ("cuda", "cpu"))
     _check_choice("--optimizer", optimizer, OPTIMIZERS)
@@ -143,7 +162,8 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     _check_choice("--dtype", dtype, tuple(DTYPE_BYTES))
     if lisa_layers is not None and no_lisa:
         raise LisaftError("--lisa-layers and --no-lisa contradict each other; give one")
-    for key, v in (("--lisa-layers", lisa_layers), ("--batch-size", batch_size), ("--seq-len", seq_len)):
+    for key, v in (("--lisa-layers", lisa_layers), ("--batch-size", batch_size), ("--seq-len", seq_len),
+                   ("--ranks", ranks)):
         if v is not None and v < 1:
             raise LisaftError(f"{key}: must be at least 1, got {v}")
     if overrides and recipe is None:
@@ -188,7 +208,11 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
         changes["cpu_offload"] = cpu_offload
     if host_ram is not None:
         changes["host_budget_bytes"] = parse_bytes(host_ram, "--host-ram")
+    if fsdp is not None:
+        changes["fsdp"] = fsdp
+    changes["ranks"] = ranks or 1
     s = s.with_(**changes)
+    check_ranks(s, ranks)
     if s.cpu_offload and s.in_backward:
         raise LisaftError("--cpu-offload cannot be combined with in_backward: with the step on the CPU "
                           "no gradient stays on the device anyway")
@@ -202,6 +226,27 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
         key = "--lisa-layers" if lisa_layers is not None else "lisa.active_layers"
         raise LisaftError(f"{key}: {s.active_layers} is more than the model's {layers} layers")
     return s
+
+
+def check_ranks(s: Settings, ranks: int | None) -> None:
+    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (lisaft/fsdp.py
+    refuses the same combinations), each refusal one line."""
+    if not s.fsdp:
+        if s.ranks > 1:
+            raise LisaftError(f"--ranks {s.ranks}: without training.fsdp every rank holds the whole model (data "
+                              "parallel), so each rank's figure is the estimate without --ranks; add --fsdp (or "
+                              "--set training.fsdp=true) for sharded per-rank figures")
+        return
+    if ranks is None or ranks < 2:
+        given = "is not given" if ranks is None else "is 1"
+        raise LisaftError(f"training.fsdp: --ranks {given}; give --ranks N, the number of processes "
+                          "(torchrun --nproc-per-node N, N >= 2): a single process cannot run FSDP")
+    if s.optimizer.startswith("paged_"):
+        raise LisaftError(f"optimizer.name {s.optimizer} is not supported with training.fsdp; use "
+                          f"--optimizer {s.optimizer.removeprefix('paged_')} (or adamw_32bit)")
+    for on, key in ((s.in_backward, "optimizer.in_backward"), (s.cpu_offload, "optimizer.cpu_offload")):
+        if on:
+            raise LisaftError(f"{key} cannot be combined with training.fsdp (docs/distributed.md); set it false")
 
 
 @dataclass
@@ -219,6 +264,7 @@ class Report:
     leanest: Change | None  # when nothing offered fits: the least this model trains in
     smallest_gpu: str | None  # the smallest catalogue card for the leanest setup
     smallest_gpu_as_is: str | None  # the smallest catalogue card for the settings as given
+    ranks: Change | None = None  # when nothing offered fits one card: training.fsdp over the fewest ranks
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -228,15 +274,21 @@ class Report:
             largest_seq_len=self.largest_seq_len, largest_batch_size=self.largest_batch_size,
             context_length=self.context_length, weights_fit=self.weights_fit,
             advice=[{"set": c.overrides, "why": c.why, "total_bytes": c.estimate.total_bytes,
-                     "fits": c.estimate.fits} for c in self.changes],
+                     "fits": c.estimate.fits, "ranks": c.ranks} for c in self.advice],
+            fewest_ranks=self.ranks.ranks if self.ranks else None,
             smallest_budget_bytes=self.leanest.estimate.total_bytes if self.leanest else None,
             smallest_gpu=self.smallest_gpu, smallest_gpu_as_is=self.smallest_gpu_as_is,
             optimizers={opt: {mode: {"total_bytes": e.total_bytes, "fits": e.fits,
                                      "paged_host_bytes": e.paged_host_bytes}
                               for (o, mode), e in self.grid.items() if o == opt}
-                        for opt in OPTIMIZERS},
+                        for opt in OPTIMIZERS if any(o == opt for o, _ in self.grid)},
         )
         return out
+
+    @property
+    def advice(self) -> list[Change]:
+        """The advice table's rows: the changes, then the ranks that fit when nothing else does."""
+        return [*self.changes, *([self.ranks] if self.ranks else [])]
 
 
 def build_report(s: Settings, budget: Budget) -> Report:
@@ -255,7 +307,8 @@ def build_report(s: Settings, budget: Budget) -> Report:
     as_is = smallest_gpu(est.total_bytes)
     return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "seq_len"),
                   largest_fitting(s, "batch_size"), context_length(s.config), weights_fit, lean,
-                  card.name if card else None, as_is.name if as_is else None)
+                  card.name if card else None, as_is.name if as_is else None,
+                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None)
 
 
 def estimate_memory_command(recipe: Path | None = None, model: str | None = None,
@@ -267,11 +320,11 @@ def estimate_memory_command(recipe: Path | None = None, model: str | None = None
                             host_ram: str | None = None, budget: str | None = None,
                             gpu: str | None = None, device: str | None = None,
                             overrides: list[str] | None = None, json_out: bool = False,
-                            explain: bool = False) -> int:
+                            explain: bool = False, fsdp: bool | None = None, ranks: int | None = None) -> int:
     b = parse_budget(budget, gpu)
     s = build_settings(recipe, model, optimizer, lisa_layers, no_lisa, batch_size, seq_len,
                        gradient_checkpointing, attention, dtype, in_backward, b.bytes, device, overrides,
-                       cpu_offload=cpu_offload, host_ram=host_ram)
+                       cpu_offload=cpu_offload, host_ram=host_ram, fsdp=fsdp, ranks=ranks)
     report = build_report(s, b)
     if json_out:
         print(json.dumps(report.to_json(), indent=2))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,10 @@ class ParamCounts:
     buffer_numel: int
     buffer_bytes_fp32: int  # buffers kept in float32 whatever the model dtype (rotary inv_freq)
     tied: bool
+    # Each tensor's first dimension, in the same layout as the numels: FSDP shards on it.
+    layer_rows: tuple[tuple[int, ...], ...] = ()
+    embedding_rows: tuple[int, ...] = ()
+    head_rows: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -39,6 +43,21 @@ class ParamCounts:
 
     def layer_params(self, i: int) -> int:
         return sum(self.layers[i])
+
+    def _per_tensor(self, size) -> ParamCounts:
+        return replace(self, layers=tuple(tuple(map(size, n, r)) for n, r in zip(self.layers, self.layer_rows)),
+                       embeddings=tuple(map(size, self.embeddings, self.embedding_rows)),
+                       head=tuple(map(size, self.head, self.head_rows)))
+
+    def sharded(self, ranks: int) -> ParamCounts:
+        """One rank's slices under FSDP: every tensor split on its first dimension, padded to a
+        multiple of `ranks` (torch's FSDPParam pads dim 0, and every rank allocates
+        ceil(rows / ranks) rows; rank 0 also holds that many real ones). Buffers stay whole."""
+        return self._per_tensor(lambda n, r: n // max(r, 1) * -(-r // ranks))
+
+    def gathered(self, ranks: int) -> ParamCounts:
+        """The tensors as FSDP gathers them for a forward or backward: `ranks` padded slices."""
+        return self._per_tensor(lambda n, r: n // max(r, 1) * -(-r // ranks) * ranks)
 
 
 def build_meta_model(config):
@@ -65,6 +84,7 @@ def _count(config, layers_path: str | None) -> ParamCounts:
     layers = tuple(tuple(p.numel() for p in layer.parameters()) for layer in parts.layers)
     embeddings = tuple(p.numel() for p in parts.embeddings)
     head = tuple(p.numel() for p in parts.head)
+    rows = lambda params: tuple(p.shape[0] if p.dim() else 1 for p in params)  # noqa: E731
     buffers = list(model.buffers())
     out_emb = model.get_output_embeddings()
     tied = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
@@ -72,7 +92,8 @@ def _count(config, layers_path: str | None) -> ParamCounts:
         layers=layers, embeddings=embeddings, head=head,
         buffer_numel=sum(b.numel() for b in buffers),
         buffer_bytes_fp32=sum(b.numel() * 4 for b in buffers if b.dtype == torch.float32),
-        tied=tied,
+        tied=tied, layer_rows=tuple(rows(layer.parameters()) for layer in parts.layers),
+        embedding_rows=rows(parts.embeddings), head_rows=rows(parts.head),
     )
 
 

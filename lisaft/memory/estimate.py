@@ -30,7 +30,8 @@ from lisaft.memory.cuda_process import (
 )
 from lisaft.memory.host import offload_host_bytes
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
-from lisaft.models import sparse_grad_is_smaller
+from lisaft.memory.sharded import clip_temporaries, fsdp_phases, fsdp_units
+from lisaft.memory.trainable import sparse_embedding_saving, state_numels, trainable_numels
 
 GiB = 1024**3
 MiB = 1024**2
@@ -45,8 +46,10 @@ CPU_PROCESS_BASELINE_BYTES = 356 * MiB
 BITSANDBYTES_IMPORT_BYTES = 44 * MiB
 DATASETS_IMPORT_BYTES = 83 * MiB
 
+# training.fsdp only (lisaft/memory/sharded.py).
+FSDP_COMPONENTS = ("gathered_units", "gradient_reduce", "unsharded_load")
 COMPONENTS = (
-    "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient",
+    "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient", *FSDP_COMPONENTS,
     "cublas_workspace", "allocator_overhead", "cuda_context", "cuda_kernels", "process_baseline",
     "host_weight_copies",
 )
@@ -88,6 +91,8 @@ class Settings:
     host_budget_bytes: int | None = None  # the machine's RAM, for cpu_offload's host memory
     datasets_imported: bool = False  # on CPU, the process baseline includes `datasets`
     expandable_segments: bool = True  # CUDA allocator setting (lisaft sets it unless the user did)
+    fsdp: bool = False  # training.fsdp: per-rank figures for `ranks` processes (memory/sharded.py)
+    ranks: int = 1
 
     def with_(self, **changes) -> Settings:
         return replace(self, **changes)
@@ -191,53 +196,15 @@ class Estimate:
                 "train_embeddings": s.train_embeddings, "train_head": s.train_head,
                 "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
                 "grad_accum_steps": s.grad_accum_steps, "clipping": s.clipping, "device": s.device,
+                "fsdp": s.fsdp, "ranks": s.ranks,
             },
             "notes": list(self.notes),
         }
 
 
-def _trainable_numels(counts: ParamCounts, s: Settings) -> tuple[list[int], int]:
-    """Numels of the trainable tensors, and how many decoder layers train.
-
-    Under LISA the γ largest layers stand for the sampled set (all layers are alike in the
-    families lisaft knows, so this is exact there and an upper bound elsewhere)."""
-    if not s.lisa:
-        layers = list(range(counts.layer_count))
-    else:
-        gamma = min(s.active_layers, counts.layer_count)
-        layers = sorted(range(counts.layer_count), key=counts.layer_params, reverse=True)[:gamma]
-    # In the model's order (embeddings, layers, head): cpu_offload packs host memory in it.
-    numels = list(counts.embeddings) if not s.lisa or s.train_embeddings else []
-    numels += [n for i in sorted(layers) for n in counts.layers[i]]
-    if not s.lisa or s.train_head:
-        numels += counts.head
-    return numels, len(layers)
-
-
-def _state_numels(counts: ParamCounts, s: Settings, trainable: list[int]) -> list[int]:
-    """Tensors whose optimizer state is on the device. Under LISA's `keep` policy (and
-    offload_cpu when the device is the CPU, where host memory is the same memory) the moments
-    of every layer ever sampled stay: after enough intervals that is every layer."""
-    if s.lisa and (s.state_policy == "keep" or (s.state_policy == "offload_cpu" and s.device == "cpu")):
-        numels = [n for layer in counts.layers for n in layer]
-        if s.train_embeddings:
-            numels += counts.embeddings
-        if s.train_head:
-            numels += counts.head
-        return numels
-    return trainable
-
-
-def _sparse_embedding_saving(counts: ParamCounts, shape: Shape, s: Settings, dt: int) -> int:
-    """Gradient bytes saved when the input embedding's gradient is sparse (lisaft.models.
-    use_sparse_embedding_grad): its dense vocab x hidden matrix is replaced by a row and an int64
-    index per token of the step, twice while repeated rows are summed."""
-    tokens = s.batch_size * s.seq_len * s.grad_accum_steps
-    trains = not s.lisa or s.train_embeddings
-    if not (s.sparse_embedding_grad and trains and not counts.tied and counts.embeddings
-            and sparse_grad_is_smaller(shape.vocab, tokens)):
-        return 0
-    return counts.embeddings[0] * dt - 2 * tokens * (shape.hidden * dt + 8)
+def _weight_bytes(counts: ParamCounts, dt: int) -> int:
+    return counts.total * dt + counts.buffer_bytes_fp32 + \
+        (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
 
 
 def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None = None) -> Estimate:
@@ -246,14 +213,14 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     dt = DTYPE_BYTES[s.dtype]
     notes: list[str] = []
 
-    trainable, trainable_layers = _trainable_numels(counts, s)
-    trainable_params = sum(trainable)
-    weights = counts.total * dt + counts.buffer_bytes_fp32 + \
-        (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
-    sparse_saving = _sparse_embedding_saving(counts, shape, s, dt)
-    grads_full = trainable_params * dt - sparse_saving
-    state_numels = _state_numels(counts, s, trainable)
-    state = state_bytes(s.optimizer, state_numels, dt, s.device)
+    # Under FSDP a rank holds its slice of every tensor: weights, gradients and moments follow.
+    local = counts.sharded(s.ranks) if s.fsdp else counts
+    trainable, trainable_layers = trainable_numels(local, s)
+    trainable_params = sum(trainable_numels(counts, s)[0])
+    weights = _weight_bytes(local, dt)
+    sparse_saving = sparse_embedding_saving(local, shape, s, dt)
+    grads_full = sum(trainable) * dt - sparse_saving
+    state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device)
     largest = max(trainable) if trainable else 0
     # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
     offload = s.cpu_offload and s.device == "cuda"
@@ -281,8 +248,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     # A chunked MLP's intermediate gradients are one chunk's, counted in act.mlp_chunk.
     chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
     backward_temp = tokens * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
-    head_grad = sum(counts.head) * dt if (not s.lisa or s.train_head) else 0
-    if counts.tied and head_weight_trains:
+    head_grad = sum(local.head) * dt if (not s.lisa or s.train_head) else 0
+    if counts.tied and head_weight_trains and not s.fsdp:  # FSDP: in the root's gradient_reduce
         head_grad += sum(counts.embeddings[:1]) * dt
 
     if s.in_backward:
@@ -304,16 +271,36 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     sparse_numel = counts.embeddings[0] if sparse_saving else 0
     step_temp = 0 if offload else step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
     in_bwd_step = step_temp if s.in_backward else 0
-    if s.clipping and not s.in_backward and not offload:
+    if s.fsdp:
+        # The norm of the slices comes before the update: the larger of the two.
+        step_temp = max(step_temp, clip_temporaries(largest, dt))
+    elif s.clipping and not s.in_backward and not offload:
         step_temp += 8 * len(trainable)  # one float32 norm per tensor, and their stack
 
-    # (gradients, activations, logits_loss, transient) at each moment
+    extra = fsdp_phases(fsdp_units(counts, s), dt, s.ranks) if s.fsdp else {}
+
+    def moment(grads: int, acts: int, loss: int, transient: int, name: str) -> dict[str, int]:
+        """The components at one moment of the step; weights and (after the first step) the
+        optimizer state are resident throughout."""
+        m = {"weights": weights, "gradients": grads, "optimizer_states": state.total, "activations": acts,
+             "logits_loss": loss, "transient": transient}
+        if s.fsdp:
+            m["gathered_units"], m["gradient_reduce"] = extra.get(name, (0, 0))
+            m["unsharded_load"] = 0
+        return m
+
     phases = {
-        "loss_backward": (grads_at_loss, saved_no_logp, loss_peak, 0),
-        "layer_backward": (grads_in_layers, saved_no_logp, 0, recompute + backward_temp + in_bwd_step),
+        "loss_backward": moment(grads_at_loss, saved_no_logp, loss_peak, 0, "loss_backward"),
+        "layer_backward": moment(grads_in_layers, saved_no_logp, 0, recompute + backward_temp + in_bwd_step,
+                                 "layer_backward"),
     }
     if step_phase is not None:
-        phases["optimizer_step"] = (step_phase, 0, 0, step_temp)
+        phases["optimizer_step"] = moment(step_phase, 0, 0, step_temp, "optimizer_step")
+    if "root_backward" in extra:  # the embeddings' backward ends it: every other slice's gradient is kept
+        phases["root_backward"] = moment(grads_full, 0, 0, 0, "root_backward")
+    if s.fsdp:  # set-up: the whole model on the device before fully_shard splits it; no state yet
+        phases["model_load"] = {**moment(0, 0, 0, 0, "model_load"), "optimizer_states": 0,
+                                "unsharded_load": _weight_bytes(counts, dt) - weights}
 
     cuda = s.device == "cuda"
     if cuda:
@@ -327,21 +314,18 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     fixed = sum(outside.values())
     workspace = cublas_workspace_bytes() if cuda else 0
 
-    def phase_bytes(parts, with_paged: bool) -> tuple[int, int]:
+    def phase_bytes(m: dict[str, int], with_paged: bool) -> tuple[int, int]:
         # The caching allocator's reserve applies to what it hands out (the cuBLAS workspaces
         # among it); paged state is unified memory outside it, the context outside both.
-        allocated = weights + (state.total - state.paged) + sum(parts) + workspace
+        paged = state.paged if m["optimizer_states"] else 0
+        allocated = sum(m.values()) - paged + workspace
         overhead = allocator_overhead(allocated, s.expandable_segments) if cuda else 0
-        return allocated + overhead + (state.paged if with_paged else 0) + fixed, overhead
+        return allocated + overhead + (paged if with_paged else 0) + fixed, overhead
 
-    totals = {name: phase_bytes(parts, True)[0] for name, parts in phases.items()}
+    totals = {name: phase_bytes(m, True)[0] for name, m in phases.items()}
     peak_phase = max(totals, key=totals.get)
     total = totals[peak_phase]
-    g, a, ll, t = phases[peak_phase]
-    components = {
-        "weights": weights, "gradients": g, "optimizer_states": state.total, "activations": a,
-        "logits_loss": ll, "transient": t,
-    }
+    components = dict(phases[peak_phase])
     if cuda:
         components["cublas_workspace"] = workspace
         components["allocator_overhead"] = phase_bytes(phases[peak_phase], True)[1]
@@ -362,7 +346,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         all_numels = list(counts.embeddings) + [n for layer in counts.layers for n in layer] + list(counts.head)
         sparse = counts.embeddings[0] if sparse_saving else 0
         # LISA's offload_cpu keeps frozen units' moments in host memory, beside the trained ones.
-        host_state = _state_numels(counts, s.with_(device="cpu"), trainable)
+        host_state = state_numels(counts, s.with_(device="cpu"), trainable)
         host = offload_host_bytes(s.optimizer, host_state, all_numels, trainable, dt, s.bf16_update,
                                   activation_host, CPU_PROCESS_BASELINE_BYTES
                                   + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0),
@@ -382,7 +366,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         sizes={"weights": weights, "gradients": grads_in_layers if offload else grads_full,
                "optimizer_states": state.total,
                "activations": saved_no_logp, "logits_loss": loss_peak,
-               "transient": max(step_temp, recompute + backward_temp + in_bwd_step)},
+               "transient": max(step_temp, recompute + backward_temp + in_bwd_step),
+               **{k: max(m[k] for m in phases.values()) for k in FSDP_COMPONENTS if s.fsdp}},
         phases=totals, peak_phase=peak_phase, total_bytes=total,
         paged_state_bytes=state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=paged_host,
         resident_without_paged_bytes=without_paged, saved_activation_bytes=act.saved,

@@ -6,7 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from lisaft.memory.advice import Change
+from lisaft.memory.advice import RANKS, Change
 from lisaft.memory.estimate import Estimate
 
 _DESCRIPTIONS = {
@@ -22,6 +22,15 @@ _DESCRIPTIONS = {
     "cuda_kernels": "kernel images loaded lazily, library state (fitted to NVML)",
     "process_baseline": "Python + torch + transformers resident set",
     "host_weight_copies": "cpu_offload's copy of the weights the CPU step updates",
+    "gathered_units": "whole weights of the units gathered now (root, head, layers)",
+    "gradient_reduce": "a unit's whole gradient and its float32 reduce-scatter buffers",
+    "unsharded_load": "the whole model, loaded on every rank before it is sharded",
+}
+# training.fsdp: what the resident components are per rank.
+_FSDP_DESCRIPTIONS = {
+    "weights": "this rank's slices of all parameters (dim 0), + buffers",
+    "gradients": "this rank's slices of the trainable set's gradients",
+    "optimizer_states": "moments of this rank's trainable slices",
 }
 _HOST_DESCRIPTIONS = {
     "moments": "optimizer state of the trainable set, never paged",
@@ -67,6 +76,7 @@ def settings_line(est: Estimate) -> str:
         f"{s.attention}; checkpointing {'on' if s.gradient_checkpointing else 'off'}; "
         f"batch {s.batch_size} x seq {s.seq_len}"
         f"{f' x accum {s.grad_accum_steps}' if s.grad_accum_steps > 1 else ''}; device {s.device}"
+        f"{f'; training.fsdp, per rank of {s.ranks}' if s.fsdp else ''}"
     )
 
 
@@ -76,8 +86,9 @@ def components_table(est: Estimate) -> Table:
     t.add_column("at peak", justify="right")
     t.add_column("full size", justify="right")
     t.add_column("what", style="dim")
+    described = {**_DESCRIPTIONS, **(_FSDP_DESCRIPTIONS if est.settings.fsdp else {})}
     for name, value in est.components.items():
-        t.add_row(name, human(value), human(est.sizes.get(name, value)), _DESCRIPTIONS.get(name, ""))
+        t.add_row(name, human(value), human(est.sizes.get(name, value)), described.get(name, ""))
     t.add_row("[bold]total[/]", f"[bold]{human(est.total_bytes)}[/]", "", f"budget {human(est.budget_bytes)}")
     return t
 
@@ -140,10 +151,9 @@ NOTHING_PAGED_CPU = (
     "Nothing is paged on CPU: the estimate is the process's peak resident set (RSS), as "
     "`ps` and metrics.jsonl's peak_memory_bytes count it; paging needs CUDA unified memory."
 )
-# What lisaft offers when one card cannot hold a model. Change it when FSDP lands.
-SEVERAL_GPUS = ("it needs several GPUs with the model sharded across them, which lisaft does not do yet: "
-                "its data parallel keeps a whole copy on every GPU (FSDP2 sharding is planned, "
-                "docs/distributed.md)")
+# What lisaft offers when one card cannot hold a model.
+SEVERAL_GPUS = ("it needs several GPUs with the model sharded across them by FSDP2: training.fsdp under "
+                "torchrun (docs/distributed.md)")
 
 
 def explain_lines(est: Estimate) -> Text:
@@ -195,7 +205,14 @@ def _no_budget_fits(report) -> Text:
     where = (f"the smallest GPU that could: --gpu {report.smallest_gpu}" if report.smallest_gpu else
              f"more than any GPU in the catalogue: {SEVERAL_GPUS}")
     setup = f"The leanest setup ({lean.what})" if lean.overrides else "These settings are the leanest lisaft has:"
-    return Text(f"{head} {setup} needs {human(lean.estimate.total_bytes)}; {where}.", style="bold red")
+    ranks = report.ranks
+    whole = est.weights_bytes + est.sizes.get("unsharded_load", 0)
+    loads_whole = (f": each rank first loads the whole model ({human(whole)} of weights) and only then "
+                   "shards it (lisaft/models.py)" if whole > est.budget_bytes else "")
+    shard = (f" Sharded with training.fsdp, {ranks.ranks} GPUs of this budget hold it: "
+             f"{human(ranks.estimate.total_bytes)} per rank (last row above)." if ranks else
+             f" Not even {RANKS[-1]} GPUs of this budget hold it with training.fsdp{loads_whole}.")
+    return Text(f"{head} {setup} needs {human(lean.estimate.total_bytes)}; {where}.{shard}", style="bold red")
 
 
 def _as_is_line(report) -> Text:
@@ -239,8 +256,8 @@ def render(report, explain: bool = False) -> Group:
         parts.append(Text(f"Host memory for offloaded activation checkpoints: "
                           f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))
     parts.append(_largest_line(report))
-    if report.changes:
-        parts.append(advice_table(report.changes))
+    if report.advice:
+        parts.append(advice_table(report.advice))
     if report.leanest is not None:
         parts.append(_no_budget_fits(report))
     parts.append(grid_table(report.grid, est.budget_bytes))

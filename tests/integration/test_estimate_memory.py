@@ -213,10 +213,15 @@ def test_long_context_advice_knows_offloading_before_cutting_the_context():
 def test_when_nothing_fits_the_leanest_setup_is_the_least_memory_and_several_gpus_are_named():
     out = _advice("--model", "llama-3.1-70b", "--gpu", "h200")
     lean = out["smallest_budget_bytes"]
-    assert lean is not None and all(lean <= a["total_bytes"] for a in out["advice"])
+    one_card = [a for a in out["advice"] if a["ranks"] is None]
+    assert lean is not None and all(lean <= a["total_bytes"] for a in one_card)
     assert out["smallest_gpu"] is None and out["smallest_gpu_as_is"] is None
+    # ... and the last row shards it: the fewest ranks that hold it, per rank.
+    sharded = out["advice"][-1]
+    assert sharded["ranks"] == out["fewest_ranks"] and sharded["fits"] and sharded["set"]["training.fsdp"] is True
     text = " ".join(_invoke("--model", "llama-3.1-70b", "--gpu", "h200").stdout.split())
     assert "No change lisaft offers fits it" in text and "several GPUs" in text and "FSDP" in text
+    assert f"torchrun --nproc-per-node {sharded['ranks']}" in text
 
 
 def test_explain_without_a_paged_optimizer_says_nothing_is_paged():

@@ -1,0 +1,104 @@
+"""training.fsdp, per rank: what FSDP2 adds to a rank's memory beside its slices.
+
+lisaft/fsdp.py makes every training unit one FSDP unit: the root (the embeddings, and a tied
+head's matrix), the head (output projection and final norm) and each decoder layer. Each rank
+keeps its slices (ParamCounts.sharded) of the weights, of the trainable gradients and of their
+moments; the rest is transient and follows torch's FSDP2 (torch/distributed/fsdp/_fully_shard/,
+torch 2.13), read rather than guessed:
+
+- Gathering (`gathered_units`): a unit's whole weights, in their own dtype (lisaft sets no
+  param_dtype), exist around its forward and backward. In backward the next unit's all-gather
+  is prefetched when a unit's backward starts (FSDPParamGroup._backward_prefetch), so two
+  layers are gathered at once. The root is not resharded after forward (fully_shard's default
+  for the root), so the embeddings stay gathered from the forward to their own backward, at the
+  end of backward. Gathered tensors are padded to a multiple of the ranks on dim 0.
+- Reducing (`gradient_reduce`): autograd makes a unit's whole gradient in the weights' dtype;
+  foreach_reduce copies it into a float32 buffer of the unit's padded size (reduce_dtype=float32),
+  frees it, reduce-scatters into a float32 slice and casts that slice back to the weights' dtype,
+  which is the gradient a rank keeps (`gradients`). The float32 input buffer outlives the call:
+  it is freed only at the next unit's post-backward (reduce_scatter_max_input_buffers = 1), so a
+  layer's backward runs beside the previous trainable unit's float32 buffer. The buffers are
+  released at the end of every backward (the root's final callback), none between micro-batches.
+- Frozen units (LISA) are gathered like the others but make no gradient and no reduce-scatter.
+- Loading: lisaft builds or loads the whole model on every rank's device and then shards it
+  (lisaft/models.py, lisaft/fsdp.py), so each rank holds the whole model once, at set-up
+  (`unsharded_load`).
+- The optimizer step runs on the slices; lisaft's global norm (LocalShards.clip_grad_norm) takes
+  a float32 copy of each slice and its square, one slice at a time.
+
+Not modelled: NCCL's own buffers and the separate CUDA streams' allocator pools of a multi-GPU
+run (nothing here has run on several GPUs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lisaft.memory.counts import ParamCounts
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Units:
+    """Gathered (padded) element counts of the FSDP units, and which of them train."""
+
+    root: int
+    head: int
+    layer: int  # the largest decoder layer
+    root_trains: bool
+    head_trains: bool
+    layers_train: bool
+    # A head tied to the embeddings is the root's matrix: its gradient is the root's, made at the
+    # loss's backward and reduce-scattered only at the end of backward.
+    tied: bool = False
+
+
+def fsdp_units(counts: ParamCounts, s) -> Units:
+    """The units of a model with these counts under settings `s` (memory.estimate.Settings)."""
+    gathered = counts.gathered(s.ranks)
+    return Units(
+        root=sum(gathered.embeddings), head=sum(gathered.head),
+        layer=max((sum(layer) for layer in gathered.layers), default=0),
+        root_trains=not s.lisa or s.train_embeddings, head_trains=not s.lisa or s.train_head,
+        layers_train=True, tied=counts.tied,
+    )
+
+
+def _reduce_scatter(numel: int, dt: int, ranks: int) -> int:
+    """A unit's post-backward: its float32 input buffer, beside first the whole gradient in the
+    weights' dtype (freed after the copy-in) and then the float32 output slice."""
+    return FP32 * numel + max(dt * numel, FP32 * numel // ranks)
+
+
+def _heavier(*moments: tuple[int, int]) -> tuple[int, int]:
+    return max(moments, key=sum)
+
+
+def fsdp_phases(u: Units, dt: int, ranks: int) -> dict[str, tuple[int, int]]:
+    """(gathered_units, gradient_reduce) bytes at each moment of a step, for the estimator's
+    phases, and "root_backward": the end of backward, when the embeddings train."""
+    w = dt
+    # The previous trainable unit's float32 input buffer, still held during a layer's backward.
+    held = FP32 * max(u.head if u.head_trains else 0, u.layer if u.layers_train else 0)
+    layer_grad = dt * u.layer if u.layers_train else 0
+    root_grad = dt * u.root if u.tied and u.root_trains else 0
+    out = {
+        # The head's backward: the root gathered since forward, the head, the last layer prefetched.
+        "loss_backward": (w * (u.root + u.head + u.layer),
+                          root_grad + (_reduce_scatter(u.head, dt, ranks) if u.head_trains else 0)),
+        # A layer's backward beside the prefetched one, or its own reduce-scatter once resharded.
+        "layer_backward": _heavier((w * (u.root + 2 * u.layer), root_grad + layer_grad + held),
+                                   (w * (u.root + u.layer),
+                                    root_grad + (_reduce_scatter(u.layer, dt, ranks) if u.layers_train else 0))),
+        "optimizer_step": (0, 0),
+    }
+    if u.root_trains:
+        out["root_backward"] = _heavier((w * u.root, dt * u.root + (FP32 * u.layer if u.layers_train else 0)),
+                                        (0, _reduce_scatter(u.root, dt, ranks)))
+    return out
+
+
+def clip_temporaries(largest_slice: int, dt: int) -> int:
+    """LocalShards.clip_grad_norm: `g.float().pow(2)` on the largest slice (no copy in float32)."""
+    return FP32 * largest_slice * (1 if dt == FP32 else 2)
