@@ -239,3 +239,35 @@ def test_settings_that_are_already_the_leanest_still_get_an_answer():
                      "--seq-len", "512", "--set", "training.grad_accum_steps=1")
     assert result.exit_code == 0, result.output
     assert "These settings are the leanest lisaft has: needs" in " ".join(result.stdout.split())
+
+
+def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
+    """What rank 0 of a 2-process gloo FSDP run holds: its weight slices (the checkpoint's
+    shards/rank-0.safetensors, buffers included), gradient slices and moments (metrics.jsonl)."""
+    from safetensors import safe_open
+    from test_distributed import torchrun
+
+    from lisaft.memory.command import build_settings
+    from lisaft.memory.estimate import compute
+    from lisaft.runlog import read_metrics
+
+    path = tiny_run("fsdp.yaml", lisa={"enabled": False}, training={
+        "fsdp": True, "batch_size": 2, "max_steps": 2, "save_every": 2, "eval_every": 0, "output_dir": "fsdp"})
+    # An odd vocabulary: embedding and head rows do not split evenly, and rank 0 holds the larger half.
+    config = tiny_run.dir / "model" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": 111}))
+    result = torchrun("train", str(path), cwd=tiny_run.dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with safe_open(str(tiny_run.dir / "fsdp" / "checkpoints" / "step-000002" / "shards" / "rank-0.safetensors"),
+                   "pt") as f:
+        weights = sum(f.get_tensor(k).nbytes for k in f.keys())
+    record = [r for r in read_metrics(tiny_run.dir / "fsdp" / "metrics.jsonl") if "loss" in r][-1]
+    est = compute(build_settings(path, None, None, None, False, None, None, None, None, None, None,
+                                 2**34, "cpu", ranks=2))
+    assert est.settings.fsdp and est.settings.ranks == 2
+    assert est.weights_bytes == weights
+    assert est.grad_bytes == record["grad_bytes"]
+    assert est.optimizer_state_bytes == record["optimizer_state_bytes"]
+    with safe_open(str(tiny_run.dir / "fsdp" / "checkpoints" / "step-000002" / "shards" / "rank-0.safetensors"),
+                   "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").shape[0] == 56

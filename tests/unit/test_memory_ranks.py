@@ -1,0 +1,142 @@
+"""The estimator under training.fsdp: per-rank slices, FSDP's transient terms, --ranks."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from lisaft.cli import app
+from lisaft.memory.advice import fewest_ranks
+from lisaft.memory.catalogue import resolve_model
+from lisaft.memory.counts import param_counts
+from lisaft.memory.estimate import GiB, Settings, compute
+
+FSDP_ONLY = ("gathered_units", "gradient_reduce", "unsharded_load")
+
+
+def settings(model="llama-3.1-8b", **kw) -> Settings:
+    config, label = resolve_model(model)
+    base = dict(model_label=label, config=config, optimizer="adamw_8bit", gradient_checkpointing=True,
+                attention="flash_attention_2", seq_len=2048, sparse_embedding_grad=False)
+    return Settings(**{**base, **kw})
+
+
+def buffers(est) -> int:
+    c = param_counts(est.settings.config)
+    return c.buffer_bytes_fp32 + (c.buffer_numel * 4 - c.buffer_bytes_fp32) * 2 // 4
+
+
+@pytest.mark.parametrize("lisa", [False, True])
+def test_slices_divide_by_the_ranks_and_activations_do_not(lisa):
+    # Every first dimension of Llama-3.1-8B divides by 8: the slices are exact fractions.
+    one = compute(settings(lisa=lisa, fsdp=True, ranks=1))
+    for n in (2, 4, 8):
+        est = compute(settings(lisa=lisa, fsdp=True, ranks=n))
+        assert (est.weights_bytes - buffers(est)) * n == one.weights_bytes - buffers(one)
+        assert est.grad_bytes * n == one.grad_bytes
+        # 8-bit moments: per-slice absmax blocks and the shared maps keep it within 0.1% of 1/n.
+        assert est.optimizer_state_bytes * n == pytest.approx(one.optimizer_state_bytes, rel=1e-3)
+        assert est.sizes["activations"] == one.sizes["activations"]
+        assert est.saved_activation_bytes == one.saved_activation_bytes
+        assert est.sizes["logits_loss"] == one.sizes["logits_loss"]
+        # Gathered units are whole weights whatever the number of ranks; the load is the whole model.
+        assert est.sizes["gathered_units"] == one.sizes["gathered_units"]
+        assert est.weights_bytes + est.sizes["unsharded_load"] == one.weights_bytes
+        assert est.trainable_params == one.trainable_params
+
+
+def test_one_rank_holds_what_one_process_holds():
+    for lisa in (False, True):
+        plain, fsdp = compute(settings(lisa=lisa)), compute(settings(lisa=lisa, fsdp=True, ranks=1))
+        for key in ("weights", "gradients", "optimizer_states", "activations", "logits_loss"):
+            assert fsdp.sizes[key] == plain.sizes[key], key
+        assert not set(FSDP_ONLY) & set(plain.components)
+        # ... plus FSDP's gathered copies and reduce-scatter buffers, which one process does not have.
+        assert fsdp.total_bytes > plain.total_bytes
+
+
+def test_slices_are_padded_as_torch_pads_dim_0():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=65, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    counts = param_counts(cfg)
+    sharded, gathered = counts.sharded(2), counts.gathered(2)
+    assert sharded.embeddings == (33 * 32,) and gathered.embeddings == (66 * 32,)  # ceil(65 / 2) rows
+    assert sharded.head == (33 * 32, 16) and counts.head == (65 * 32, 32)  # lm_head, then the final norm
+    assert sharded.layers[0] == tuple(n // 2 for n in counts.layers[0])  # 32, 64 and 16 rows split evenly
+
+
+def test_frozen_units_are_gathered_but_reduce_nothing():
+    full = compute(settings(fsdp=True, ranks=4))
+    frozen = compute(settings(fsdp=True, ranks=4, lisa=True, train_embeddings=False, train_head=False))
+    loss = {k: v for k, v in zip(("gathered", "reduce"), _at(frozen, "loss_backward"))}
+    assert loss["reduce"] == 0  # a frozen head: no gradient, no reduce-scatter
+    assert loss["gathered"] == _at(full, "loss_backward")[0]  # ... but still gathered
+    assert "root_backward" not in frozen.phases and "root_backward" in full.phases
+
+
+def _at(est, phase):
+    """(gathered_units, gradient_reduce) of the estimate at `phase`, computed again for that phase."""
+    from lisaft.memory.sharded import fsdp_phases, fsdp_units
+
+    s = est.settings
+    return fsdp_phases(fsdp_units(param_counts(s.config), s), 2, s.ranks)[phase]
+
+
+def test_the_head_reduce_scatter_holds_a_float32_copy_of_the_whole_head_gradient():
+    est = compute(settings(fsdp=True, ranks=4))
+    head = sum(param_counts(est.settings.config).head)  # 128256 x 4096 + 4096, divisible by 4
+    # bf16 gradient of the whole head (2 B) beside the float32 reduce-scatter input (4 B).
+    assert _at(est, "loss_backward")[1] == head * (2 + 4)
+
+
+def test_fewest_ranks_is_the_first_count_that_fits():
+    s = settings("llama-3.1-70b", lisa=True, budget_bytes=140 * GiB)
+    change = fewest_ranks(s, 80)
+    assert change is not None and change.estimate.fits and change.overrides["training.fsdp"] is True
+    fewer = change.ranks // 2
+    assert fewer < 2 or not compute(s.with_(fsdp=True, ranks=fewer)).fits
+    # Paged state is refused under FSDP: the proposal names the unpaged optimizer it runs with.
+    paged = fewest_ranks(s.with_(optimizer="paged_adamw_8bit"), 80)
+    assert paged.overrides["optimizer.name"] == "adamw_8bit"
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, ["estimate-memory", "--model", "llama-3.2-1b", *args])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--fsdp", "--ranks", "0"], "--ranks: must be at least 1, got 0"),
+    (["--ranks", "4"], "without training.fsdp every rank holds the whole model"),
+    (["--fsdp"], "--ranks is not given"),
+    (["--fsdp", "--ranks", "1"], "a single process cannot run FSDP"),
+    (["--fsdp", "--ranks", "2", "--optimizer", "paged_adamw_8bit"], "use --optimizer adamw_8bit"),
+    (["--fsdp", "--ranks", "2", "--cpu-offload"], "optimizer.cpu_offload cannot be combined with training.fsdp"),
+])
+def test_bad_ranks_are_refused_in_one_line(args, words):
+    result = _cli(*args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], result.output
+
+
+def test_ranks_one_without_fsdp_is_the_single_process_estimate():
+    plain, one = json.loads(_cli("--json").stdout), json.loads(_cli("--json", "--ranks", "1").stdout)
+    assert plain == one and plain["settings"]["fsdp"] is False and plain["settings"]["ranks"] == 1
+
+
+def test_json_under_fsdp_keeps_every_field_and_adds_the_per_rank_ones():
+    plain = json.loads(_cli("--json").stdout)
+    result = _cli("--json", "--fsdp", "--ranks", "4")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(plain) <= set(out) and set(plain["settings"]) <= set(out["settings"])
+    assert out["settings"]["fsdp"] is True and out["settings"]["ranks"] == 4
+    assert set(FSDP_ONLY) <= set(out["components"]) and set(FSDP_ONLY) <= set(out["sizes"])
+    assert sum(out["components"].values()) == out["total_bytes"]
+    assert "model_load" in out["phases"] and out["fewest_ranks"] is None
+    assert all("ranks" in a for a in out["advice"])
+    assert "paged_adamw_8bit" not in out["optimizers"]  # FSDP refuses it
+    text = " ".join(_cli("--fsdp", "--ranks", "4").stdout.split())
+    assert "training.fsdp, per rank of 4" in text and "gathered_units" in text
