@@ -22,6 +22,7 @@ from pathlib import Path
 from lisaft.memory.command import build_settings
 from lisaft.memory.estimate import GiB, compute
 from lisaft.memory.gpus import gpu
+from lisaft.memory.render import step_peak_phase
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
@@ -42,12 +43,13 @@ def row(model: str, method: str, ranks: int, cpu_offload: bool = False) -> dict:
     est = estimate(model, METHODS[method], ranks, cpu_offload)
     # The set-up moment (each rank loads the whole model before fully_shard splits it) apart from
     # the training step's own peak: the first is lisaft's loading, the second FSDP's.
-    training = max(v for k, v in est.phases.items() if k != "model_load")
+    step = step_peak_phase(est)
+    training = est.phases[step]
     out = {
         "model": model, "method": method, "ranks": ranks, "fsdp": ranks > 1, "cpu_offload": cpu_offload,
         "total_bytes": est.total_bytes, "training_peak_bytes": training, "peak_phase": est.peak_phase,
         "load_bytes": est.phases.get("model_load"), "components": est.components, "sizes": est.sizes,
-        "host_bytes": est.host_bytes,
+        "step_phase": step, "step_components": est.phase_components[step], "host_bytes": est.host_bytes,
     }
     for name, card in CARDS.items():
         out[f"fits {name}"] = est.total_bytes <= card.usable_bytes

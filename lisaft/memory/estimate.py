@@ -104,6 +104,7 @@ class Estimate:
     total_params: int
     trainable_params: int
     components: dict[str, int]  # bytes at the peak moment; they sum to total_bytes
+    phase_components: dict[str, dict[str, int]]  # the same at each moment; each sums to its phases[] total
     sizes: dict[str, int]  # each component's full size, whenever it peaks
     phases: dict[str, int]
     peak_phase: str
@@ -172,6 +173,7 @@ class Estimate:
             "sizes": dict(self.sizes),
             "peak_phase": self.peak_phase,
             "phases": dict(self.phases),
+            "phase_components": {k: dict(v) for k, v in self.phase_components.items()},
             "paged_state_bytes": self.paged_state_bytes,
             "paged_gpu_bytes": self.paged_gpu_bytes,
             "paged_host_bytes": self.paged_host_bytes,
@@ -322,14 +324,14 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         overhead = allocator_overhead(allocated, s.expandable_segments) if cuda else 0
         return allocated + overhead + (paged if with_paged else 0) + fixed, overhead
 
+    def with_fixed(m: dict[str, int]) -> dict[str, int]:
+        cuda_terms = {"cublas_workspace": workspace, "allocator_overhead": phase_bytes(m, True)[1]} if cuda else {}
+        return {**m, **cuda_terms, **outside}
+
     totals = {name: phase_bytes(m, True)[0] for name, m in phases.items()}
     peak_phase = max(totals, key=totals.get)
     total = totals[peak_phase]
-    components = dict(phases[peak_phase])
-    if cuda:
-        components["cublas_workspace"] = workspace
-        components["allocator_overhead"] = phase_bytes(phases[peak_phase], True)[1]
-    components.update(outside)
+    components = with_fixed(phases[peak_phase])
 
     # With a paged optimizer the driver evicts paged state to host when the device is short, so
     # the device must hold at least everything else; what is left over keeps paged state.
@@ -362,7 +364,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
                      "(counted as all layers)")
     return Estimate(
         settings=s, total_params=counts.total, trainable_params=trainable_params,
-        components=components,
+        components=components, phase_components={name: with_fixed(m) for name, m in phases.items()},
         sizes={"weights": weights, "gradients": grads_in_layers if offload else grads_full,
                "optimizer_states": state.total,
                "activations": saved_no_logp, "logits_loss": loss_peak,

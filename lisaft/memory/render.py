@@ -80,17 +80,25 @@ def settings_line(est: Estimate) -> str:
     )
 
 
-def components_table(est: Estimate) -> Table:
-    t = Table(title=f"Memory at the peak ({est.peak_phase.replace('_', ' ')})", title_justify="left")
+def components_table(est: Estimate, phase: str | None = None) -> Table:
+    """The components at the peak, or at `phase` (a key of est.phases)."""
+    phase = phase or est.peak_phase
+    title = f"Memory at the {'peak' if phase == est.peak_phase else 'step' + chr(39) + 's peak'}"
+    t = Table(title=f"{title} ({phase.replace('_', ' ')})", title_justify="left")
     t.add_column("component")
     t.add_column("at peak", justify="right")
     t.add_column("full size", justify="right")
     t.add_column("what", style="dim")
     described = {**_DESCRIPTIONS, **(_FSDP_DESCRIPTIONS if est.settings.fsdp else {})}
-    for name, value in est.components.items():
+    for name, value in est.phase_components[phase].items():
         t.add_row(name, human(value), human(est.sizes.get(name, value)), described.get(name, ""))
-    t.add_row("[bold]total[/]", f"[bold]{human(est.total_bytes)}[/]", "", f"budget {human(est.budget_bytes)}")
+    t.add_row("[bold]total[/]", f"[bold]{human(est.phases[phase])}[/]", "", f"budget {human(est.budget_bytes)}")
     return t
+
+
+def step_peak_phase(est: Estimate) -> str:
+    """The training step's own peak moment, apart from loading the model (training.fsdp)."""
+    return max((p for p in est.phases if p != "model_load"), key=est.phases.get)
 
 
 def host_table(est: Estimate) -> Table:
@@ -242,6 +250,8 @@ def render(report, explain: bool = False) -> Group:
     if est.settings.lisa and est.settings.active_layers_auto:
         parts.append(_auto_line(est))
     parts.append(components_table(est))
+    if est.peak_phase == "model_load":
+        parts.append(components_table(est, step_peak_phase(est)))
     if est.host_components:
         parts.append(host_table(est))
     parts.append(verdict(est))

@@ -271,3 +271,22 @@ def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
     with safe_open(str(tiny_run.dir / "fsdp" / "checkpoints" / "step-000002" / "shards" / "rank-0.safetensors"),
                    "pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").shape[0] == 56
+
+
+def test_the_fsdp_table_in_the_docs_is_what_the_estimator_says_now(tmp_path):
+    """docs/distributed.md quotes benchmarks/fsdp_fit.py: rerun it and compare."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import fsdp_fit
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    sys.argv, argv = ["fsdp_fit.py", "--out", str(tmp_path)], sys.argv
+    try:
+        fsdp_fit.main()
+    finally:
+        sys.argv = argv
+    table = (tmp_path / "fsdp_fit.md").read_text()
+    assert table in (REPO / "docs" / "distributed.md").read_text()
+    rows = json.loads((tmp_path / "fsdp_fit.json").read_text())["rows"]
+    committed = json.loads((REPO / "benchmarks" / "results" / "fsdp_fit" / "fsdp_fit.json").read_text())["rows"]
+    assert [r["total_bytes"] for r in rows] == [r["total_bytes"] for r in committed]

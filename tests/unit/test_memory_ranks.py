@@ -140,3 +140,19 @@ def test_json_under_fsdp_keeps_every_field_and_adds_the_per_rank_ones():
     assert "paged_adamw_8bit" not in out["optimizers"]  # FSDP refuses it
     text = " ".join(_cli("--fsdp", "--ranks", "4").stdout.split())
     assert "training.fsdp, per rank of 4" in text and "gathered_units" in text
+
+
+def test_auto_layers_under_fsdp_fit_one_rank_of_this_process_group(monkeypatch):
+    """lisa.active_layers: auto picks γ from the per-rank estimate: more ranks, more layers."""
+    from pathlib import Path
+
+    from lisaft.memory.auto_layers import resolve_active_layers
+    from lisaft.recipe import load_recipe
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
+    chosen = {}
+    for world in (2, 8):
+        monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun sets; dist reads it
+        r = load_recipe(recipe, ["training.fsdp=true", "lisa.active_layers=auto", "optimizer.name=adamw_8bit"])
+        chosen[world] = resolve_active_layers(r, "cuda", 20 * GiB).active_layers
+    assert 1 <= chosen[2] < chosen[8]
