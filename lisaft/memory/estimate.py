@@ -359,6 +359,10 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         notes.append(f"data.packing under {s.attention}: each row's documents are kept apart by a "
                      f"{s.seq_len} x {s.seq_len} mask ({act.packed_mask / 2**20:,.0f} MiB for the micro-batch); "
                      "flash_attention_2 needs none")
+    if s.fsdp:
+        notes.append(f"training.fsdp over {s.ranks} ranks: one rank's memory (rank 0 holds the largest slices); NCCL's "
+                     "buffers are not modelled" + ("; the peak is the set-up, where each rank holds the whole "
+                                                   "model before sharding it" if peak_phase == "model_load" else ""))
     if s.lisa and s.state_policy == "keep":
         notes.append("lisa.state_policy keep: moments of every layer ever sampled stay resident "
                      "(counted as all layers)")
