@@ -183,33 +183,21 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     else:
         raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")
 
-    changes: dict = {}
-    if optimizer is not None:
-        changes["optimizer"] = optimizer
+    # Flags that set one field each, when given.
+    plain = {"optimizer": optimizer, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
+             "gradient_checkpointing": gradient_checkpointing, "in_backward": in_backward,
+             "cpu_offload": cpu_offload, "fsdp": fsdp}
+    changes: dict = {k: v for k, v in plain.items() if v is not None}
     if no_lisa:
         changes["lisa"] = False
     if lisa_layers is not None:
         changes.update(lisa=True, active_layers=lisa_layers, active_layers_auto=False)
-    if batch_size is not None:
-        changes["batch_size"] = batch_size
-    if seq_len is not None:
-        changes["seq_len"] = seq_len
-    if gradient_checkpointing is not None:
-        changes["gradient_checkpointing"] = gradient_checkpointing
-    if dtype is not None:
-        changes["dtype"] = dtype
     if attention is not None:
         changes["attention"] = _attention_for(attention, device, dtype or s.dtype)
-    if in_backward is not None:
-        changes["in_backward"] = in_backward
-        if in_backward:
-            changes["clipping"] = False  # in-backward steps cannot clip by the total norm
-    if cpu_offload is not None:
-        changes["cpu_offload"] = cpu_offload
+    if in_backward:
+        changes["clipping"] = False  # in-backward steps cannot clip by the total norm
     if host_ram is not None:
         changes["host_budget_bytes"] = parse_bytes(host_ram, "--host-ram")
-    if fsdp is not None:
-        changes["fsdp"] = fsdp
     changes["ranks"] = ranks or 1
     s = s.with_(**changes)
     check_ranks(s, ranks)
