@@ -138,7 +138,7 @@ def estimate_memory(
     fsdp: Optional[bool] = typer.Option(None, "--fsdp/--no-fsdp",
                                         help="Weights, gradients and moments sharded over ranks (or not)."),
     ranks: Optional[int] = typer.Option(None, "--ranks", metavar="N",
-                                        help="Per-rank figures for N processes (with --fsdp)."),
+                                        help="One rank's figures for N processes under FSDP."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON.", **FLAG),
     explain: bool = typer.Option(False, "--explain", help="Explain paged optimizer memory.", **FLAG),
