@@ -5,7 +5,7 @@ Llama-3.1-8B and Llama-3.1-70B, LISA γ=2 and full fine-tuning, on 1, 2, 4 and 8
 recipes/llama3.1-8b-lisa-24gb.yaml (bf16, FlashAttention, gradient checkpointing, packed
 2,048-token rows, batch 1) with adamw_8bit, the 8-bit optimizer FSDP runs (it refuses the paged
 ones), the model swapped for 70B and `lisa.enabled: false` for full fine-tuning. One rank is one
-GPU without FSDP (lisaft refuses FSDP in one process); full fine-tuning on one rank is also given
+GPU without FSDP (FSDP on one rank holds as much, plus its gathered copies); full fine-tuning on one rank is also given
 with `optimizer.cpu_offload` (moments, gradients and the step on the CPU), which runs on one
 device only. Nothing is measured here: these are `lisaft estimate-memory` figures
 (lisaft/memory/sharded.py says what each rank holds), for the docs' table in docs/distributed.md.

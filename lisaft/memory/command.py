@@ -225,10 +225,9 @@ def check_ranks(s: Settings, ranks: int | None) -> None:
                               "parallel), so each rank's figure is the estimate without --ranks; add --fsdp (or "
                               "--set training.fsdp=true) for sharded per-rank figures")
         return
-    if ranks is None or ranks < 2:
-        given = "is not given" if ranks is None else "is 1"
-        raise LisaftError(f"training.fsdp: --ranks {given}; give --ranks N, the number of processes "
-                          "(torchrun --nproc-per-node N, N >= 2): a single process cannot run FSDP")
+    if ranks is None:
+        raise LisaftError("training.fsdp: give --ranks N, the number of processes (torchrun --nproc-per-node N): "
+                          "the estimate is one rank's")
     if s.optimizer.startswith("paged_"):
         raise LisaftError(f"optimizer.name {s.optimizer} is not supported with training.fsdp; use "
                           f"--optimizer {s.optimizer.removeprefix('paged_')} (or adamw_32bit)")

@@ -109,8 +109,7 @@ def _cli(*args):
 @pytest.mark.parametrize("args, words", [
     (["--fsdp", "--ranks", "0"], "--ranks: must be at least 1, got 0"),
     (["--ranks", "4"], "without training.fsdp every rank holds the whole model"),
-    (["--fsdp"], "--ranks is not given"),
-    (["--fsdp", "--ranks", "1"], "a single process cannot run FSDP"),
+    (["--fsdp"], "give --ranks N, the number of processes"),
     (["--fsdp", "--ranks", "2", "--optimizer", "paged_adamw_8bit"], "use --optimizer adamw_8bit"),
     (["--fsdp", "--ranks", "2", "--cpu-offload"], "optimizer.cpu_offload cannot be combined with training.fsdp"),
 ])
@@ -124,6 +123,9 @@ def test_bad_ranks_are_refused_in_one_line(args, words):
 def test_ranks_one_without_fsdp_is_the_single_process_estimate():
     plain, one = json.loads(_cli("--json").stdout), json.loads(_cli("--json", "--ranks", "1").stdout)
     assert plain == one and plain["settings"]["fsdp"] is False and plain["settings"]["ranks"] == 1
+    # FSDP on one rank (torchrun --nproc-per-node 1) holds the same slices, plus gathered copies.
+    fsdp = json.loads(_cli("--json", "--fsdp", "--ranks", "1").stdout)
+    assert fsdp["sizes"]["weights"] == plain["sizes"]["weights"] and fsdp["total_bytes"] > plain["total_bytes"]
 
 
 def test_json_under_fsdp_keeps_every_field_and_adds_the_per_rank_ones():
