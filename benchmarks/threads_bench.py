@@ -48,6 +48,11 @@ OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOC
 SETTINGS = {
     "lisaft": {},
     "spin_300k": {"GOMP_SPINCOUNT": "300000"},
+    "spin_30k": {"GOMP_SPINCOUNT": "30000"},
+    "spin_10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin_3k": {"GOMP_SPINCOUNT": "3000"},
+    "spin_1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin_300": {"GOMP_SPINCOUNT": "300"},
     "one_thread": {"OMP_NUM_THREADS": "1"},
 }
 CONTENDERS = {

@@ -9,6 +9,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from lisaft.checkpoint import MARKER
 from lisaft.cli import app
 from lisaft.train import train
 
@@ -87,6 +88,9 @@ def test_an_fsdp_checkpoint_of_the_layout_before_dcp_is_refused_in_one_line(chat
     shutil.rmtree(ckpt / "weights")
     (ckpt / "shards").mkdir()
     (ckpt / "shards" / "rank-0.safetensors").write_bytes(b"")
+    files = {str(f.relative_to(ckpt)): f.stat().st_size for f in sorted(ckpt.rglob("*"))
+             if f.is_file() and f.name != MARKER}
+    (ckpt / MARKER).write_text(json.dumps({"step": 4, "files": files}))  # complete, as training wrote it
     result = _generate(ckpt, "--prompt", "abc")
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
