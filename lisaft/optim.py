@@ -166,7 +166,8 @@ class _GradChunks:
         r0, r1 = lo // self.row_len, -(-hi // self.row_len)
         a, b = self.bounds[r0 // self.rows_per_chunk], self.bounds[r0 // self.rows_per_chunk + 1]
         dense = torch.zeros(r1 - r0, self.row_len, dtype=torch.float32, device=self.values.device)
-        dense[self.rows[a:b] - r0] = self.values[a:b].reshape(b - a, -1).float()
+        # reshape to the row length, not -1: a chunk of rows no token touched has no values.
+        dense[self.rows[a:b] - r0] = self.values[a:b].reshape(b - a, self.row_len).float()
         return dense.view(-1)
 
 
