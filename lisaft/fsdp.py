@@ -1,9 +1,11 @@
 """training.fsdp: weights, gradients and optimizer state sharded over ranks with FSDP2.
 
-Each training unit is one FSDP unit (`torch.distributed.fsdp.fully_shard`): every decoder layer,
-the head (output projection and final norm) as one group, and the root module for what is left
-(the embeddings). A unit's parameters become DTensors sharded on dim 0; a rank holds its slice
-and gathers a unit's whole weights only around that unit's forward and backward.
+Every decoder layer is one FSDP unit (`torch.distributed.fsdp.fully_shard`), and the root module
+holds the rest: the embeddings and the head (output projection and final norm), which the
+chunked loss needs gathered from the forward to the end of backward (see shard_model). A unit's
+parameters become DTensors sharded on dim 0; a rank holds its slice and gathers a layer's whole
+weights only around that layer's forward and backward, the root's from its forward to the end of
+backward.
 
 What lisaft keeps of its own, and why:
 - The loss is already divided by the global token count, so gradients are summed over ranks
@@ -59,21 +61,6 @@ def check_supported(recipe) -> None:
                           "or set training.fsdp false")
 
 
-def _head_modules(model: nn.Module, parts: ModelParts) -> list[nn.Module]:
-    """The outermost modules whose parameters are all head parameters."""
-    head = {id(p) for p in parts.head}
-    chosen: list[nn.Module] = []
-    for _, module in model.named_modules():
-        params = list(module.parameters())
-        if params and all(id(p) in head for p in params) and not any(_inside(module, c) for c in chosen):
-            chosen.append(module)
-    return chosen
-
-
-def _inside(module: nn.Module, outer: nn.Module) -> bool:
-    return any(m is module for m in outer.modules())
-
-
 def shard_model(model: nn.Module, parts: ModelParts, device: torch.device) -> LocalShards:
     """Shard the model in place, one FSDP unit per training unit, on a mesh over every rank on
     the training device (the default mesh would pick CUDA whenever one exists)."""
@@ -83,11 +70,12 @@ def shard_model(model: nn.Module, parts: ModelParts, device: torch.device) -> Lo
     mesh = init_device_mesh(device.type, (dist.world_size(),))
     # Weights stay in their dtype (bf16 as lisaft trains them); gradients are reduced in float32.
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    head = _head_modules(model, parts)
     for layer in parts.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    if head:
-        fully_shard(head, mesh=mesh, mp_policy=policy)
+    # The head (output projection and final norm) stays in the root unit with the embeddings:
+    # lisaft's chunked loss (lisaft/loss.py) calls the projection once per chunk of positions and
+    # again when backward recomputes each chunk, which only a unit gathered from the forward to
+    # the end of backward (the root: fully_shard does not reshard it after forward) survives.
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

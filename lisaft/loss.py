@@ -93,9 +93,30 @@ def _chunk_loss(hidden, targets, head, softcap):
 
 def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of every position that predicts a token, flattened, and the targets."""
-    out = model.base_model(**model_inputs(batch))
-    hidden = out.last_hidden_state[:, :-1]
+    last = _sharded_last_hidden(model, batch) if _is_sharded(model) else \
+        model.base_model(**model_inputs(batch)).last_hidden_state
+    hidden = last[:, :-1]
     return hidden.reshape(-1, hidden.size(-1)), batch["labels"][:, 1:].reshape(-1)
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
+    """training.fsdp: the model's own forward must run, since its hooks gather the root unit's
+    weights (the embeddings) and arm its backward; calling the base model directly would skip
+    them. The head then runs on no position (logits_to_keep: an empty index) and the base
+    model's output is taken on its way out."""
+    seen = []
+    hook = model.base_model.register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state))
+    try:
+        model(**model_inputs(batch), logits_to_keep=torch.empty(0, dtype=torch.long, device=batch["input_ids"].device))
+    finally:
+        hook.remove()
+    return seen[-1]
 
 
 def token_loss_sum(model, batch: dict) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """training.fsdp, per rank: what FSDP2 adds to a rank's memory beside its slices.
 
-lisaft/fsdp.py makes every training unit one FSDP unit: the root (the embeddings, and a tied
-head's matrix), the head (output projection and final norm) and each decoder layer. Each rank
+lisaft/fsdp.py makes each decoder layer one FSDP unit and leaves the rest to the root: the
+embeddings and the head (output projection and final norm), which the chunked loss needs
+gathered from the forward to the end of backward. Each rank
 keeps its slices (ParamCounts.sharded) of the weights, of the trainable gradients and of their
 moments; the rest is transient and follows torch's FSDP2 (torch/distributed/fsdp/_fully_shard/,
 torch 2.13), read rather than guessed:
@@ -10,8 +11,11 @@ torch 2.13), read rather than guessed:
   param_dtype), exist around its forward and backward. In backward the next unit's all-gather
   is prefetched when a unit's backward starts (FSDPParamGroup._backward_prefetch), so two
   layers are gathered at once. The root is not resharded after forward (fully_shard's default
-  for the root), so the embeddings stay gathered from the forward to their own backward, at the
-  end of backward. Gathered tensors are padded to a multiple of the ranks on dim 0.
+  for the root), so the embeddings and the head stay gathered from the forward to the end of
+  backward. Gathered tensors are padded to a multiple of the ranks on dim 0.
+- The root's gradients: the head's is made at the loss's backward and the embeddings' at the end
+  of backward, both whole, in the weights' dtype, until the root's one reduce-scatter after
+  backward.
 - Reducing (`gradient_reduce`): autograd makes a unit's whole gradient in the weights' dtype;
   foreach_reduce copies it into a float32 buffer of the unit's padded size (reduce_dtype=float32),
   frees it, reduce-scatters into a float32 slice and casts that slice back to the weights' dtype,
@@ -43,26 +47,25 @@ FP32 = 4
 class Units:
     """Gathered (padded) element counts of the FSDP units, and which of them train."""
 
-    root: int
-    head: int
-    layer: int  # the largest decoder layer
-    root_trains: bool
-    head_trains: bool
+    root: int            # embeddings and head, gathered together
+    layer: int           # the largest decoder layer
+    root_loss_grad: int  # root elements whose gradient the loss's backward makes (the head's)
+    root_grad: int       # root elements with a gradient by the end of backward
     layers_train: bool
-    # A head tied to the embeddings is the root's matrix: its gradient is the root's, made at the
-    # loss's backward and reduce-scattered only at the end of backward.
-    tied: bool = False
 
 
 def fsdp_units(counts: ParamCounts, s) -> Units:
     """The units of a model with these counts under settings `s` (memory.estimate.Settings)."""
     gathered = counts.gathered(s.ranks)
-    return Units(
-        root=sum(gathered.embeddings), head=sum(gathered.head),
-        layer=max((sum(layer) for layer in gathered.layers), default=0),
-        root_trains=not s.lisa or s.train_embeddings, head_trains=not s.lisa or s.train_head,
-        layers_train=True, tied=counts.tied,
-    )
+    embeddings, head = sum(gathered.embeddings), sum(gathered.head)
+    head_trains = not s.lisa or s.train_head
+    embeddings_train = not s.lisa or s.train_embeddings
+    # A head tied to the embeddings is the embeddings' matrix (counted there): its gradient is
+    # made at the loss's backward.
+    loss_grad = (head if head_trains else 0) + (embeddings if counts.tied and (head_trains or embeddings_train) else 0)
+    end_grad = loss_grad + (embeddings if embeddings_train and not counts.tied else 0)
+    return Units(root=embeddings + head, layer=max((sum(layer) for layer in gathered.layers), default=0),
+                 root_loss_grad=loss_grad, root_grad=end_grad, layers_train=True)
 
 
 def _reduce_scatter(numel: int, dt: int, ranks: int) -> int:
@@ -77,25 +80,24 @@ def _heavier(*moments: tuple[int, int]) -> tuple[int, int]:
 
 def fsdp_phases(u: Units, dt: int, ranks: int) -> dict[str, tuple[int, int]]:
     """(gathered_units, gradient_reduce) bytes at each moment of a step, for the estimator's
-    phases, and "root_backward": the end of backward, when the embeddings train."""
+    phases, and "root_backward": the end of backward, when the root's gradients are reduced."""
     w = dt
-    # The previous trainable unit's float32 input buffer, still held during a layer's backward.
-    held = FP32 * max(u.head if u.head_trains else 0, u.layer if u.layers_train else 0)
+    # The previous layer's float32 reduce-scatter input, still held during a layer's backward.
+    held = FP32 * u.layer if u.layers_train else 0
     layer_grad = dt * u.layer if u.layers_train else 0
-    root_grad = dt * u.root if u.tied and u.root_trains else 0
+    loss_grad = dt * u.root_loss_grad
     out = {
-        # The head's backward: the root gathered since forward, the head, the last layer prefetched.
-        "loss_backward": (w * (u.root + u.head + u.layer),
-                          root_grad + (_reduce_scatter(u.head, dt, ranks) if u.head_trains else 0)),
+        # The loss's backward: the root gathered since forward, the last layer prefetched.
+        "loss_backward": (w * (u.root + u.layer), loss_grad),
         # A layer's backward beside the prefetched one, or its own reduce-scatter once resharded.
-        "layer_backward": _heavier((w * (u.root + 2 * u.layer), root_grad + layer_grad + held),
+        "layer_backward": _heavier((w * (u.root + 2 * u.layer), loss_grad + layer_grad + held),
                                    (w * (u.root + u.layer),
-                                    root_grad + (_reduce_scatter(u.layer, dt, ranks) if u.layers_train else 0))),
+                                    loss_grad + (_reduce_scatter(u.layer, dt, ranks) if u.layers_train else 0))),
         "optimizer_step": (0, 0),
     }
-    if u.root_trains:
-        out["root_backward"] = _heavier((w * u.root, dt * u.root + (FP32 * u.layer if u.layers_train else 0)),
-                                        (0, _reduce_scatter(u.root, dt, ranks)))
+    if u.root_grad:
+        out["root_backward"] = _heavier((w * u.root, dt * u.root_grad + held),
+                                        (0, _reduce_scatter(u.root_grad, dt, ranks)))
     return out
 
 

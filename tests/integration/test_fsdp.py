@@ -45,7 +45,7 @@ def lisa(shared_tiny_run):
 @pytest.fixture(scope="module")
 def bf16(shared_tiny_run):
     cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
-    (shared_tiny_run.dir / "wide").mkdir()
+    (shared_tiny_run.dir / "wide").mkdir(exist_ok=True)
     cfg.update(hidden_size=64, intermediate_size=128)
     (shared_tiny_run.dir / "wide" / "config.json").write_text(json.dumps(cfg))
     return fsdp_run(shared_tiny_run, "bf16", WIDE_BF16)
@@ -65,6 +65,22 @@ def close_to_one_process(r, rtol=1e-5, wtol=1e-4):
     assert r.weights.keys() == r.single_weights.keys()
     for k, w in r.single_weights.items():
         assert torch.allclose(r.weights[k].float(), w.float(), rtol=wtol, atol=wtol), k
+
+
+@pytest.fixture(scope="module")
+def big_vocab(shared_tiny_run):
+    # 600,000 output rows x a packed micro-batch's positions pass loss.LOSS_CHUNK_ELEMENTS: the
+    # head and the loss run in chunks of positions, outside the model's own forward (lisaft/loss.py).
+    cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
+    (shared_tiny_run.dir / "big-vocab-model").mkdir()
+    cfg.update(vocab_size=600_000)
+    (shared_tiny_run.dir / "big-vocab-model" / "config.json").write_text(json.dumps(cfg))
+    return fsdp_run(shared_tiny_run, "big-vocab", {"model": {"config": "big-vocab-model/config.json"},
+                                                   "data": {"packing": True}})
+
+
+def test_the_chunked_loss_on_two_ranks_matches_one_process(big_vocab):
+    close_to_one_process(big_vocab)
 
 
 def test_lisa_on_two_ranks_matches_one_process_at_twice_the_batch(lisa):

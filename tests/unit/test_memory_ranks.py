@@ -84,11 +84,19 @@ def _at(est, phase):
     return fsdp_phases(fsdp_units(param_counts(s.config), s), 2, s.ranks)[phase]
 
 
-def test_the_head_reduce_scatter_holds_a_float32_copy_of_the_whole_head_gradient():
+def test_the_root_holds_the_whole_head_gradient_until_its_float32_reduce_scatter():
     est = compute(settings(fsdp=True, ranks=4))
-    head = sum(param_counts(est.settings.config).head)  # 128256 x 4096 + 4096, divisible by 4
-    # bf16 gradient of the whole head (2 B) beside the float32 reduce-scatter input (4 B).
-    assert _at(est, "loss_backward")[1] == head * (2 + 4)
+    counts = param_counts(est.settings.config)
+    head, embeddings = sum(counts.head), sum(counts.embeddings)  # each divisible by 4
+    # The head is in the root unit: the loss's backward makes its whole gradient (bf16, 2 B) and
+    # keeps it; no reduce-scatter happens until the root's, after the embeddings' backward.
+    assert _at(est, "loss_backward")[1] == head * 2
+    gathered, reduce = _at(est, "root_backward")
+    root = head + embeddings
+    # Either the bf16 gradients of the whole root beside the last layer's float32 buffer, or the
+    # root's float32 reduce-scatter input beside its bf16 gradient.
+    layer = max(sum(layer) for layer in counts.layers)
+    assert gathered + reduce == max(2 * root + 2 * root + 4 * layer, 4 * root + 2 * root)
 
 
 def test_fewest_ranks_is_the_first_count_that_fits():
