@@ -64,7 +64,8 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     else:
         peak_bytes = peak.rss_bytes
     measured = {
-        "weights_bytes": sum(p.numel() * p.element_size() for p in session.model.parameters()),
+        # Under training.fsdp a parameter is a DTensor: this rank holds its local slice.
+        "weights_bytes": sum(_local(p).numel() * p.element_size() for p in session.model.parameters()),
         "grad_bytes": peaks.grad_bytes,
         "optimizer_state_bytes": peaks.state_bytes,
         "activation_bytes": peaks.activation_bytes,
@@ -93,3 +94,7 @@ def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:
         f"out of memory in step {step + 1} on {session.device}; `lisaft estimate-memory {recipe_file}` "
         f"shows where the memory goes and what brings it under (gradient checkpointing, paged_adamw_8bit, "
         f"a smaller lisa.active_layers or data.max_seq_len); {where}")
+
+
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
