@@ -3,11 +3,14 @@
 Runs `lisaft train recipes/quickstart.yaml` (in its own process, as a user would) under several
 thread settings, each on a quiet machine and next to a competing process, side by side:
 
-    lisaft       lisaft as shipped: training.threads auto (one thread per usable CPU), idle
-                 OpenMP threads sleep at once (OMP_WAIT_POLICY=PASSIVE)
-    spin_300k    GNU OpenMP's own default (GOMP_SPINCOUNT=300000: idle threads spin about 300k
-                 rounds before they sleep), one thread per usable CPU: lisaft before issue 23
-    one_thread   OMP_NUM_THREADS=1: the workaround the issue found
+    lisaft        the quickstart as shipped: training.threads 1 (its 0.9M-parameter model's
+                  operations are too small to split), OMP_WAIT_POLICY=PASSIVE
+    passive_auto  lisaft's default for a recipe that sets no threads: training.threads auto
+                  (one thread per usable CPU), idle OpenMP threads sleep at once (PASSIVE)
+    spin_300k     GNU OpenMP's own default (GOMP_SPINCOUNT=300000: idle threads spin about 300k
+                  rounds before they sleep), one thread per usable CPU: lisaft before issue 23
+    spin_30k ... spin_300   shorter spins, one thread per usable CPU (--settings to choose)
+    one_thread    OMP_NUM_THREADS=1: the workaround issue 23 found
 
 The competing processes:
 
@@ -45,16 +48,20 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart.yaml"
 # The variables that steer OpenMP; each setting starts from an environment without them.
 OPENMP_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "MKL_NUM_THREADS")
+# Each setting: the OpenMP environment, and whether `training.threads` is set to auto (lisaft's
+# default, for recipes that do not set it) or left as the quickstart ships it (1).
 SETTINGS = {
-    "lisaft": {},
-    "spin_300k": {"GOMP_SPINCOUNT": "300000"},
-    "spin_30k": {"GOMP_SPINCOUNT": "30000"},
-    "spin_10k": {"GOMP_SPINCOUNT": "10000"},
-    "spin_3k": {"GOMP_SPINCOUNT": "3000"},
-    "spin_1k": {"GOMP_SPINCOUNT": "1000"},
-    "spin_300": {"GOMP_SPINCOUNT": "300"},
-    "one_thread": {"OMP_NUM_THREADS": "1"},
+    "lisaft": ({}, False),
+    "passive_auto": ({}, True),
+    "spin_300k": ({"GOMP_SPINCOUNT": "300000"}, True),
+    "spin_30k": ({"GOMP_SPINCOUNT": "30000"}, True),
+    "spin_10k": ({"GOMP_SPINCOUNT": "10000"}, True),
+    "spin_3k": ({"GOMP_SPINCOUNT": "3000"}, True),
+    "spin_1k": ({"GOMP_SPINCOUNT": "1000"}, True),
+    "spin_300": ({"GOMP_SPINCOUNT": "300"}, True),
+    "one_thread": ({"OMP_NUM_THREADS": "1"}, True),
 }
+DEFAULT_SETTINGS = ["lisaft", "passive_auto", "spin_300k"]
 CONTENDERS = {
     "quiet": None,
     "python_spin": "while True: pass",
@@ -80,7 +87,10 @@ def _train_records(metrics: Path) -> list[dict]:
 def run_once(setting: str, steps: int | None, out: Path, limit_s: float) -> dict:
     """One run; a run still going after `limit_s` is stopped, and its rate is what it logged by
     then (a stalled run would otherwise hold the benchmark for most of an hour)."""
+    env, auto_threads = SETTINGS[setting]
     overrides = [f"training.output_dir={out}", "training.log_every=5"]
+    if auto_threads:
+        overrides.append("training.threads=auto")
     if steps is not None:
         overrides += [f"training.max_steps={steps}", "training.eval_every=0", "training.save_every=0"]
     cmd = [sys.executable, "-m", "lisaft", "train", str(RECIPE), "--overwrite"]
@@ -89,7 +99,7 @@ def run_once(setting: str, steps: int | None, out: Path, limit_s: float) -> dict
     load = os.getloadavg()[0]
     start = time.perf_counter()
     try:
-        done = subprocess.run(cmd, env=_environment(SETTINGS[setting]), capture_output=True, text=True,
+        done = subprocess.run(cmd, env=_environment(env), capture_output=True, text=True,
                               check=False, timeout=limit_s)
         finished = True
     except subprocess.TimeoutExpired:
@@ -158,7 +168,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--limit-s", type=float, default=150.0,
                         help="stop a run after this long; its rate is what it logged by then")
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS))
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "threads")
     args = parser.parse_args()
