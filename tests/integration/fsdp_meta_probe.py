@@ -22,8 +22,12 @@ def recording_fully_shard(module, **kwargs):
 
 
 fsdp_api.fully_shard = recording_fully_shard
-model, _ = load_sharded(ModelSection(name_or_path=folder, dtype=dtype, attention="sdpa"), torch.device("cpu"))
+section = ModelSection(name_or_path=folder, dtype=dtype, attention="sdpa", gradient_checkpointing=True)
+model, _ = load_sharded(section, torch.device("cpu"))
 torch.save({"seen_on_meta": seen_on_meta,
+            "settings": {"checkpointing": all(layer.gradient_checkpointing for layer in model.model.layers),
+                         "use_cache": model.config.use_cache, "training": model.training,
+                         "attention": model.config._attn_implementation},
             "local": {n: p.to_local().clone() for n, p in model.named_parameters()},
             "buffers": {n: b.clone() for n, b in model.named_buffers()},
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight},

@@ -298,7 +298,9 @@ def save_tiny_model(tiny_run, name: str, tie: bool = False):
 @pytest.fixture(scope="module")
 def saved(shared_tiny_run):
     save_tiny_model(shared_tiny_run, "saved-model")
-    return fsdp_run(shared_tiny_run, "saved", {"model": {"config": None, "name_or_path": "saved-model"}})
+    # With checkpointing, set up on the meta model before sharding as load_model sets it up.
+    return fsdp_run(shared_tiny_run, "saved", {"model": {"config": None, "name_or_path": "saved-model",
+                                                         "gradient_checkpointing": True}})
 
 
 def test_a_saved_model_loaded_shard_by_shard_trains_like_one_process(saved):
@@ -324,6 +326,8 @@ def test_shard_by_shard_loading_never_holds_the_whole_model_and_equals_from_pret
     for r in ranks:
         # Every unit (four layers, then the root) was sharded while still on the meta device.
         assert r["seen_on_meta"] == [True] * 5 and r["tied"]
+        # What load_model sets up, set up on the meta model too.
+        assert r["settings"] == {"checkpointing": True, "use_cache": False, "training": True, "attention": "sdpa"}
         # The rotary embedding's inverse frequencies, which no checkpoint holds, computed again.
         buffers = dict(whole.named_buffers())
         assert r["buffers"].keys() == buffers.keys()
