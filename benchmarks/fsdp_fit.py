@@ -7,8 +7,10 @@ recipes/llama3.1-8b-lisa-24gb.yaml (bf16, FlashAttention, gradient checkpointing
 ones), the model swapped for 70B and `lisa.enabled: false` for full fine-tuning. One rank is one
 GPU without FSDP (FSDP on one rank holds as much, plus its gathered copies); full fine-tuning on one rank is also given
 with `optimizer.cpu_offload` (moments, gradients and the step on the CPU), which runs on one
-device only. Nothing is measured here: these are `lisaft estimate-memory` figures
-(lisaft/memory/sharded.py says what each rank holds), for the docs' table in docs/distributed.md.
+device only. The weights come from model.name_or_path, so under FSDP each rank reads only its
+slices (lisaft/fsdp.py load_sharded) and the peak is the training step's. Nothing is measured
+here: these are `lisaft estimate-memory` figures (lisaft/memory/sharded.py says what each rank
+holds), for the docs' table in docs/distributed.md.
 
     python benchmarks/fsdp_fit.py     # writes benchmarks/results/fsdp_fit/fsdp_fit.{json,md}
 """
@@ -41,8 +43,9 @@ def estimate(model: str, overrides: list[str], ranks: int, cpu_offload: bool = F
 
 def row(model: str, method: str, ranks: int, cpu_offload: bool = False) -> dict:
     est = estimate(model, METHODS[method], ranks, cpu_offload)
-    # The set-up moment (each rank loads the whole model before fully_shard splits it) apart from
-    # the training step's own peak: the first is lisaft's loading, the second FSDP's.
+    # The training step's own peak; a model built from model.config would add a set-up moment
+    # (model_load: each rank builds the whole model before fully_shard splits it), read shard by
+    # shard from name_or_path it has none.
     step = step_peak_phase(est)
     training = est.phases[step]
     out = {
@@ -57,22 +60,14 @@ def row(model: str, method: str, ranks: int, cpu_offload: bool = False) -> dict:
     return out
 
 
-def cell(r: dict, card: str) -> str:
-    if r[f"fits {card}"]:
-        return "fits"
-    if r[f"step fits {card}"]:
-        return "load"  # the step fits, loading the whole model on the rank does not
-    return "no"
-
-
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | method | ranks | per-rank peak | of which the step | 24 GB | 80 GB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | method | ranks | per-rank peak | 24 GB | 80 GB |", "|---|---|---|---|---|---|"]
     for r in rows:
         ranks = f"{r['ranks']}" + (" (FSDP)" if r["fsdp"] else " + cpu_offload" if r["cpu_offload"] else "")
         host = f" (+{r['host_bytes'] / GiB:.0f} GiB host)" if r["host_bytes"] else ""
+        fits = ["fits" if r[f"fits {card}"] else "no" for card in CARDS]
         lines.append(f"| {r['model']} | {r['method']} | {ranks} | {r['total_bytes'] / GiB:.1f} GiB{host} | "
-                     f"{r['training_peak_bytes'] / GiB:.1f} GiB | {cell(r, '24 GB')} | {cell(r, '80 GB')} |")
+                     f"{fits[0]} | {fits[1]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -85,6 +85,70 @@ def shard_model(model: nn.Module, parts: ModelParts, device: torch.device) -> Lo
     return LocalShards(model)
 
 
+def load_sharded(section, device: torch.device) -> tuple[nn.Module, LocalShards]:
+    """model.name_or_path under training.fsdp without the whole model on any rank: built on the
+    meta device, sharded as shard_model shards, each rank's slices allocated on `device` and read
+    straight from the safetensors files (DCP's Hugging Face reader reads only the rows a slice
+    covers, so neither the device nor host RAM ever holds more than this rank's slices). Then the
+    buffers the checkpoint does not hold (the rotary inverse frequencies) are computed again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from lisaft.models import build_on_meta, model_parts
+
+    model, folder = build_on_meta(section, device)
+    fresh = _buffer_sources(model, section.name_or_path)
+    shards = shard_model(model, model_parts(model, section.layers_path), device)
+    model.to_empty(device=device)
+    reader = dcp.HuggingFaceStorageReader(str(folder))
+    saved = reader.read_metadata().state_dict_metadata
+    state = get_model_state_dict(model)
+    aliases = _tied_names(model)
+    for name in [n for n in state if n not in saved]:
+        if aliases.get(name) in saved:
+            del state[name]  # a tied weight: reading its twin fills both
+        else:
+            raise LisaftError(f"model.name_or_path: {section.name_or_path}: its safetensors have no {name}, "
+                              "which this architecture needs; under training.fsdp the files must hold the "
+                              "model's own parameter names (save it with save_pretrained)")
+    with torch.no_grad():
+        dcp.load(state, storage_reader=reader)
+        for module, source in fresh:
+            for name in module._non_persistent_buffers_set:
+                getattr(module, name).copy_(getattr(source, name))
+    return model, shards
+
+
+def _buffer_sources(model: nn.Module, ref: str) -> list[tuple[nn.Module, nn.Module]]:
+    """For every module with buffers outside the checkpoint (rotary embeddings: inv_freq), a new
+    instance built from its config on the CPU, which computes them as loading would. Checked
+    before anything is allocated, so a module that cannot be rebuilt is refused at no cost."""
+    out = []
+    for name, module in model.named_modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        try:
+            with torch.device("cpu"):
+                source = type(module)(module.config)
+            ok = all(getattr(source, b).shape == getattr(module, b).shape for b in module._non_persistent_buffers_set)
+        except Exception:
+            ok = False
+        if not ok:
+            raise LisaftError(f"model.name_or_path: {ref}: {name} ({type(module).__name__}) keeps buffers outside "
+                              "the checkpoint that lisaft cannot compute again; set training.fsdp false")
+        out.append((module, source))
+    return out
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Each tied parameter's name, mapped to the first name of the same parameter."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
 class LocalShards:
     """Plain tensors over this rank's slices of the sharded parameters, for the optimizers."""
 

@@ -237,6 +237,47 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
                 raise LisaftError(f"model.name_or_path: {ref}: cannot load a model from it: {first_line(e)}") from None
             raise hub_error("model.name_or_path", ref, e) from None
     model.to(device)
+    apply_model_settings(model, section, device)
+    return model
+
+
+def build_on_meta(section: ModelSection, device: torch.device) -> tuple[nn.Module, Path]:
+    """model.name_or_path's architecture on the meta device (no weights anywhere yet), with the
+    settings load_model applies, and the folder that holds its safetensors: training.fsdp
+    shards it first and then reads each rank's rows (lisaft/fsdp.py load_sharded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ref = section.name_or_path
+    folder = Path(ref) if is_local(ref) else _hub_folder(ref)
+    _check_folder(folder, "model.name_or_path", "model")
+    if not any(folder.glob("*.safetensors")):
+        raise LisaftError(f"model.name_or_path: {ref}: training.fsdp reads each rank's rows from safetensors "
+                          "files and this model has none; save it with save_pretrained (safetensors)")
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        raise LisaftError(f"model.name_or_path: {ref}: not a usable config.json: {first_line(e)}") from None
+    attn = resolve_attention(section.attention, device, section.dtype)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[section.dtype], attn_implementation=attn)
+    apply_model_settings(model, section, device)
+    return model, folder
+
+
+def _hub_folder(ref: str) -> Path:
+    """The local snapshot of a hub model's config and safetensors (fetched unless offline)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(ref, allow_patterns=["*.json", "*.safetensors"],
+                                      local_files_only=hub_offline()))
+    except Exception as e:
+        raise hub_error("model.name_or_path", ref, e) from None
+
+
+def apply_model_settings(model: nn.Module, section: ModelSection, device: torch.device) -> None:
+    """Checkpointing, long-context memory, no KV cache, train mode: what every loaded model gets."""
     if section.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs, so no enable_input_require_grads
         # hack is needed and backward can stop at the lowest trainable layer.
@@ -249,7 +290,6 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     model.train()
-    return model
 
 
 def sparse_grad_is_smaller(num_embeddings: int, tokens_per_step: int) -> bool:

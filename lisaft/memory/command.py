@@ -106,6 +106,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         grad_accum_steps=recipe.training.grad_accum_steps,
         clipping=recipe.training.max_grad_norm is not None, device=device,
         budget_bytes=budget_bytes, fsdp=recipe.training.fsdp, ranks=_ranks(recipe, ranks),
+        model_from_config=recipe.model.config is not None,
     )
 
 

@@ -92,6 +92,9 @@ class Settings:
     datasets_imported: bool = False  # on CPU, the process baseline includes `datasets`
     expandable_segments: bool = True  # CUDA allocator setting (lisaft sets it unless the user did)
     fsdp: bool = False  # training.fsdp: per-rank figures for `ranks` processes (memory/sharded.py)
+    # model.config: a random init, built whole on every rank and then sharded (training.fsdp);
+    # weights from model.name_or_path are read shard by shard and never whole on a rank.
+    model_from_config: bool = False
     ranks: int = 1
 
     def with_(self, **changes) -> Settings:
@@ -198,7 +201,7 @@ class Estimate:
                 "train_embeddings": s.train_embeddings, "train_head": s.train_head,
                 "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
                 "grad_accum_steps": s.grad_accum_steps, "clipping": s.clipping, "device": s.device,
-                "fsdp": s.fsdp, "ranks": s.ranks,
+                "fsdp": s.fsdp, "ranks": s.ranks, "model_from_config": s.model_from_config,
             },
             "notes": list(self.notes),
         }
@@ -300,7 +303,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         phases["optimizer_step"] = moment(step_phase, 0, 0, step_temp, "optimizer_step")
     if "root_backward" in extra:  # the embeddings' backward ends it: every other slice's gradient is kept
         phases["root_backward"] = moment(grads_full, 0, 0, 0, "root_backward")
-    if s.fsdp:  # set-up: the whole model on the device before fully_shard splits it; no state yet
+    if s.fsdp and s.model_from_config:  # set-up: the whole model on the device before fully_shard splits it
         phases["model_load"] = {**moment(0, 0, 0, 0, "model_load"), "optimizer_states": 0,
                                 "unsharded_load": _weight_bytes(counts, dt) - weights}
 

@@ -24,7 +24,7 @@ _DESCRIPTIONS = {
     "host_weight_copies": "cpu_offload's copy of the weights the CPU step updates",
     "gathered_units": "whole weights of the units gathered now (root, head, layers)",
     "gradient_reduce": "a unit's whole gradient and its float32 reduce-scatter buffers",
-    "unsharded_load": "the whole model, loaded on every rank before it is sharded",
+    "unsharded_load": "the whole model, built from model.config on every rank before it is sharded",
 }
 # training.fsdp: what the resident components are per rank.
 _FSDP_DESCRIPTIONS = {
@@ -215,8 +215,10 @@ def _no_budget_fits(report) -> Text:
     setup = f"The leanest setup ({lean.what})" if lean.overrides else "These settings are the leanest lisaft has:"
     ranks = report.ranks
     whole = est.weights_bytes + est.sizes.get("unsharded_load", 0)
-    loads_whole = (f": each rank first loads the whole model ({human(whole)} of weights) and only then "
-                   "shards it (lisaft/models.py)" if whole > est.budget_bytes else "")
+    # Only a random init from model.config is built whole; name_or_path is read shard by shard.
+    loads_whole = (f": each rank first builds the whole model from model.config ({human(whole)} of weights) "
+                   "and only then shards it (lisaft/models.py)"
+                   if est.settings.model_from_config and whole > est.budget_bytes else "")
     shard = (f" Sharded with training.fsdp, {ranks.ranks} GPUs of this budget hold it: "
              f"{human(ranks.estimate.total_bytes)} per rank (last row above)." if ranks else
              f" Not even {RANKS[-1]} GPUs of this budget hold it with training.fsdp{loads_whole}.")

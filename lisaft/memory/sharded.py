@@ -24,9 +24,12 @@ torch 2.13), read rather than guessed:
   layer's backward runs beside the previous trainable unit's float32 buffer. The buffers are
   released at the end of every backward (the root's final callback), none between micro-batches.
 - Frozen units (LISA) are gathered like the others but make no gradient and no reduce-scatter.
-- Loading: lisaft builds or loads the whole model on every rank's device and then shards it
-  (lisaft/models.py, lisaft/fsdp.py), so each rank holds the whole model once, at set-up
-  (`unsharded_load`).
+- Loading: weights from model.name_or_path never exist whole on a rank: the model is built on
+  the meta device, sharded, and each rank allocates and reads only its slices (lisaft/fsdp.py
+  load_sharded), so the set-up holds no more than the step's slices. A random init from
+  model.config is built whole on every rank's device and then sharded, so that it equals the
+  one-process init: that rank holds the whole model once, at set-up (`unsharded_load`, the
+  `model_load` moment; Settings.model_from_config).
 - The optimizer step runs on the slices; lisaft's global norm (LocalShards.clip_grad_norm) takes
   a float32 copy of each slice and its square, one slice at a time.
 

@@ -147,7 +147,15 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if t.max_steps is None:  # training.epochs: the run's length follows from the train set
         t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
-    model = load_model(recipe.model, device, seed=t.seed)
+    shards = None
+    if t.fsdp and recipe.model.config is None:
+        from lisaft.fsdp import load_sharded
+
+        # Shard by shard from the checkpoint: no rank holds the whole model. A random init from
+        # model.config is built whole and then sharded, so it equals the one-process init.
+        model, shards = load_sharded(recipe.model, device)
+    else:
+        model = load_model(recipe.model, device, seed=t.seed)
     check_context_length(model.config, recipe.data.max_seq_len)
     # Not under FSDP, even on one rank: the embedding is a sharded unit with a dense gradient.
     use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and not t.fsdp,
@@ -157,11 +165,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     parts = model_parts(model, recipe.model.layers_path)
     if t.compile:
         compile_layers(parts.layers, device)
-    shards = None
     if t.fsdp:
         from lisaft.fsdp import shard_model
 
-        shards = shard_model(model, parts, device)
+        if shards is None:
+            shards = shard_model(model, parts, device)
         parts = model_parts(model, recipe.model.layers_path)  # sharding replaced every parameter
     units = model_units(parts)
     # Sharded state: each unit's owner is its index modulo the world size, stable across LISA

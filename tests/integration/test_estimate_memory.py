@@ -120,7 +120,9 @@ def test_gpu_picks_a_catalogued_budget_with_its_source():
 def test_json_uses_null_stable_keys_and_set_overrides(tmp_path):
     out = json.loads(_invoke("--model", "llama-3.1-70b", "--budget", "24GB", "--json").stdout)
     assert out["largest_seq_len"] is None and out["largest_batch_size"] is None
-    assert out["weights_fit"] is False and out["advice"] == [] and out["smallest_gpu"] is None
+    assert out["weights_fit"] is False and out["smallest_gpu"] is None
+    # Only sharding helps: the weights, read shard by shard, over enough 24 GB cards.
+    assert [a["ranks"] for a in out["advice"]] == [out["fewest_ranks"]] and out["fewest_ranks"] > 8
     assert out["smallest_budget_bytes"] > out["sizes"]["weights"]
     assert set(out["optimizers"]["adamw_32bit"]) == {"full", "lisa_2"}
 

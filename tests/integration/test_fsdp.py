@@ -282,3 +282,99 @@ def test_fsdp_in_one_process_is_refused_in_one_line_and_writes_nothing(tiny_run)
     out = CliRunner().invoke(app, ["train", str(tiny_run(training={"fsdp": True, "output_dir": "one"}))])
     assert out.exit_code == 2 and "torchrun --nproc-per-node" in out.output
     assert len(out.output.strip().splitlines()) == 1 and not (tiny_run.dir / "one").exists()
+
+
+def save_tiny_model(tiny_run, name: str, tie: bool = False):
+    """The tiny run's model, randomly initialised and saved with save_pretrained in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_run.dir / "model")
+    config.tie_word_embeddings = tie
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tiny_run.dir / name)
+    return tiny_run.dir / name
+
+
+@pytest.fixture(scope="module")
+def saved(shared_tiny_run):
+    save_tiny_model(shared_tiny_run, "saved-model")
+    # With checkpointing, set up on the meta model before sharding as load_model sets it up.
+    return fsdp_run(shared_tiny_run, "saved", {"model": {"config": None, "name_or_path": "saved-model",
+                                                         "gradient_checkpointing": True}})
+
+
+def test_a_saved_model_loaded_shard_by_shard_trains_like_one_process(saved):
+    # Each rank read its rows from the safetensors into a model built on the meta device; one
+    # process loaded the same folder with from_pretrained.
+    close_to_one_process(saved)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shard_by_shard_loading_never_holds_the_whole_model_and_equals_from_pretrained(shared_tiny_run, dtype):
+    # A tied head, float32 files: in bfloat16 the rows are rounded as from_pretrained rounds them.
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(shared_tiny_run, f"tied-model-{dtype}", tie=True)
+    probe = Path(__file__).with_name("fsdp_meta_probe.py")
+    out = shared_tiny_run.dir / f"probe-{dtype}"
+    result = subprocess_torchrun(probe, folder, dtype, out, cwd=shared_tiny_run.dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranks = [torch.load(f"{out}-{r}.pt", weights_only=True) for r in (0, 1)]
+    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    for r in ranks:
+        # Every unit (four layers, then the root) was sharded while still on the meta device.
+        assert r["seen_on_meta"] == [True] * 5 and r["tied"]
+        # What load_model sets up, set up on the meta model too.
+        assert r["settings"] == {"checkpointing": True, "use_cache": False, "training": True, "attention": "sdpa"}
+        # The rotary embedding's inverse frequencies, which no checkpoint holds, computed again.
+        buffers = dict(whole.named_buffers())
+        assert r["buffers"].keys() == buffers.keys()
+        assert all(r["buffers"][n].dtype == b.dtype and r["buffers"][n].equal(b) for n, b in buffers.items())
+    for name, p in whole.named_parameters():
+        halves = [r["local"][name] for r in ranks]
+        assert halves[0].shape[0] == halves[1].shape[0] == p.shape[0] // 2, name  # each rank its half
+        assert torch.cat(halves).dtype == p.dtype and torch.cat(halves).equal(p.detach()), name
+
+
+def subprocess_torchrun(script, *args, cwd):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_shard_by_shard_loading_refuses_a_model_without_safetensors_in_one_line(tiny_run):
+    from transformers import AutoConfig
+
+    from lisaft.errors import LisaftError
+    from lisaft.models import build_on_meta
+    from lisaft.recipe import ModelSection
+
+    folder = tiny_run.dir / "bin-model"
+    AutoConfig.from_pretrained(tiny_run.dir / "model").save_pretrained(folder)
+    (folder / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(LisaftError, match="model.name_or_path: .*this model has none") as e:
+        build_on_meta(ModelSection(name_or_path=str(folder)), torch.device("cpu"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_module_whose_buffers_cannot_be_computed_again_is_refused_before_loading():
+    from torch import nn
+
+    from lisaft.errors import LisaftError
+    from lisaft.fsdp import _buffer_sources
+
+    class Odd(nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.register_buffer("table", table, persistent=False)
+
+    model = nn.Sequential(Odd(torch.ones(3, device="meta")))
+    with pytest.raises(LisaftError, match=r"model.name_or_path: m: 0 \(Odd\) keeps buffers"):
+        _buffer_sources(model, "m")

@@ -39,9 +39,14 @@ def test_slices_divide_by_the_ranks_and_activations_do_not(lisa):
         assert est.sizes["activations"] == one.sizes["activations"]
         assert est.saved_activation_bytes == one.saved_activation_bytes
         assert est.sizes["logits_loss"] == one.sizes["logits_loss"]
-        # Gathered units are whole weights whatever the number of ranks; the load is the whole model.
+        # Gathered units are whole weights whatever the number of ranks.
         assert est.sizes["gathered_units"] == one.sizes["gathered_units"]
-        assert est.weights_bytes + est.sizes["unsharded_load"] == one.weights_bytes
+        # A model built from model.config is whole on each rank before it is sharded; weights from
+        # model.name_or_path are read shard by shard (lisaft/fsdp.py load_sharded), never whole.
+        built = compute(settings(lisa=lisa, fsdp=True, ranks=n, model_from_config=True))
+        assert est.weights_bytes + built.sizes["unsharded_load"] == one.weights_bytes
+        assert est.sizes["unsharded_load"] == 0 and "model_load" not in est.phases
+        assert "model_load" in built.phases
         assert est.trainable_params == one.trainable_params
 
 
@@ -145,7 +150,9 @@ def test_json_under_fsdp_keeps_every_field_and_adds_the_per_rank_ones():
     assert out["settings"]["fsdp"] is True and out["settings"]["ranks"] == 4
     assert set(FSDP_ONLY) <= set(out["components"]) and set(FSDP_ONLY) <= set(out["sizes"])
     assert sum(out["components"].values()) == out["total_bytes"]
-    assert "model_load" in out["phases"] and out["fewest_ranks"] is None
+    # --model: weights from files, read shard by shard, so no rank loads the whole model.
+    assert "model_load" not in out["phases"] and out["fewest_ranks"] is None
+    assert out["sizes"]["unsharded_load"] == 0 and out["settings"]["model_from_config"] is False
     assert all("ranks" in a for a in out["advice"])
     assert "paged_adamw_8bit" not in out["optimizers"]  # FSDP refuses it
     text = " ".join(_cli("--fsdp", "--ranks", "4").stdout.split())
@@ -166,3 +173,25 @@ def test_auto_layers_under_fsdp_fit_one_rank_of_this_process_group(monkeypatch):
         r = load_recipe(recipe, ["training.fsdp=true", "lisa.active_layers=auto", "optimizer.name=adamw_8bit"])
         chosen[world] = resolve_active_layers(r, "cuda", 20 * GiB).active_layers
     assert 1 <= chosen[2] < chosen[8]
+
+
+def test_only_a_model_built_from_its_config_is_loaded_whole_on_each_rank(tmp_path):
+    """model.config (random init) is built whole and then sharded; model.name_or_path is not."""
+    from pathlib import Path
+
+    from lisaft.memory.command import settings_from_recipe
+    from lisaft.recipe import load_recipe
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
+    config, _ = resolve_model("llama-3.1-8b")
+    config.save_pretrained(tmp_path)
+    common = ["training.fsdp=true", "optimizer.name=adamw_8bit"]
+    loaded = settings_from_recipe(load_recipe(recipe, common), ranks=4)
+    built = settings_from_recipe(load_recipe(recipe, [*common, "model.name_or_path=null",
+                                                      f"model.config={tmp_path}", f"model.tokenizer={tmp_path}"]),
+                                 ranks=4)
+    assert not loaded.model_from_config and built.model_from_config
+    est_loaded, est_built = compute(loaded), compute(built)
+    assert "model_load" not in est_loaded.phases
+    whole = est_built.total_params * 2  # bf16
+    assert est_built.sizes["unsharded_load"] == whole - (est_loaded.weights_bytes - buffers(est_loaded))
