@@ -293,6 +293,11 @@ def read_components(ckpt: Path) -> dict[str, dict]:
     return components
 
 
+def saved_world_size(ckpt: Path) -> int:
+    """How many processes wrote the checkpoint (its progress component)."""
+    return int(read_components(ckpt).get("progress", {}).get("world_size", 1))
+
+
 def _pause_for_tests(tmp: Path) -> None:
     """The crash-safety test kills the process here, with every file written but no marker yet:
     the worst moment. Inert unless the variable is set."""

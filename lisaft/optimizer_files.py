@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from lisaft import dist
+from lisaft.checkpoint import saved_world_size
 from lisaft.console import warn
 from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
 from lisaft.optim import state_order
-from lisaft.reshard import ReshardNotes, read_resharded, saved_world_size
+from lisaft.reshard import ReshardNotes, read_resharded
 from lisaft.units import UnitOptimizers
 
 
@@ -74,15 +75,13 @@ class OptimizerFiles:
         is loaded first) get optimizers on the device, the others go where lisa.state_policy keeps
         inactive units (nowhere for discard)."""
         opts = self.optimizers
-        if self.per_rank and saved_world_size(folder) not in (0, dist.world_size()):
-            self._read_resharded(folder)
+        ckpt = folder.parent
+        if self.per_rank and (old_world := saved_world_size(ckpt)) != dist.world_size():
+            self._read_resharded(folder, old_world)
             return
         folder = self._dir(folder)
         names = {f.name[:-3] for f in folder.glob("*.pt")} if folder.is_dir() else set()
-        unknown = sorted(names - set(opts.units))
-        if unknown:
-            raise LisaftError(f"checkpoint {folder.parent.name} holds optimizer state for units this model "
-                              f"does not have: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
+        self._check_known(names, ckpt)
         opts.clear()
         resident = self.controller.resident_units()
         for name in sorted(names):
@@ -91,22 +90,25 @@ class OptimizerFiles:
                 opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
         opts.dirty.clear()
 
-    def _read_resharded(self, folder: Path) -> None:
+    def _check_known(self, names: set[str], ckpt: Path) -> None:
+        unknown = sorted(names - set(self.optimizers.units))
+        if unknown:
+            raise LisaftError(f"checkpoint {ckpt.name} holds optimizer state for units this model "
+                              f"does not have: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
+
+    def _read_resharded(self, folder: Path, old_world: int) -> None:
         """training.fsdp on another number of ranks than wrote the checkpoint: each unit's state
         for this rank's slices, cut from every old rank's (lisaft/reshard.py)."""
         opts = self.optimizers
+        names = {f.name[:-3] for f in folder.glob("rank-*/*.pt")}
+        self._check_known(names, folder.parent)
         opts.clear()
         resident = self.controller.resident_units()
         notes = ReshardNotes()
         eight_bit = opts.section.name.endswith("_8bit")
-        names = sorted({f.name[:-3] for f in folder.glob("rank-*/*.pt")})
-        unknown = [n for n in names if n not in opts.units]
-        if unknown:
-            raise LisaftError(f"checkpoint {folder.parent.name} holds optimizer state for units this model "
-                              f"does not have: {', '.join(unknown[:3])}")
-        for name in names:
+        for name in sorted(names):
             shapes = [p.shape for p in state_order(opts.units[name].params)]
-            sd = read_resharded(folder, name, shapes, dist.world_size(), dist.rank(), eight_bit, notes)
+            sd = read_resharded(folder, name, shapes, old_world, dist.world_size(), dist.rank(), eight_bit, notes)
             if sd is not None:
                 opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
         opts.dirty.update(names)  # every rank's files are new: none can be linked from this checkpoint

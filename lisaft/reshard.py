@@ -42,16 +42,11 @@ class ReshardNotes:
     requantized: int = 0   # tensors whose 8-bit moments went through float32
 
 
-def saved_world_size(folder: Path) -> int:
-    """How many ranks wrote optimizer/ (each writes its rank-R folder, even when empty)."""
-    return len([d for d in folder.glob("rank-*") if d.is_dir()])
-
-
-def read_resharded(folder: Path, unit: str, shapes: list[torch.Size], world: int, rank: int,
+def read_resharded(folder: Path, unit: str, shapes: list[torch.Size], old_world: int, world: int, rank: int,
                    eight_bit: bool, notes: ReshardNotes) -> dict | None:
     """This rank's state_dict for `unit` (parameter shapes in state_dict order), assembled from
-    the state every old rank wrote in folder/rank-Q/<unit>.pt; None when no rank saved any."""
-    old_world = saved_world_size(folder)
+    the state each of the `old_world` ranks wrote in folder/rank-Q/<unit>.pt; None when no rank
+    saved any."""
     olds = []
     for q in range(old_world):
         path = folder / f"rank-{q}" / f"{unit}.pt"

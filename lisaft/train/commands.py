@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 
 from lisaft import dist, runfiles
+from lisaft.checkpoint import saved_world_size
 from lisaft.console import say, warn
 from lisaft.recipe import load_recipe
 from lisaft.resume_checks import run_recipe_file
@@ -74,7 +75,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     check_backends(recipe.logging)
     candidates = policy.checkpoints_to_try(run_dir, recipe_file)
     changed = policy.recipe_changes(candidates[0], recipe)
-    saved_world = policy.saved_world_size(candidates[0])
+    saved_world = saved_world_size(candidates[0])
     policy.check_resumable(run_dir, candidates[0], recipe, max_steps)
     session = build_session(recipe, run_dir)
     ckpt = policy.load_newest(session, candidates, recipe_file)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from lisaft import dist
-from lisaft.checkpoint import complete_checkpoints, read_components
+from lisaft.checkpoint import complete_checkpoints, read_components, saved_world_size
 from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError
 from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
@@ -51,10 +51,6 @@ def recipe_changes(ckpt: Path, recipe: Recipe) -> list[tuple[str, object, object
     if saved_world != dist.world_size():
         _check_global_batch(saved.training, recipe.training, saved_world)
     return [(k, saved_flat.get(k), new_flat.get(k)) for k in changed]
-
-
-def saved_world_size(ckpt: Path) -> int:
-    return int(read_components(ckpt).get("progress", {}).get("world_size", 1))
 
 
 def _check_global_batch(saved, now, saved_world: int) -> None:
