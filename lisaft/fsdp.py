@@ -279,9 +279,8 @@ class ShardFiles:
             raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards for rank {dist.rank()} "
                               "(its shards/rank-R files can only be resumed on as many ranks as wrote them)")
         saved = load_file(str(path), device="cpu")
-        named = [*self.state().items()]
-        for name, t in named:
-            local = _local(t)
+        for name, t in self.state().items():
+            local = local_tensor(t)
             if name not in saved or saved[name].shape != local.shape:
                 raise LisaftError(f"checkpoint {folder.parent.name}: {name} does not match this model's shard")
             local.copy_(saved[name])
@@ -306,5 +305,6 @@ def _file_indices(state: dict[str, torch.Tensor]) -> dict[str, int]:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a sharded (DTensor) parameter; any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t

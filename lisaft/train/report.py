@@ -36,6 +36,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     """The run's own memory, measured, beside what `lisaft estimate-memory` predicts for it."""
     from rich.console import Console
 
+    from lisaft.fsdp import local_tensor
     from lisaft.memory.command import estimate_for_recipe
     from lisaft.memory.measure import peak_memory
     from lisaft.memory.render import estimated_vs_measured_table
@@ -65,7 +66,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
         peak_bytes = peak.rss_bytes
     measured = {
         # Under training.fsdp a parameter is a DTensor: this rank holds its local slice.
-        "weights_bytes": sum(_local(p).numel() * p.element_size() for p in session.model.parameters()),
+        "weights_bytes": sum(local_tensor(p).numel() * p.element_size() for p in session.model.parameters()),
         "grad_bytes": peaks.grad_bytes,
         "optimizer_state_bytes": peaks.state_bytes,
         "activation_bytes": peaks.activation_bytes,
@@ -94,7 +95,3 @@ def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:
         f"out of memory in step {step + 1} on {session.device}; `lisaft estimate-memory {recipe_file}` "
         f"shows where the memory goes and what brings it under (gradient checkpointing, paged_adamw_8bit, "
         f"a smaller lisa.active_layers or data.max_seq_len); {where}")
-
-
-def _local(p):
-    return p.to_local() if hasattr(p, "to_local") else p
