@@ -222,9 +222,7 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
         config = load_config(section.config)
         torch.manual_seed(seed)
         # Built directly on the training device: an 8B model in bf16 never passes through host RAM.
-        with warnings.catch_warnings(), torch.device(device):
-            warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        model = _from_config(config, dtype, attn, device)
     else:
         ref = section.name_or_path
         if is_local(ref):
@@ -245,7 +243,7 @@ def build_on_meta(section: ModelSection, device: torch.device) -> tuple[nn.Modul
     """model.name_or_path's architecture on the meta device (no weights anywhere yet), with the
     settings load_model applies, and the folder that holds its safetensors: training.fsdp
     shards it first and then reads each rank's rows (lisaft/fsdp.py load_sharded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     ref = section.name_or_path
     folder = Path(ref) if is_local(ref) else _hub_folder(ref)
@@ -258,11 +256,18 @@ def build_on_meta(section: ModelSection, device: torch.device) -> tuple[nn.Modul
     except Exception as e:
         raise LisaftError(f"model.name_or_path: {ref}: not a usable config.json: {first_line(e)}") from None
     attn = resolve_attention(section.attention, device, section.dtype)
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[section.dtype], attn_implementation=attn)
+    model = _from_config(config, DTYPES[section.dtype], attn, torch.device("meta"))
     apply_model_settings(model, section, device)
     return model, folder
+
+
+def _from_config(config, dtype: torch.dtype, attn: str, device: torch.device) -> nn.Module:
+    """The architecture of `config`, its tensors created on `device` (meta: none at all)."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings(), torch.device(device):
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
 
 
 def _hub_folder(ref: str) -> Path:
