@@ -8,7 +8,7 @@ ones), the model swapped for 70B and `lisa.enabled: false` for full fine-tuning.
 GPU without FSDP (FSDP on one rank holds as much, plus its gathered copies); full fine-tuning on one rank is also given
 with `optimizer.cpu_offload` (moments, gradients and the step on the CPU), which runs on one
 device only. The weights come from model.name_or_path, so under FSDP each rank reads only its
-slices (lisaft/fsdp.py load_sharded) and the peak is the training step's. Nothing is measured
+slices (lisaft/distributed/fsdp.py load_sharded) and the peak is the training step's. Nothing is measured
 here: these are `lisaft estimate-memory` figures (lisaft/memory/sharded.py says what each rank
 holds), for the docs' table in docs/distributed.md.
 

@@ -138,7 +138,7 @@ class NvmlPeak:
 
     @staticmethod
     def _read() -> int | None:
-        from lisaft.memory.measure import nvml_used_bytes
+        from lisaft.metrics.measure import nvml_used_bytes
 
         return nvml_used_bytes("cuda:0")
 
@@ -178,7 +178,7 @@ def _overrides(cfg: Config, tiny: bool, workdir: Path, cuda: bool) -> list[str]:
     out = ["model.name_or_path=null", f"model.config={config_path}", "model.tokenizer=unused",
            f"training.output_dir={workdir / cfg.name}", f"training.max_steps={cfg.steps}",
            f"training.device={'cuda' if cuda else 'cpu'}", *cfg.overrides]
-    from lisaft.models import flash_attn_available
+    from lisaft.model.load import flash_attn_available
 
     if not (cuda and flash_attn_available()):
         out.append("model.attention=sdpa")  # the same tensors as FlashAttention 2 (docs/memory.md)
@@ -215,9 +215,9 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
     """Train one configuration in this process; returns its measurements."""
     import torch
 
+    from lisaft.config.schema import load_recipe
     from lisaft.memory.command import estimate_for_recipe
-    from lisaft.memory.measure import peak_rss_bytes
-    from lisaft.recipe import load_recipe
+    from lisaft.metrics.measure import peak_rss_bytes
     from lisaft.train import build_session
 
     cuda = torch.cuda.is_available() and not tiny

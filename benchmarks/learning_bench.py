@@ -344,7 +344,7 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from lisaft.recipe import OptimizerSection
+    from lisaft.config.schema import OptimizerSection
 
     torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()

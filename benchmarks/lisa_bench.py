@@ -153,7 +153,7 @@ class LisaftRunner:
                  train_embeddings: bool = True, compiled: bool = False):
         import torch
 
-        from lisaft.recipe import recipe_from_dict
+        from lisaft.config.schema import recipe_from_dict
         from lisaft.train import build_session
 
         run_dir = workdir / name
@@ -230,7 +230,7 @@ class HFRunner:
         from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
-        from lisaft.batches import DataOrder
+        from lisaft.data.order import DataOrder
 
         K, steps = s["interval"], s["steps"]
         # Same rows in the same order as lisaft's trainer draws them: step for step the same batches.

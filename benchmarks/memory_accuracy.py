@@ -59,8 +59,8 @@ STEPS = 2
 def _make_optimizer(name: str, params, lr: float = 1e-4):
     """lisaft's own optimizer (one unit over the trainable set), so the state measured is
     what a lisaft run keeps."""
-    from lisaft.optim import Rounding, build_unit_optimizer
-    from lisaft.recipe import OptimizerSection
+    from lisaft.config.schema import OptimizerSection
+    from lisaft.optim.adamw import Rounding, build_unit_optimizer
 
     params = list(params)
     return build_unit_optimizer(params, OptimizerSection(name=name, lr=lr), params[0].device,
@@ -75,10 +75,16 @@ def run_one(cfg: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lisaft.loss import token_loss_sum
     from lisaft.memory.estimate import Settings, compute
-    from lisaft.memory.measure import grad_bytes, optimizer_state_bytes, peak_rss_bytes, saved_activations, weight_bytes
-    from lisaft.models import DTYPES, model_parts
+    from lisaft.metrics.measure import (
+        grad_bytes,
+        optimizer_state_bytes,
+        peak_rss_bytes,
+        saved_activations,
+        weight_bytes,
+    )
+    from lisaft.model.load import DTYPES, model_parts
+    from lisaft.model.loss import token_loss_sum
 
     torch.manual_seed(0)
     config = LlamaConfig(**cfg["model"], max_position_embeddings=4096, tie_word_embeddings=False)

@@ -1,6 +1,6 @@
 """What the optimizer on the CPU costs on the host: benchmarks/offload_bench.py.
 
-optimizer.cpu_offload (lisaft/cpu_offload.py) does four things on the host per optimizer step;
+optimizer.cpu_offload (lisaft/optim/cpu_offload.py) does four things on the host per optimizer step;
 this times each one through the class's own code, against model size and CPU threads:
 
     copy_in      a completed gradient into its host accumulator (the first micro-batch's)
@@ -42,9 +42,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lisaft.cpu_offload import OffloadedOptimizers  # noqa: E402
-from lisaft.recipe import OptimizerSection  # noqa: E402
-from lisaft.units import Unit  # noqa: E402
+from lisaft.config.schema import OptimizerSection  # noqa: E402
+from lisaft.model.units import Unit  # noqa: E402
+from lisaft.optim.cpu_offload import OffloadedOptimizers  # noqa: E402
 
 FULL = {"hidden": 1024, "layers": [4, 16], "threads": sorted({1, os.cpu_count() or 1}),
         "optimizers": ["adamw_8bit", "adamw_32bit"], "reps": 3}

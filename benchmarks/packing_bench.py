@@ -48,10 +48,10 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from lisaft.batches import IGNORE_INDEX, collate, real_positions, to_device  # noqa: E402
-from lisaft.doc_attention import varlen_attention  # noqa: E402
-from lisaft.loss import eval_sums, token_loss_sum  # noqa: E402
-from lisaft.packing import pack_examples  # noqa: E402
+from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device  # noqa: E402
+from lisaft.data.packing import pack_examples  # noqa: E402
+from lisaft.model.attention import varlen_attention  # noqa: E402
+from lisaft.model.loss import eval_sums, token_loss_sum  # noqa: E402
 
 CONTENDERS = ("batch1", "padded8", "concat", "packed", "padding_free")
 # Sized for a shared 2-core CPU: about a minute per contender and seed.

@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from lisaft.optim import Rounding, build_unit_optimizer  # noqa: E402
-from lisaft.recipe import recipe_from_dict  # noqa: E402
+from lisaft.config.schema import recipe_from_dict  # noqa: E402
+from lisaft.optim.adamw import Rounding, build_unit_optimizer  # noqa: E402
 from lisaft.train import build_session, evaluate, train_step  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart"

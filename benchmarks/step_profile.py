@@ -4,10 +4,10 @@ Builds a session the way `lisaft train` does (random-init Llama, float32, sdpa, 
 gradient checkpointing) on synthetic rows of exactly L tokens, runs `trainer.train_step` and times
 its phases by wrapping the functions it calls, so the step measured is the real one:
 
-  collate     lisaft.batches.collate (data and collation)
+  collate     lisaft.data.collate.collate (data and collation)
   forward     model forward and the token loss sum
   backward    torch.Tensor.backward
-  clip        lisaft.optim.clip_grad_norm (the total norm, and scaling)
+  clip        lisaft.optim.adamw.clip_grad_norm (the total norm, and scaling)
   optimizer   UnitOptimizers.step (the unit AdamWs, and freeing gradients)
   lisa        LisaController.activate_for_step (the switch at interval boundaries; a no-op between)
   metrics     what a logged step adds in the loop: UnitOptimizers.state_bytes() and
@@ -55,7 +55,7 @@ class _PadOnly:
 def build(shape: dict, lisa: bool, workdir: Path, steps: int, compile_layers: bool = False):
     import torch
 
-    from lisaft.recipe import recipe_from_dict
+    from lisaft.config.schema import recipe_from_dict
     from lisaft.train import build_session
 
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,

@@ -8,8 +8,8 @@ from typing import List, Optional
 
 import typer
 
+from lisaft.config.schema import CADENCE_KEYS
 from lisaft.errors import LisaftError
-from lisaft.recipe import CADENCE_KEYS
 
 app = typer.Typer(
     add_completion=False,
@@ -41,7 +41,7 @@ def _global(
 ) -> None:
     import warnings
 
-    from lisaft import quiet
+    from lisaft.env import quiet
 
     quiet.configure(show_everything=verbose)
     # Here as well as in main(): the app is also run without main() (tests, `python -m lisaft`).
@@ -167,7 +167,7 @@ def plot(
                                        help="PNG to write. Default: RUN/plot.png, or ./plot.png for several runs."),
 ) -> None:
     """Plot runs: loss, eval, lr, grad norm, speed, memory, LISA layers."""
-    from lisaft.plot import plot_command
+    from lisaft.metrics.plot import plot_command
 
     try:
         code = plot_command(runs, out)
@@ -199,7 +199,7 @@ def generate(
     json_out: bool = typer.Option(False, "--json", help="One JSON object per prompt.", **FLAG),
 ) -> None:
     """Try a model with the prompt format its run trained on."""
-    from lisaft.generate import generate_command
+    from lisaft.generate.command import generate_command
 
     try:
         code = generate_command(path, prompt=prompt, input_text=input_text, input_file=input_file, fmt=fmt,
@@ -219,8 +219,8 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _one_line_warning
-    from lisaft.allocator import configure_cuda_allocator
-    from lisaft.threads import configure_openmp
+    from lisaft.env.allocator import configure_cuda_allocator
+    from lisaft.env.threads import configure_openmp
 
     configure_openmp()  # before torch loads OpenMP, which reads the wait policy once
 

@@ -2,7 +2,7 @@
 
 Two parts. `LayerSampler` says which layers interval i trains, as a pure function of
 (seed, i, layer count, γ, sampling), so a resumed or data-parallel run needs no saved or communicated
-RNG. `LisaController` applies that choice to whole training units (lisaft/units.py): it flips
+RNG. `LisaController` applies that choice to whole training units (lisaft/optim/unit_optimizers.py): it flips
 requires_grad, frees the gradients of frozen parameters, and tells the unit optimizers what
 becomes of a deactivated layer's optimizer (lisa.state_policy):
 
@@ -23,10 +23,11 @@ from collections.abc import Callable
 import numpy as np
 from torch import nn
 
+from lisaft.config.schema import LisaSection
 from lisaft.errors import LisaftError
-from lisaft.optim import grad_nbytes
-from lisaft.recipe import LisaSection
-from lisaft.units import Unit, UnitOptimizers
+from lisaft.model.units import Unit
+from lisaft.optim.adamw import grad_nbytes
+from lisaft.optim.unit_optimizers import UnitOptimizers
 
 # Separates the sampler's stream from any other user of the same seed (data order, init).
 _SAMPLER_DOMAIN = 0x4C495341  # "LISA"
@@ -190,7 +191,7 @@ class LisaController:
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore the interval and its active set. The checkpoint's optimizer files are read after
-        this (lisaft/optimizer_files.py), placing moments by `resident_units()`."""
+        this (lisaft/checkpoint/optimizer_files.py), placing moments by `resident_units()`."""
         interval = sd.get("interval")
         if interval is None:
             self._interval, self._active, self._trainable = None, [], []

@@ -2,9 +2,9 @@
 
 lisaft arms go through lisaft's public loop (`build_session`, `train_step`), so they train exactly
 as `lisaft train` does. The other arms run in a plain loop built from the same pieces: the same
-examples, the same batches in the same order (`lisaft.batches.DataOrder` and `collate`), the same
+examples, the same batches in the same order (`lisaft.data.order.DataOrder` and `collate`), the same
 loss normalisation (sum over response tokens / their count), the same learning-rate curve
-(`lisaft.schedules.lr_at`), clipping and AdamW settings.
+(`lisaft.optim.lr_schedule.lr_at`), clipping and AdamW settings.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ _DATA: dict[str, Data] = {}
 def load_data(data_dir: str, tokenizer_dir: str, max_seq_len: int) -> Data:
     """Tokenized task families, read once per process."""
     if data_dir not in _DATA:
-        from lisaft.data import load_splits
-        from lisaft.models import load_tokenizer
-        from lisaft.recipe import DataSection, ModelSection
+        from lisaft.config.schema import DataSection, ModelSection
+        from lisaft.data.examples import load_splits
+        from lisaft.model.load import load_tokenizer
 
         tok = load_tokenizer(ModelSection(config="unused", tokenizer=tokenizer_dir))
         d = Path(data_dir)
@@ -72,7 +72,7 @@ def load_data(data_dir: str, tokenizer_dir: str, max_seq_len: int) -> Data:
 
 def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_steps: int, lr: float):
     """The recipe a lisaft arm (or the pre-training) runs; model_ref names the model source."""
-    from lisaft.recipe import recipe_from_dict
+    from lisaft.config.schema import recipe_from_dict
 
     s = job["settings"]
     lisa = spec.get("lisa")
@@ -96,8 +96,8 @@ def pretrain_family_a(work: Path, s: dict, data_dir: Path, tokenizer, tokenizer_
     """Family A from random init (work/config.json) with lisaft full fine-tuning, saved with its
     tokenizer as an HF folder in work/pretrained. Both protocols pre-train this way. Returns the
     model, the last step's loss and the perf_counter time training started."""
-    from lisaft.data import load_splits
-    from lisaft.recipe import DataSection
+    from lisaft.config.schema import DataSection
+    from lisaft.data.examples import load_splits
     from lisaft.train import build_session, train_step
 
     a_train, _ = load_splits(DataSection(train=str(Path(data_dir) / "A_train.jsonl"), format="instruction",
@@ -151,7 +151,7 @@ class LoopArm:
     def __init__(self, job: dict, spec: dict, data: Data):
         from transformers import AutoModelForCausalLM
 
-        from lisaft.batches import DataOrder
+        from lisaft.data.order import DataOrder
 
         s = job["settings"]
         torch.manual_seed(job["seed"])
@@ -169,9 +169,9 @@ class LoopArm:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def step(self, step: int) -> tuple[float, int]:
-        from lisaft.batches import IGNORE_INDEX, collate
-        from lisaft.loss import token_loss_sum
-        from lisaft.schedules import lr_at
+        from lisaft.data.collate import IGNORE_INDEX, collate
+        from lisaft.model.loss import token_loss_sum
+        from lisaft.optim.lr_schedule import lr_at
 
         s = self.s
         lr = lr_at(step, peak_lr=self.peak_lr, max_steps=s["steps"], name="cosine",
@@ -207,7 +207,7 @@ class EmbHeadArm(LoopArm):
     """Embeddings, final norm and LM head train; every decoder layer stays frozen."""
 
     def setup(self, spec, job):
-        from lisaft.models import model_parts
+        from lisaft.model.load import model_parts
 
         parts = model_parts(self.model)
         self.model.requires_grad_(False)

@@ -1,6 +1,6 @@
 """Scores and memory readings, the same for every arm.
 
-Token accuracy is lisaft's own eval measure (`lisaft.loss.eval_sums`: teacher-forced argmax on the
+Token accuracy is lisaft's own eval measure (`lisaft.model.loss.eval_sums`: teacher-forced argmax on the
 response tokens), computed here over a fixed list of examples so that a LoRA or BAdam model is
 scored by exactly the code that scores a lisaft model. Exact match decodes greedily from the
 prompt and counts an answer right when the model emits exactly the reference response and then
@@ -14,8 +14,9 @@ import re
 
 import torch
 
-from lisaft.batches import IGNORE_INDEX, collate, eval_index_batches
-from lisaft.loss import eval_sums
+from lisaft.data.collate import IGNORE_INDEX, collate
+from lisaft.data.order import eval_index_batches
+from lisaft.model.loss import eval_sums
 
 EVAL_BATCH = 50
 GENERATE_BATCH = 64

@@ -65,9 +65,9 @@ _CACHE: dict[str, TaskData] = {}
 def load_task_data(data_dir: str, tokenizer_dir: str, max_seq_len: int) -> TaskData:
     """Read once per process."""
     if data_dir not in _CACHE:
-        from lisaft.data import load_splits
-        from lisaft.models import load_tokenizer
-        from lisaft.recipe import DataSection, ModelSection
+        from lisaft.config.schema import DataSection, ModelSection
+        from lisaft.data.examples import load_splits
+        from lisaft.model.load import load_tokenizer
 
         tok = load_tokenizer(ModelSection(config="unused", tokenizer=tokenizer_dir))
         d = Path(data_dir)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lisaft.loss import LOSS_CHUNK_ELEMENTS, PLAIN_HEAD_TYPES
+from lisaft.model.loss import LOSS_CHUNK_ELEMENTS, PLAIN_HEAD_TYPES
 
 FP32 = 4
 INT64 = 8
@@ -39,7 +39,7 @@ class Shape:
     attn_output_copy: bool = False
     attn_softcap: bool = False
     final_softcap: bool = False
-    # logits = head(final hidden state): lisaft's loss may then run in chunks (lisaft/loss.py).
+    # logits = head(final hidden state): lisaft's loss may then run in chunks (lisaft/model/loss.py).
     plain_head: bool = False
 
     @property
@@ -140,7 +140,7 @@ def layer_bytes_per_token(shape: Shape, dt: int, seq_len: int, attention: str, t
 
 def packed_mask_bytes(attention: str, checkpointing: bool, batch: int, seq_len: int, dt: int) -> int:
     """The block-diagonal mask of packed rows: one additive batch x L x L mask in the model dtype,
-    built once per forward (lisaft/doc_attention.py). sdpa keeps it for every layer's backward;
+    built once per forward (lisaft/model/attention.py). sdpa keeps it for every layer's backward;
     eager only adds it to the scores, so it is gone by backward unless checkpointed layers keep
     it for their recompute. The flash kernels take document lengths and need no mask."""
     if attention.startswith("flash") or (attention == "eager" and not checkpointing):
@@ -149,7 +149,7 @@ def packed_mask_bytes(attention: str, checkpointing: bool, batch: int, seq_len: 
 
 
 def mlp_chunked(seq_len: int, chunk_tokens: int | None) -> bool:
-    """Whether lisaft/offload.py splits the MLP: only sequences longer than one chunk."""
+    """Whether lisaft/model/activation_offload.py splits the MLP: only sequences longer than one chunk."""
     return bool(chunk_tokens) and seq_len > chunk_tokens
 
 
@@ -166,7 +166,7 @@ def checkpointed_layer_bytes_per_token(shape: Shape, dt: int) -> int:
     return dt * shape.hidden
 
 
-# With offloaded checkpoints (lisaft/offload.py) the device holds the input of the layer being
+# With offloaded checkpoints (lisaft/model/activation_offload.py) the device holds the input of the layer being
 # recomputed and the one being fetched ahead of it; forward's copies to host free each input
 # as soon as its copy is done, so the same bound holds there.
 OFFLOAD_INFLIGHT_LAYERS = 2
@@ -215,7 +215,7 @@ def activations(
     full = layer_bytes_per_token(shape, dt, seq_len, attention, True, chunked, masked)
     frozen = layer_bytes_per_token(shape, dt, seq_len, attention, False, chunked, masked)
     # Padded rows give sdpa a padding mask: lisaft hands it one additive mask per forward, shared
-    # by every layer (lisaft/doc_attention.py; counted with the packed mask below). With a mask,
+    # by every layer (lisaft/model/attention.py; counted with the packed mask below). With a mask,
     # transformers' SDPA path also repeats grouped k and v to every head, and those copies are
     # what the kernel keeps; a single k/v head repeats as a view, without a copy.
     pad_kv = 0
@@ -255,7 +255,7 @@ def activations(
 
 def loss_buffers_peak(shape: Shape, batch: int, seq_len: int, dt: int = 2) -> int:
     """vocab x tokens buffers alive at the loss's backward. lisaft's cross entropy turns its saved
-    float32 log-probs into the gradient in place (lisaft/loss.py), then casts it to the model's
+    float32 log-probs into the gradient in place (lisaft/model/loss.py), then casts it to the model's
     dtype unless that is float32. A chunked loss has them for one chunk only, and its recompute
     briefly holds the chunk's model-dtype logits (and soft-cap output) beside the log-probs."""
     chunk = loss_chunk_tokens(shape, batch * seq_len)

@@ -176,7 +176,7 @@ RANKS = (2, 4, 8, 16, 32, 64)
 def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
     """`s` as training.fsdp runs it, and the recipe keys that says: paged optimizers become their
     unpaged kind, the step in backward or on the CPU goes back to the optimizer step (each refused
-    under FSDP, lisaft/fsdp.py)."""
+    under FSDP, lisaft/distributed/fsdp.py)."""
     keys, fields = {"training.fsdp": True}, {"fsdp": True}
     if s.optimizer.startswith("paged_"):
         keys["optimizer.name"] = fields["optimizer"] = s.optimizer.removeprefix("paged_")
@@ -212,7 +212,7 @@ def largest_fitting(s: Settings, field: str, limit: int | None = None) -> int | 
     """Largest value of `field` (seq_len or batch_size) whose estimate fits with nothing paged;
     None if even 1 does not. Memory grows with both, so a binary search is exact. Sequences stop
     at the model's context length."""
-    from lisaft.models import context_length
+    from lisaft.model.load import context_length
 
     if limit is None:
         limit = (context_length(s.config) if field == "seq_len" else None) or 1 << 20

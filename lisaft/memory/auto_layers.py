@@ -77,7 +77,7 @@ def resolve_active_layers(recipe, device: str, budget_bytes: int | None = None) 
 def resolve_for_run(recipe, device: str) -> LayerChoice | None:
     """resolve_active_layers at a run's set-up: against the smallest device memory of all
     data-parallel ranks, so that every rank trains the same γ."""
-    from lisaft import dist
+    from lisaft.distributed import dist
 
     if not recipe.lisa.enabled or recipe.lisa.active_layers != "auto":
         return None

@@ -86,7 +86,7 @@ def resolve_model(ref: str, key: str = "--model"):
         raise LisaftError(f"{key}: {ref}: no such folder or config.json (catalogue names: {known})")
     from transformers import AutoConfig
 
-    from lisaft.hub import hub_offline
+    from lisaft.config.hub import hub_offline
 
     if hub_offline():
         raise LisaftError(f"{key}: {ref!r} is not a catalogue name or a local folder, and the hub cannot "

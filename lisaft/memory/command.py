@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lisaft.allocator import expandable_segments
+from lisaft.config.schema import Recipe, load_recipe
+from lisaft.env.allocator import expandable_segments
 from lisaft.errors import LisaftError
 from lisaft.memory.advice import (
     Change,
@@ -24,7 +25,6 @@ from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
 from lisaft.memory.optimizer_state import OPTIMIZERS
-from lisaft.recipe import Recipe, load_recipe
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
 DEFAULT_BUDGET = "24GiB"
@@ -77,7 +77,7 @@ def _ranks(recipe: Recipe, ranks: int | None) -> int:
     """Per-rank figures under training.fsdp: for `ranks`, else this process group's size."""
     if ranks is not None or not recipe.training.fsdp:
         return ranks or 1
-    from lisaft import dist
+    from lisaft.distributed import dist
 
     return dist.world_size()
 
@@ -218,7 +218,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
 
 
 def check_ranks(s: Settings, ranks: int | None) -> None:
-    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (lisaft/fsdp.py
+    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (lisaft/distributed/fsdp.py
     refuses the same combinations), each refusal one line."""
     if not s.fsdp:
         if s.ranks > 1:
@@ -280,7 +280,7 @@ class Report:
 
 
 def build_report(s: Settings, budget: Budget) -> Report:
-    from lisaft.models import context_length
+    from lisaft.model.load import context_length
 
     est = compute(s)
     layers = param_counts(s.config, s.layers_path).layer_count

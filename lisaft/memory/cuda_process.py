@@ -1,4 +1,4 @@
-"""What a CUDA training process holds beyond its tensors (lisaft/allocator.py picks the
+"""What a CUDA training process holds beyond its tensors (lisaft/env/allocator.py picks the
 allocator setting these depend on).
 
 Each term is a documented fact of PyTorch or CUDA, or a figure fitted to the NVML measurements

@@ -1,10 +1,10 @@
-"""Host memory of `optimizer.cpu_offload` (lisaft/cpu_offload.py), component by component.
+"""Host memory of `optimizer.cpu_offload` (lisaft/optim/cpu_offload.py), component by component.
 
 With the optimizer on the CPU the host holds, for the run's whole length:
 - moments: the unit optimizers' state, as on a device, never paged (paging is a CUDA feature);
 - host_weights: a copy of every parameter in the model dtype, the tensors the CPU step updates
   (pinned, so the copies back to the device run asynchronously), in power-of-two slabs
-  (lisaft/pinned.py), packed in the model's order;
+  (lisaft/optim/host_arena.py), packed in the model's order;
 - gradient_accumulators: one per trainable tensor in the model dtype, pinned, in slabs packed
   in the order backward completes the gradients (taken here as the reverse of the model's
   order); a sparse embedding gradient stays sparse, a row and an index per token;
@@ -18,13 +18,13 @@ Offloaded activation checkpoints (model.offload_activations) are counted beside 
 
 from __future__ import annotations
 
-from lisaft.cpu_offload import STAGING_SLOTS, staging_slot_bytes
 from lisaft.memory.optimizer_state import (
     UPDATE_CHUNK_ELEMENTS,
     state_bytes,
     step_temporaries,
 )
-from lisaft.pinned import arena_bytes, slab_size
+from lisaft.optim.cpu_offload import STAGING_SLOTS, staging_slot_bytes
+from lisaft.optim.host_arena import arena_bytes, slab_size
 
 HOST_COMPONENTS = ("moments", "host_weights", "gradient_accumulators", "staging", "step_temporaries",
                    "activation_checkpoints", "process_baseline")

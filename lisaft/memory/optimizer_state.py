@@ -1,7 +1,7 @@
 """Optimizer state bytes per parameter tensor, following the optimizers' own allocation rules.
 
 adamw_32bit keeps two float32 moments whatever the weight dtype (8 B/param); every optimizer
-keeps its step count as a Python int (lisaft/optim.py), nothing on the device. The bitsandbytes
+keeps its step count as a Python int (lisaft/optim/adamw.py), nothing on the device. The bitsandbytes
 optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
 - 32-bit (PagedAdamW): two float32 moments, 8 B/param, whatever the weights' dtype.
 - 8-bit (AdamW8bit, PagedAdamW8bit): tensors under min_8bit_size = 4096 elements keep float32
@@ -10,7 +10,7 @@ optimizers (bitsandbytes/optim/optimizer.py, Optimizer2State):
 - Paging (on CUDA only): a moment buffer is allocated in CUDA unified memory when its tensor has
   at least 1e5 elements; smaller buffers and every absmax stay ordinary device allocations.
 
-How a step runs (lisaft/optim.py) decides its transient memory, not its state, and this module
+How a step runs (lisaft/optim/adamw.py) decides its transient memory, not its state, and this module
 takes those rules from there (`holds_chunk_buffers`, the chunk size and the bitsandbytes
 thresholds) rather than restating them: a float32 weight with a dense gradient steps in place;
 bf16 weights take their update through float32 chunks (stochastic rounding by default, `nearest`
@@ -22,8 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lisaft.optim import BLOCKSIZE, CHUNK, CHUNK_BYTES_PER_ELEMENT, MIN_8BIT_NUMEL, PAGED_MIN_NUMEL, holds_chunk_buffers
-from lisaft.optim import QUANTIZATION_MAP_BYTES as QMAP_BYTES
+from lisaft.optim.adamw import (
+    BLOCKSIZE,
+    CHUNK,
+    CHUNK_BYTES_PER_ELEMENT,
+    MIN_8BIT_NUMEL,
+    PAGED_MIN_NUMEL,
+    holds_chunk_buffers,
+)
+from lisaft.optim.adamw import QUANTIZATION_MAP_BYTES as QMAP_BYTES
 
 OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
 BF16_UPDATES = ("stochastic", "nearest")
@@ -71,7 +78,7 @@ def state_bytes(optimizer: str, numels, dt: int, device: str) -> StateBytes:
     return StateBytes(total, paged)
 
 
-# The float32 update runs over at most this many elements at a time (lisaft/optim.py): a float32
+# The float32 update runs over at most this many elements at a time (lisaft/optim/adamw.py): a float32
 # copy of the weight chunk, the float32 gradient chunk and int32 rounding noise, 12 B/element.
 UPDATE_CHUNK_ELEMENTS = CHUNK
 UPDATE_CHUNK_BYTES_PER_ELEMENT = CHUNK_BYTES_PER_ELEMENT

@@ -217,7 +217,7 @@ def _no_budget_fits(report) -> Text:
     whole = est.weights_bytes + est.sizes.get("unsharded_load", 0)
     # Only a random init from model.config is built whole; name_or_path is read shard by shard.
     loads_whole = (f": each rank first builds the whole model from model.config ({human(whole)} of weights) "
-                   "and only then shards it (lisaft/models.py)"
+                   "and only then shards it (lisaft/model/load.py)"
                    if est.settings.model_from_config and whole > est.budget_bytes else "")
     shard = (f" Sharded with training.fsdp, {ranks.ranks} GPUs of this budget hold it: "
              f"{human(ranks.estimate.total_bytes)} per rank (last row above)." if ranks else

@@ -1,6 +1,6 @@
 """training.fsdp, per rank: what FSDP2 adds to a rank's memory beside its slices.
 
-lisaft/fsdp.py makes each decoder layer one FSDP unit and leaves the rest to the root: the
+lisaft/distributed/fsdp.py makes each decoder layer one FSDP unit and leaves the rest to the root: the
 embeddings and the head (output projection and final norm), which the chunked loss needs
 gathered from the forward to the end of backward. Each rank
 keeps its slices (ParamCounts.sharded) of the weights, of the trainable gradients and of their
@@ -25,7 +25,7 @@ torch 2.13), read rather than guessed:
   released at the end of every backward (the root's final callback), none between micro-batches.
 - Frozen units (LISA) are gathered like the others but make no gradient and no reduce-scatter.
 - Loading: weights from model.name_or_path never exist whole on a rank: the model is built on
-  the meta device, sharded, and each rank allocates and reads only its slices (lisaft/fsdp.py
+  the meta device, sharded, and each rank allocates and reads only its slices (lisaft/distributed/fsdp.py
   load_sharded), so the set-up holds no more than the step's slices. A random init from
   model.config is built whole on every rank's device and then sharded, so that it equals the
   one-process init: that rank holds the whole model once, at set-up (`unsharded_load`, the

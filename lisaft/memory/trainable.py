@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from lisaft.memory.activations import Shape
 from lisaft.memory.counts import ParamCounts
-from lisaft.models import sparse_grad_is_smaller
+from lisaft.model.load import sparse_grad_is_smaller
 
 if TYPE_CHECKING:
     from lisaft.memory.estimate import Settings
@@ -47,10 +47,10 @@ def state_numels(counts: ParamCounts, s: Settings, trainable: list[int]) -> list
 
 
 def sparse_embedding_saving(counts: ParamCounts, shape: Shape, s: Settings, dt: int) -> int:
-    """Gradient bytes saved when the input embedding's gradient is sparse (lisaft.models.
+    """Gradient bytes saved when the input embedding's gradient is sparse (lisaft.model.load.
     use_sparse_embedding_grad): its dense vocab x hidden matrix is replaced by a row and an int64
     index per token of the step, twice while repeated rows are summed. Never under FSDP (a
-    rank's gradient is a dense slice) nor data parallel (lisaft.models.use_sparse_embedding_grad)."""
+    rank's gradient is a dense slice) nor data parallel (lisaft.model.load.use_sparse_embedding_grad)."""
     if s.fsdp:
         return 0
     tokens = s.batch_size * s.seq_len * s.grad_accum_steps

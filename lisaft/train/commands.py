@@ -5,16 +5,17 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from lisaft import dist, runfiles
-from lisaft.checkpoint import saved_world_size
+from lisaft import run_folder as runfiles
+from lisaft.checkpoint.checkpointer import saved_world_size
+from lisaft.checkpoint.missing import run_recipe_file
+from lisaft.config.schema import load_recipe
+from lisaft.config.unused_keys import unused_keys
 from lisaft.console import say, warn
-from lisaft.recipe import load_recipe
-from lisaft.resume_checks import run_recipe_file
-from lisaft.runlog import MetricsLog, check_backends
+from lisaft.distributed import dist
+from lisaft.metrics.log import MetricsLog, check_backends
 from lisaft.train import resume as policy
 from lisaft.train.loop import run
 from lisaft.train.session import build_session
-from lisaft.unused_keys import unused_keys
 
 
 def _in_process_group(fn):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from lisaft import dist
-from lisaft.batches import collate, eval_index_batches, to_device
-from lisaft.doc_attention import varlen_attention
-from lisaft.loss import eval_sums
+from lisaft.data.collate import collate, to_device
+from lisaft.data.order import eval_index_batches
+from lisaft.distributed import dist
+from lisaft.model.attention import varlen_attention
+from lisaft.model.loss import eval_sums
 from lisaft.train.session import Session
 
 

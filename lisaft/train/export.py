@@ -6,7 +6,8 @@ import copy
 import os
 import shutil
 
-from lisaft import dist, runfiles
+from lisaft import run_folder as runfiles
+from lisaft.distributed import dist
 from lisaft.train.session import Session
 
 

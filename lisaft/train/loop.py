@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from lisaft import dist
-from lisaft.checkpoint import Checkpointer
-from lisaft.display import Display
-from lisaft.memory.measure import memory_counters
-from lisaft.runfiles import clean_write_failures, remove_temporaries
-from lisaft.runlog import RunLog
+from lisaft.checkpoint.checkpointer import Checkpointer
+from lisaft.distributed import dist
+from lisaft.metrics.display import Display
+from lisaft.metrics.log import RunLog
+from lisaft.metrics.measure import memory_counters
+from lisaft.run_folder import clean_write_failures, remove_temporaries
 from lisaft.train import export, report
 from lisaft.train.evaluate import evaluate
 from lisaft.train.session import Session

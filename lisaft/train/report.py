@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lisaft.display import Display
 from lisaft.errors import LisaftError, RunFailed
-from lisaft.runlog import RunLog
+from lisaft.metrics.display import Display
+from lisaft.metrics.log import RunLog
 from lisaft.train.session import Session
 
 
@@ -36,10 +36,10 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     """The run's own memory, measured, beside what `lisaft estimate-memory` predicts for it."""
     from rich.console import Console
 
-    from lisaft.fsdp import local_tensor
+    from lisaft.distributed.fsdp import local_tensor
     from lisaft.memory.command import estimate_for_recipe
-    from lisaft.memory.measure import peak_memory
     from lisaft.memory.render import estimated_vs_measured_table
+    from lisaft.metrics.measure import peak_memory
 
     recipe = session.recipe
     peaks = session.peaks

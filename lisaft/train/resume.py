@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lisaft import dist
-from lisaft.checkpoint import complete_checkpoints, read_components, saved_world_size
+from lisaft.checkpoint.checkpointer import complete_checkpoints, read_components, saved_world_size
+from lisaft.checkpoint.missing import nothing_left
+from lisaft.config.schema import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
 from lisaft.console import first_line, warn
+from lisaft.distributed import dist
 from lisaft.errors import LisaftError
-from lisaft.recipe import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
-from lisaft.resume_checks import nothing_left
-from lisaft.runfiles import is_write_failure, write_failed
-from lisaft.schedules import Plan
+from lisaft.optim.lr_schedule import Plan
+from lisaft.run_folder import is_write_failure, write_failed
 from lisaft.train.session import Session
 
 

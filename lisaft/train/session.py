@@ -13,23 +13,24 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from lisaft import dist
-from lisaft.batches import DataOrder
-from lisaft.checkpoint import Checkpointer
-from lisaft.cpu_offload import OffloadedOptimizers
+from lisaft.checkpoint.checkpointer import Checkpointer
+from lisaft.checkpoint.optimizer_files import OptimizerFiles
+from lisaft.config.schema import Recipe
+from lisaft.data.order import DataOrder
+from lisaft.data.packing import Packing, pack_examples
+from lisaft.distributed import dist
 from lisaft.errors import LisaftError
-from lisaft.in_backward import StepInBackward
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
-from lisaft.models import ModelParts
-from lisaft.optimizer_files import OptimizerFiles
-from lisaft.packing import Packing, pack_examples
-from lisaft.recipe import Recipe
-from lisaft.schedules import Schedule
-from lisaft.units import Unit, UnitOptimizers
+from lisaft.model.load import ModelParts
+from lisaft.model.units import Unit
+from lisaft.optim.cpu_offload import OffloadedOptimizers
+from lisaft.optim.in_backward import StepInBackward
+from lisaft.optim.lr_schedule import Schedule
+from lisaft.optim.unit_optimizers import UnitOptimizers
 
 if TYPE_CHECKING:
-    from lisaft.fsdp import LocalShards
+    from lisaft.distributed.fsdp import LocalShards
 
 
 class Tokenizer(Protocol):
@@ -87,7 +88,7 @@ class Session:
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
-    shards: LocalShards | None = None     # training.fsdp (lisaft/fsdp.py)
+    shards: LocalShards | None = None     # training.fsdp (lisaft/distributed/fsdp.py)
     auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
 
     def checkpointer(self) -> Checkpointer:
@@ -111,9 +112,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     """Load tokenizer, data and model and build optimizer and LISA controller. Raises
     LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
     tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
-    from lisaft.batches import steps_for_epochs
-    from lisaft.data import load_splits
-    from lisaft.models import (
+    from lisaft.data.examples import load_splits
+    from lisaft.data.order import steps_for_epochs
+    from lisaft.env.threads import apply_threads
+    from lisaft.model.load import (
         check_context_length,
         compile_layers,
         load_model,
@@ -122,12 +124,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         resolve_device,
         use_sparse_embedding_grad,
     )
-    from lisaft.threads import apply_threads
-    from lisaft.units import model_units
+    from lisaft.model.units import model_units
 
     t = recipe.training
     if t.fsdp:
-        from lisaft.fsdp import check_supported
+        from lisaft.distributed.fsdp import check_supported
 
         check_supported(recipe)
     apply_threads(t.threads, dist.local_world_size())
@@ -149,7 +150,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
     shards = None
     if t.fsdp and recipe.model.config is None:
-        from lisaft.fsdp import load_sharded
+        from lisaft.distributed.fsdp import load_sharded
 
         # Shard by shard from the checkpoint: no rank holds the whole model. A random init from
         # model.config is built whole and then sharded, so it equals the one-process init.
@@ -166,7 +167,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if t.compile:
         compile_layers(parts.layers, device)
     if t.fsdp:
-        from lisaft.fsdp import shard_model
+        from lisaft.distributed.fsdp import shard_model
 
         if shards is None:
             shards = shard_model(model, parts, device)

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lisaft import dist
-from lisaft.batches import IGNORE_INDEX, collate, real_positions, to_device
-from lisaft.cpu_offload import OffloadedOptimizers
-from lisaft.doc_attention import varlen_attention
-from lisaft.loss import token_loss_sum
-from lisaft.optim import clip_grad_norm
+from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
+from lisaft.distributed import dist
+from lisaft.model.attention import varlen_attention
+from lisaft.model.loss import token_loss_sum
+from lisaft.optim.adamw import clip_grad_norm
+from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.train.session import Session
 
 
@@ -80,7 +80,7 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             with phases.phase("forward"):
                 # Under FSDP the gathered weights are not the parameters the meter excludes.
                 if i == measured and session.shards is None:
-                    from lisaft.memory.measure import saved_activations
+                    from lisaft.metrics.measure import saved_activations
 
                     with saved_activations(session.model) as meter:
                         loss = forward(session.model, batch)

@@ -24,7 +24,9 @@ def limit_files(nbytes: int = LIMIT) -> None:
 
 
 def arm(phase: str) -> None:
-    from lisaft import checkpoint, runfiles, runlog
+    from lisaft import run_folder as runfiles
+    from lisaft.checkpoint import checkpointer as checkpoint
+    from lisaft.metrics import log as runlog
     from lisaft.train import export
 
     if phase == "checkpoint":
@@ -75,7 +77,7 @@ def arm(phase: str) -> None:
 
         runlog.MetricsLog.truncate_after = truncate_after
     elif phase == "offload":
-        from lisaft import optimizer_files
+        from lisaft.checkpoint import optimizer_files
 
         original_read = optimizer_files.OptimizerFiles.read
 

@@ -1,4 +1,4 @@
-"""Run under torchrun by test_fsdp.py: load a saved model shard by shard (lisaft.fsdp.load_sharded)
+"""Run under torchrun by test_fsdp.py: load a saved model shard by shard (lisaft.distributed.fsdp.load_sharded)
 and write what each rank holds, and whether the model was still on the meta device when sharded."""
 
 import sys
@@ -6,9 +6,9 @@ import sys
 import torch
 import torch.distributed.fsdp as fsdp_api
 
-from lisaft import dist
-from lisaft.fsdp import load_sharded
-from lisaft.recipe import ModelSection
+from lisaft.config.schema import ModelSection
+from lisaft.distributed import dist
+from lisaft.distributed.fsdp import load_sharded
 
 folder, dtype, out = sys.argv[1:4]
 dist.init_from_env()

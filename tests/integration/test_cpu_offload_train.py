@@ -5,7 +5,7 @@ files), and a stopped offloaded run resumes exactly."""
 import pytest
 from test_resume import assert_same_run
 
-from lisaft.runlog import read_metrics
+from lisaft.metrics.log import read_metrics
 from lisaft.train import resume, train
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lisaft.runlog import read_metrics
+from lisaft.metrics.log import read_metrics
 from lisaft.train import train
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.recipe import CADENCE_KEYS
-from lisaft.runlog import read_metrics
+from lisaft.config.schema import CADENCE_KEYS
+from lisaft.metrics.log import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

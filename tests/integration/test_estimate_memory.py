@@ -131,7 +131,7 @@ def test_json_uses_null_stable_keys_and_set_overrides(tmp_path):
     assert out["advice"] and all(isinstance(a["set"], dict) for a in out["advice"])
     # Every piece of advice is a --set that a recipe accepts.
     recipe = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
 
     for a in out["advice"]:
         load_recipe(recipe, [f"{k}={json.dumps(v)}" for k, v in a["set"].items()], resolve_paths=False)
@@ -172,7 +172,7 @@ def test_offline_hub_id_answers_at_once(monkeypatch):
 
     from huggingface_hub import constants
 
-    from lisaft.hub import hub_offline
+    from lisaft.config.hub import hub_offline
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     hub_offline.cache_clear()
@@ -254,7 +254,7 @@ def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
     from lisaft.memory.command import build_settings
     from lisaft.memory.counts import param_counts
     from lisaft.memory.estimate import compute
-    from lisaft.runlog import read_metrics
+    from lisaft.metrics.log import read_metrics
 
     path = tiny_run("fsdp.yaml", lisa={"enabled": False}, training={
         "fsdp": True, "batch_size": 2, "max_steps": 2, "save_every": 2, "eval_every": 0, "output_dir": "fsdp"})

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_distributed import torchrun, train_losses, weights
 
-from lisaft.runlog import read_metrics
+from lisaft.metrics.log import read_metrics
 from lisaft.train import train
 
 COMMON = dict(scheduler={"name": "constant"}, lisa={"interval_steps": 2},
@@ -70,7 +70,7 @@ def close_to_one_process(r, rtol=1e-5, wtol=1e-4):
 @pytest.fixture(scope="module")
 def big_vocab(shared_tiny_run):
     # 600,000 output rows x a packed micro-batch's positions pass loss.LOSS_CHUNK_ELEMENTS: the
-    # head and the loss run in chunks of positions, outside the model's own forward (lisaft/loss.py).
+    # head and the loss run in chunks of positions, outside the model's own forward (lisaft/model/loss.py).
     cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
     (shared_tiny_run.dir / "big-vocab-model").mkdir()
     cfg.update(vocab_size=600_000)
@@ -99,7 +99,7 @@ def test_generate_reads_a_sharded_checkpoint_in_one_process(lisa):
     from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
 
-    from lisaft.checkpoint import load_weights
+    from lisaft.checkpoint.checkpointer import load_weights
     from lisaft.cli import app
 
     ckpt = lisa.run / "checkpoints" / "step-000004"
@@ -179,7 +179,7 @@ def resume_on_one_rank(run, name: str, tiny_run):
 
 
 def test_a_two_rank_float32_run_resumes_on_one_rank_as_it_would_have_gone_on(lisa, shared_tiny_run):
-    # DCP reshards the weights and lisaft/reshard.py the float32 moments, both exactly, so only the
+    # DCP reshards the weights and lisaft/checkpoint/reshard.py the float32 moments, both exactly, so only the
     # order of float32 additions (one rank sums what two summed) separates the two continuations.
     cut, losses, output = resume_on_one_rank(lisa.run, "lisa-to-one", shared_tiny_run)
     assert "on 1 ranks (written by 2)" in output
@@ -352,9 +352,9 @@ def subprocess_torchrun(script, *args, cwd):
 def test_shard_by_shard_loading_refuses_a_model_without_safetensors_in_one_line(tiny_run):
     from transformers import AutoConfig
 
+    from lisaft.config.schema import ModelSection
     from lisaft.errors import LisaftError
-    from lisaft.models import build_on_meta
-    from lisaft.recipe import ModelSection
+    from lisaft.model.load import build_on_meta
 
     folder = tiny_run.dir / "bin-model"
     AutoConfig.from_pretrained(tiny_run.dir / "model").save_pretrained(folder)
@@ -367,8 +367,8 @@ def test_shard_by_shard_loading_refuses_a_model_without_safetensors_in_one_line(
 def test_a_module_whose_buffers_cannot_be_computed_again_is_refused_before_loading():
     from torch import nn
 
+    from lisaft.distributed.fsdp import _buffer_sources
     from lisaft.errors import LisaftError
-    from lisaft.fsdp import _buffer_sources
 
     class Odd(nn.Module):
         def __init__(self, table):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from lisaft.checkpoint import MARKER
+from lisaft.checkpoint.checkpointer import MARKER
 from lisaft.cli import app
 from lisaft.train import train
 
@@ -100,7 +100,7 @@ def test_an_fsdp_checkpoint_of_the_layout_before_dcp_is_refused_in_one_line(chat
 def test_a_checkpoints_model_holds_that_checkpoints_weights(chat_run):
     from safetensors.torch import load_file
 
-    from lisaft.generate_target import load_model, resolve_target
+    from lisaft.generate.target import load_model, resolve_target
 
     models = {}
     for step in ("step-000002", "step-000004"):

@@ -5,8 +5,8 @@ is never sampled keeps its initial weights bit for bit, and every layer that is 
 
 import torch
 
+from lisaft.config.schema import recipe_from_dict
 from lisaft.lisa import LayerSampler
-from lisaft.recipe import recipe_from_dict
 from lisaft.train import build_session, train_step
 
 N_LAYERS, K = 4, 2

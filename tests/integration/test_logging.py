@@ -50,8 +50,8 @@ def test_tensorboard_and_wandb_continue_the_same_run_on_resume(tiny_run, monkeyp
 
 def test_wandb_skips_steps_it_already_has_after_a_resume(tiny_run, monkeypatch):
     """The steps the first process sent past the checkpoint are not sent twice."""
-    from lisaft.recipe import load_recipe
-    from lisaft.runlog import RunLog
+    from lisaft.config.schema import load_recipe
+    from lisaft.metrics.log import RunLog
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     recipe = load_recipe(tiny_run(logging={"backends": ["wandb"]}))
@@ -74,9 +74,9 @@ def test_wandb_skips_steps_it_already_has_after_a_resume(tiny_run, monkeypatch):
 
 
 def test_missing_backend_package_names_the_extra_before_loading(tiny_run, monkeypatch):
-    import lisaft.runlog
+    import lisaft.metrics.log
 
-    monkeypatch.setitem(lisaft.runlog._NEEDS, "tensorboard", ("lisaft_no_such_module", "tensorboard"))
+    monkeypatch.setitem(lisaft.metrics.log._NEEDS, "tensorboard", ("lisaft_no_such_module", "tensorboard"))
     recipe = tiny_run(logging={"backends": ["tensorboard"]})
     result = CliRunner().invoke(app, ["train", str(recipe)])
     assert result.exit_code == 2, result.output

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.runlog import read_metrics
+from lisaft.metrics.log import read_metrics
 
 runner = CliRunner()
 PACKED = {"packing": True, "max_seq_len": 64}
@@ -79,7 +79,7 @@ def test_the_step_flattens_micro_batches_for_a_varlen_kernel(tiny_run, monkeypat
     # cu_seq_lens) stands in for it, and the step is told the model's kernel is varlen.
     from transformers import AttentionInterface
 
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
     from lisaft.train import build_session, evaluate, train_step
     from tests.unit.test_packed_attention import _varlen_reference
 
@@ -102,8 +102,8 @@ def test_the_step_flattens_micro_batches_for_a_varlen_kernel(tiny_run, monkeypat
 
 
 def test_one_packed_step_equals_one_unpacked_step_over_the_same_examples(tiny_run):
-    from lisaft.batches import DataOrder
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
+    from lisaft.data.order import DataOrder
     from lisaft.train import build_session, train_step
 
     common = {"lisa": {"enabled": False}, "training": {"max_steps": 1, "batch_size": 96, "eval_every": 0}}

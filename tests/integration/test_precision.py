@@ -5,7 +5,7 @@ default exists."""
 import pytest
 import torch
 
-from lisaft.recipe import load_recipe
+from lisaft.config.schema import load_recipe
 from lisaft.train import build_session, evaluate, train_step
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.runlog import read_metrics
+from lisaft.metrics.log import read_metrics
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 

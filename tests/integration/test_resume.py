@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.runlog import read_metrics
+from lisaft.metrics.log import read_metrics
 from lisaft.train import resume, train
 
 runner = CliRunner()
@@ -294,7 +294,7 @@ def test_out_of_memory_says_what_to_do_and_resumes_with_checkpointing(tiny_run, 
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tiny_run, monkeypatch):
     import errno
 
-    import lisaft.checkpoint as ckpt_mod
+    import lisaft.checkpoint.checkpointer as ckpt_mod
 
     recipe = tiny_run(training={"max_steps": 6, "save_every": 2, "eval_every": 0})
     real_save = ckpt_mod.save_file

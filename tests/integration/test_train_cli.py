@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.runlog import read_metrics
+from lisaft.metrics.log import read_metrics
 
 runner = CliRunner()
 TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "active_layers", "trainable_params",
@@ -128,7 +128,7 @@ def test_existing_run_is_refused_and_untouched(tiny_run):
 def test_chunked_loss_trains_like_the_plain_loss(tiny_run, monkeypatch, in_backward):
     import torch
 
-    from lisaft import loss as loss_mod
+    from lisaft.model import loss as loss_mod
     from lisaft.train import train
 
     extra = {"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}} if in_backward else {}
@@ -185,7 +185,7 @@ def test_overwrite_keeps_files_lisaft_did_not_write(tiny_run):
 
 
 def test_epochs_set_the_run_length_and_resume_keeps_it(tiny_run):
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
     from lisaft.train import resume, train
 
     # 96 rows, 4 per step: one epoch is 24 steps, 1.5 epochs 36.
@@ -199,7 +199,7 @@ def test_epochs_set_the_run_length_and_resume_keeps_it(tiny_run):
 
 
 def test_max_steps_written_as_1e3_is_a_thousand(tiny_run):
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
 
     recipe = tiny_run()
     recipe.write_text(recipe.read_text().replace("max_steps: 8", "max_steps: 1e3"))
@@ -221,10 +221,10 @@ def test_auto_active_layers_trains_the_largest_gamma_that_fits(tiny_run, monkeyp
     trains 2 layers per interval, says so at start, and the run's recipe.yaml records 2."""
     import yaml
 
+    from lisaft.config.schema import load_recipe
     from lisaft.memory import auto_layers
     from lisaft.memory.command import settings_from_recipe
     from lisaft.memory.estimate import compute
-    from lisaft.recipe import load_recipe
 
     recipe = tiny_run(lisa={"active_layers": "auto", "sampling": "cyclic"}, training={"max_steps": 4})
     s = settings_from_recipe(load_recipe(recipe), device="cpu")
@@ -258,7 +258,7 @@ def test_keys_a_run_would_not_use_are_named_when_it_starts(tiny_run):
 def test_training_threads_sets_torchs_thread_count(tiny_run):
     import torch
 
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
     from lisaft.train import build_session
 
     before = torch.get_num_threads()
@@ -284,8 +284,8 @@ def test_resume_of_what_is_not_a_run_says_what_it_is(tiny_run):
 
 def test_activations_are_measured_on_the_longest_batch_so_far(tiny_run):
     """The end-of-run table estimates for the run's longest batch, where its peak comes from."""
-    from lisaft.batches import collate
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
+    from lisaft.data.collate import collate
     from lisaft.train import build_session, train_step
 
     recipe = load_recipe(tiny_run(training={"grad_accum_steps": 3, "batch_size": 2}))

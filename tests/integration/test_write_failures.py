@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lisaft.recipe import load_recipe
-from lisaft.runlog import read_metrics
+from lisaft.config.schema import load_recipe
+from lisaft.metrics.log import read_metrics
 
 DRIVER = Path(__file__).with_name("file_size_limit.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lisaft.cli import app
+from lisaft.config.schema import load_recipe
 from lisaft.errors import LisaftError
 from lisaft.memory.auto_layers import (
     choose_active_layers,
@@ -16,7 +17,6 @@ from lisaft.memory.auto_layers import (
 )
 from lisaft.memory.command import settings_from_recipe
 from lisaft.memory.estimate import GiB, compute
-from lisaft.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE_8B = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"

@@ -13,13 +13,14 @@ import pytest
 import torch
 from _tiny import tiny as _tiny
 
-from lisaft.cpu_offload import OffloadedOptimizers
+from lisaft.checkpoint.optimizer_files import OptimizerFiles
+from lisaft.config.schema import LisaSection, OptimizerSection
 from lisaft.lisa import LisaController
-from lisaft.models import model_parts
-from lisaft.optim import clip_grad_norm
-from lisaft.optimizer_files import OptimizerFiles
-from lisaft.recipe import LisaSection, OptimizerSection
-from lisaft.units import UnitOptimizers, model_units
+from lisaft.model.load import model_parts
+from lisaft.model.units import model_units
+from lisaft.optim.adamw import clip_grad_norm
+from lisaft.optim.cpu_offload import OffloadedOptimizers
+from lisaft.optim.unit_optimizers import UnitOptimizers
 
 CPU = torch.device("cpu")
 NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
@@ -133,9 +134,9 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, dtype):
 
 
 def test_host_memory_is_accounted(tmp_path):
-    """Weight copies and accumulators are carved from slabs (lisaft/pinned.py): what they hold is
+    """Weight copies and accumulators are carved from slabs (lisaft/optim/host_arena.py): what they hold is
     the slabs' size, which arena_bytes predicts from the tensor sizes alone."""
-    from lisaft.pinned import arena_bytes, slab_size
+    from lisaft.optim.host_arena import arena_bytes, slab_size
 
     off = setup(tmp_path, True, "adamw_32bit", torch.bfloat16)
     run(off, 0, 1)
@@ -164,7 +165,7 @@ def test_rounding_noise_is_per_thread(monkeypatch):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from lisaft.rounding import Rounding
+    from lisaft.optim.rounding import Rounding
 
     rounding = Rounding("stochastic", seed=5)
     src = torch.rand(4096) * 1e-3 + 1.0
@@ -195,7 +196,7 @@ def test_overlapped_steps_give_the_same_run(tmp_path, monkeypatch, name, lisa):
     unit's step is slowed so that the forward always catches up with it."""
     import time
 
-    from lisaft import optim
+    from lisaft.optim import adamw as optim
 
     step = optim.AdamW.step
 
@@ -214,7 +215,7 @@ def test_overlapped_steps_give_the_same_run(tmp_path, monkeypatch, name, lisa):
 
 
 def test_data_parallel_is_refused_in_one_line(tmp_path, monkeypatch):
-    from lisaft import dist
+    from lisaft.distributed import dist
     from lisaft.errors import LisaftError
 
     monkeypatch.setattr(dist, "world_size", lambda: 2)

@@ -8,17 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lisaft.data import (
-    IGNORE_INDEX,
-    DataOrder,
-    DataWarning,
-    collate,
-    eval_index_batches,
-    load_splits,
-    render_instruction_prompt,
-)
+from lisaft.config.schema import DataSection
+from lisaft.data.collate import IGNORE_INDEX, collate
+from lisaft.data.examples import DataWarning, load_splits, render_instruction_prompt
+from lisaft.data.order import DataOrder, eval_index_batches
 from lisaft.errors import LisaftError
-from lisaft.recipe import DataSection
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart"
 
@@ -150,7 +144,7 @@ def test_truncation_cuts_at_the_end_and_warns(tmp_path, tok):
     assert train[0]["input_ids"] == [tok.bos_token_id] + enc(tok, "abcdefg")
 
 
-@pytest.mark.filterwarnings("ignore:.*were longer than:lisaft.data.DataWarning")
+@pytest.mark.filterwarnings("ignore:.*were longer than:lisaft.data.examples.DataWarning")
 def test_examples_without_response_left_are_dropped_with_a_count(tmp_path, tok):
     rows = [{"instruction": "Reverse", "input": "abcdefghij" * 3, "output": "x"}] + INSTR[:1]
     with pytest.warns(DataWarning, match=r"train.jsonl: dropped 1 of 2 .*: line 1$"):
@@ -158,7 +152,7 @@ def test_examples_without_response_left_are_dropped_with_a_count(tmp_path, tok):
     assert len(train) == 1 and response_ids(train[0]) == enc(tok, "cba") + [tok.eos_token_id]
 
 
-@pytest.mark.filterwarnings("ignore:.*were longer than:lisaft.data.DataWarning")
+@pytest.mark.filterwarnings("ignore:.*were longer than:lisaft.data.examples.DataWarning")
 def test_dropped_examples_are_named_by_line_a_few_at_most(tmp_path, tok):
     long = {"instruction": "Reverse", "input": "abcdefghij" * 3, "output": "x"}
     rows = [long, INSTR[0], long, long, INSTR[0], long, long, long, long]
@@ -169,7 +163,7 @@ def test_dropped_examples_are_named_by_line_a_few_at_most(tmp_path, tok):
         load_splits(split(tmp_path / "two", rows[:3], max_seq_len=20), tok, seed=0)
 
 
-@pytest.mark.filterwarnings("ignore::lisaft.data.DataWarning")
+@pytest.mark.filterwarnings("ignore::lisaft.data.examples.DataWarning")
 def test_eval_is_not_packed(tmp_path, tok):
     ev = write_jsonl(tmp_path / "eval.jsonl", INSTR)
     section = split(tmp_path, INSTR * 4, eval=ev, packing=True, max_seq_len=16)

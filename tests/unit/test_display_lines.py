@@ -2,7 +2,7 @@
 
 import pytest
 
-from lisaft.display import eval_line, train_line
+from lisaft.metrics.display import eval_line, train_line
 
 RECORD = {"step": 7, "loss": 1.23456, "lr": 1e-5, "tokens_per_s": 12345.6, "peak_memory_bytes": 21.5 * 2**30,
           "active_layers": [3, 17], "grad_norm": 0.5}

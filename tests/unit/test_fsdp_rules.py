@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from lisaft import dist, fsdp
+from lisaft.config.schema import Recipe
+from lisaft.distributed import dist, fsdp
 from lisaft.errors import LisaftError
-from lisaft.recipe import Recipe
-from lisaft.rounding import Rounding
+from lisaft.optim.rounding import Rounding
 
 BASE = {
     "model": {"config": "cfg/config.json", "tokenizer": "tok"},

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from lisaft.batches import IGNORE_INDEX
-from lisaft.data import build_examples
+from lisaft.data.collate import IGNORE_INDEX
+from lisaft.data.examples import build_examples
+from lisaft.data.read import Rows, rename_columns
 from lisaft.errors import LisaftError
-from lisaft.generate import prompt_and_reference, read_prompts
-from lisaft.generate_target import resolve_target
-from lisaft.rows import Rows, rename_columns
+from lisaft.generate.command import prompt_and_reference, read_prompts
+from lisaft.generate.target import resolve_target
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "quickstart" / "tokenizer"
 
@@ -95,7 +95,7 @@ def test_unfinished_run_is_one_clear_error(tmp_path):
 def test_a_model_folder_without_a_tokenizer_blames_the_tokenizer(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lisaft.generate_target import Target, load_tokenizer
+    from lisaft.generate.target import Target, load_tokenizer
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)

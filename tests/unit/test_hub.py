@@ -1,6 +1,6 @@
 import pytest
 
-from lisaft.hub import can_only_be_path
+from lisaft.config.hub import can_only_be_path
 
 
 @pytest.mark.parametrize("ref", ["meta-llama/Llama-3.1-8B", "gpt2", "tatsu-lab/alpaca"])

@@ -14,14 +14,15 @@ import pytest
 import torch
 from _tiny import tiny as _tiny
 
+from lisaft.checkpoint.optimizer_files import OptimizerFiles
+from lisaft.config.schema import LisaSection, OptimizerSection
 from lisaft.errors import LisaftError
-from lisaft.in_backward import StepInBackward
 from lisaft.lisa import LayerSampler, LisaController
-from lisaft.models import model_parts
-from lisaft.optim import is_paged
-from lisaft.optimizer_files import OptimizerFiles
-from lisaft.recipe import LisaSection, OptimizerSection
-from lisaft.units import UnitOptimizers, model_units
+from lisaft.model.load import model_parts
+from lisaft.model.units import model_units
+from lisaft.optim.adamw import is_paged
+from lisaft.optim.in_backward import StepInBackward
+from lisaft.optim.unit_optimizers import UnitOptimizers
 
 CPU = torch.device("cpu")
 NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]

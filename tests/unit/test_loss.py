@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lisaft import loss as loss_mod
-from lisaft.loss import eval_sums, logits_loss_sum, token_loss_sum
+from lisaft.model import loss as loss_mod
+from lisaft.model.loss import eval_sums, logits_loss_sum, token_loss_sum
 
 
 def _model(kind: str):
@@ -55,7 +55,7 @@ def test_chunked_loss_and_gradients_match_the_plain_loss(kind, monkeypatch):
 
 
 def test_chunking_drops_the_float32_log_probs(monkeypatch):
-    from lisaft.memory.measure import saved_activations
+    from lisaft.metrics.measure import saved_activations
 
     model, batch = _model("llama"), _batch()
     with saved_activations(model) as plain:
@@ -70,7 +70,7 @@ def test_chunking_drops_the_float32_log_probs(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_sum_matches_torch_in_value_and_gradient(dtype):
-    from lisaft.loss import cross_entropy_sum
+    from lisaft.model.loss import cross_entropy_sum
 
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(37, 300, generator=g) * 4).to(dtype)
@@ -93,7 +93,7 @@ def test_cross_entropy_sum_matches_torch_in_value_and_gradient(dtype):
 
 
 def test_cross_entropy_sum_refuses_a_second_backward():
-    from lisaft.loss import cross_entropy_sum
+    from lisaft.model.loss import cross_entropy_sum
 
     logits = torch.randn(4, 10, requires_grad=True)
     loss = cross_entropy_sum(logits, torch.tensor([1, 2, -100, 3]))

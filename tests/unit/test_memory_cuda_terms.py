@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from lisaft.allocator import configure_cuda_allocator, expandable_segments
+from lisaft.config.schema import load_recipe
+from lisaft.env.allocator import configure_cuda_allocator, expandable_segments
 from lisaft.memory.catalogue import resolve_model
 from lisaft.memory.command import settings_from_recipe
 from lisaft.memory.cuda_process import (
@@ -20,7 +21,6 @@ from lisaft.memory.cuda_process import (
 )
 from lisaft.memory.estimate import GiB, MiB, Settings, compute
 from lisaft.memory.optimizer_state import step_temporaries
-from lisaft.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"

@@ -155,7 +155,7 @@ def test_parse_bytes():
 
 
 def test_shipped_24gb_recipe_fits_with_nothing_paged():
-    from lisaft.recipe import load_recipe
+    from lisaft.config.schema import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml")
     assert recipe.optimizer.name == "paged_adamw_8bit" and recipe.lisa.enabled
@@ -184,8 +184,8 @@ def test_model_layers_path_reaches_the_estimator(tmp_path):
     is what the estimate (estimate-memory and the end-of-run table) counts layers by."""
     from transformers import OPTConfig
 
+    from lisaft.config.schema import recipe_from_dict
     from lisaft.memory.command import estimate_for_recipe
-    from lisaft.recipe import recipe_from_dict
 
     config = OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=3, num_attention_heads=4,
                        max_position_embeddings=64, word_embed_proj_dim=32)

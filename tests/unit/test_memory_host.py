@@ -72,10 +72,10 @@ def test_host_estimate_matches_what_the_offloaded_optimizers_hold(tmp_path):
     bytes an offloaded run of a tiny model holds after a step (staging is CUDA only)."""
     from _tiny import tiny
 
-    from lisaft.cpu_offload import OffloadedOptimizers
-    from lisaft.models import model_parts
-    from lisaft.recipe import OptimizerSection
-    from lisaft.units import model_units
+    from lisaft.config.schema import OptimizerSection
+    from lisaft.model.load import model_parts
+    from lisaft.model.units import model_units
+    from lisaft.optim.cpu_offload import OffloadedOptimizers
 
     model = tiny(0, 2).to(torch.bfloat16)
     units = model_units(model_parts(model))
@@ -113,8 +113,8 @@ def test_the_full_recipes_header_states_the_estimate():
     import re
     from pathlib import Path
 
+    from lisaft.config.schema import load_recipe
     from lisaft.memory.command import settings_from_recipe
-    from lisaft.recipe import load_recipe
 
     path = Path(__file__).parents[2] / "recipes" / "llama3.1-8b-full-24gb.yaml"
     recipe = load_recipe(path)

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from lisaft.memory import estimated_vs_measured_table
 from lisaft.memory.estimate import Settings, compute
-from lisaft.memory.measure import (
+from lisaft.metrics.measure import (
     grad_bytes,
     optimizer_state_bytes,
     peak_memory,
@@ -19,7 +19,7 @@ from lisaft.memory.measure import (
     tensor_bytes,
     weight_bytes,
 )
-from lisaft.models import DTYPES, model_parts
+from lisaft.model.load import DTYPES, model_parts
 
 _BASE = dict(hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=3, vocab_size=96, max_position_embeddings=128)
@@ -73,8 +73,8 @@ def test_activations_match_saved_tensor_meter(model_type, dtype, attention, chec
     ("qwen2", "bfloat16", "eager", False),
 ])
 def test_packed_rows_activations_match_saved_tensor_meter(model_type, dtype, attention, checkpointing):
-    from lisaft.batches import collate
-    from lisaft.doc_attention import model_inputs
+    from lisaft.data.collate import collate
+    from lisaft.model.attention import model_inputs
 
     config, model = _model(model_type, dtype, attention, checkpointing, 0)
     seq = 40
@@ -102,7 +102,7 @@ def test_padded_rows_keep_one_mask_and_repeated_kv_under_sdpa(dtype, attention, 
     layer, and with grouped K/V heads the k and v repeated to every head; the estimate for padded
     rows must see them, the one for full rows must not. lisaft's forward hands sdpa one additive
     mask shared by the layers (doc_attention.share_sdpa_mask), as here."""
-    from lisaft.doc_attention import share_sdpa_mask
+    from lisaft.model.attention import share_sdpa_mask
 
     share_sdpa_mask()
     with warnings.catch_warnings():
@@ -148,8 +148,8 @@ def test_tensor_bytes_match_estimate(opt_name):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
-    from lisaft.optim import Rounding, build_unit_optimizer
-    from lisaft.recipe import OptimizerSection
+    from lisaft.config.schema import OptimizerSection
+    from lisaft.optim.adamw import Rounding, build_unit_optimizer
 
     opt = build_unit_optimizer(list(model.parameters()), OptimizerSection(name=opt_name, lr=1e-3),
                                torch.device("cpu"), Rounding("stochastic", 0), 0, None)
@@ -186,7 +186,7 @@ def _render(table) -> str:
 
 
 def test_memory_counters_name_what_they_count():
-    from lisaft.memory.measure import memory_counters, nvml_used_bytes, peak_rss_bytes
+    from lisaft.metrics.measure import memory_counters, nvml_used_bytes, peak_rss_bytes
 
     rec = memory_counters(torch.device("cpu"))
     assert rec["peak_memory_counter"] == "process_peak_rss"

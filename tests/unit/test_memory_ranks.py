@@ -42,7 +42,7 @@ def test_slices_divide_by_the_ranks_and_activations_do_not(lisa):
         # Gathered units are whole weights whatever the number of ranks.
         assert est.sizes["gathered_units"] == one.sizes["gathered_units"]
         # A model built from model.config is whole on each rank before it is sharded; weights from
-        # model.name_or_path are read shard by shard (lisaft/fsdp.py load_sharded), never whole.
+        # model.name_or_path are read shard by shard (lisaft/distributed/fsdp.py load_sharded), never whole.
         built = compute(settings(lisa=lisa, fsdp=True, ranks=n, model_from_config=True))
         assert est.weights_bytes + built.sizes["unsharded_load"] == one.weights_bytes
         assert est.sizes["unsharded_load"] == 0 and "model_load" not in est.phases
@@ -163,8 +163,8 @@ def test_auto_layers_under_fsdp_fit_one_rank_of_this_process_group(monkeypatch):
     """lisa.active_layers: auto picks γ from the per-rank estimate: more ranks, more layers."""
     from pathlib import Path
 
+    from lisaft.config.schema import load_recipe
     from lisaft.memory.auto_layers import resolve_active_layers
-    from lisaft.recipe import load_recipe
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
     chosen = {}
@@ -179,8 +179,8 @@ def test_only_a_model_built_from_its_config_is_loaded_whole_on_each_rank(tmp_pat
     """model.config (random init) is built whole and then sharded; model.name_or_path is not."""
     from pathlib import Path
 
+    from lisaft.config.schema import load_recipe
     from lisaft.memory.command import settings_from_recipe
-    from lisaft.recipe import load_recipe
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
     config, _ = resolve_model("llama-3.1-8b")

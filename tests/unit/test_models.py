@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lisaft.errors import LisaftError
-from lisaft.models import model_parts, resolve_attention
+from lisaft.model.load import model_parts, resolve_attention
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -66,8 +66,8 @@ def test_flash_attention_on_cpu_is_a_clear_error():
 
 
 def test_unreachable_hub_id_is_one_clear_line(monkeypatch):
-    from lisaft.models import load_model
-    from lisaft.recipe import ModelSection
+    from lisaft.config.schema import ModelSection
+    from lisaft.model.load import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(LisaftError) as e:
@@ -80,8 +80,8 @@ def test_unreachable_hub_id_is_one_clear_line(monkeypatch):
 
 
 def test_random_init_from_config_and_local_folder_round_trip(tmp_path, tiny_llama_config):
-    from lisaft.models import load_model
-    from lisaft.recipe import ModelSection
+    from lisaft.config.schema import ModelSection
+    from lisaft.model.load import load_model
 
     tiny_llama_config.save_pretrained(tmp_path / "cfg")
     model = load_model(ModelSection(config=str(tmp_path / "cfg"), tokenizer="t", dtype="bfloat16",
@@ -95,20 +95,20 @@ def test_random_init_from_config_and_local_folder_round_trip(tmp_path, tiny_llam
 
 
 def _tokenizer_section(**kw):
-    from lisaft.recipe import ModelSection
+    from lisaft.config.schema import ModelSection
 
     return ModelSection(attention="sdpa", **kw)
 
 
 def test_a_missing_model_folder_blames_name_or_path_not_tokenizer():
-    from lisaft.models import load_tokenizer
+    from lisaft.model.load import load_tokenizer
 
     with pytest.raises(LisaftError, match=r"^model\.name_or_path: \./no-such-model: no such folder$"):
         load_tokenizer(_tokenizer_section(name_or_path="./no-such-model"))
 
 
 def test_a_folder_without_a_model_says_so(tmp_path, tiny_llama_config):
-    from lisaft.models import load_model, load_tokenizer
+    from lisaft.model.load import load_model, load_tokenizer
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(LisaftError, match="model.name_or_path: .*empty: no config.json, so no saved model"):
@@ -125,7 +125,7 @@ def test_unreadable_weights_are_a_permission_error(tmp_path, tiny_llama_config):
     from _unprivileged import lisaft_error_as_unprivileged, open_dir
     from transformers import AutoModelForCausalLM
 
-    from lisaft.models import load_model
+    from lisaft.model.load import load_model
 
     folder = open_dir(tmp_path) / "m"
     AutoModelForCausalLM.from_config(tiny_llama_config).save_pretrained(folder)
@@ -138,7 +138,7 @@ def test_unreadable_weights_are_a_permission_error(tmp_path, tiny_llama_config):
 
 
 def test_context_length_error_and_rope_scaling_warning(tiny_llama_config):
-    from lisaft.models import check_context_length
+    from lisaft.model.load import check_context_length
 
     check_context_length(tiny_llama_config, 128)
     with pytest.raises(LisaftError, match=r"data.max_seq_len: 129 is above .* \(max_position_embeddings 128\).*"

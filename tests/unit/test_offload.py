@@ -4,7 +4,7 @@ and gradients as plain checkpointing, bit for bit, and reach LISA's frozen-input
 import pytest
 import torch
 
-from lisaft.offload import HostActivationStore, enable_offloaded_checkpoints
+from lisaft.model.activation_offload import HostActivationStore, enable_offloaded_checkpoints
 from tests.unit._tiny import tiny
 
 
@@ -76,8 +76,8 @@ def test_no_offload_without_checkpointing():
 def test_recipe_key_needs_checkpointing_and_load_model_applies_it(tiny_llama_config, tmp_path):
     from pydantic import ValidationError
 
-    from lisaft.models import load_model
-    from lisaft.recipe import ModelSection
+    from lisaft.config.schema import ModelSection
+    from lisaft.model.load import load_model
 
     tiny_llama_config.save_pretrained(tmp_path)
     tiny_llama_config = tmp_path / "config.json"
@@ -92,7 +92,7 @@ def test_recipe_key_needs_checkpointing_and_load_model_applies_it(tiny_llama_con
 
 
 def test_chunked_mlp_matches_and_composes_with_offload():
-    from lisaft.offload import chunk_mlps
+    from lisaft.model.activation_offload import chunk_mlps
 
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
     ref_loss, ref = _loss_and_grads(_checkpointed(False), ids)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from _tiny import tiny as _tiny
 
-from lisaft import optim
-from lisaft.optim import Rounding, build_unit_optimizer
-from lisaft.recipe import OptimizerSection
+from lisaft.config.schema import OptimizerSection
+from lisaft.optim import adamw as optim
+from lisaft.optim.adamw import Rounding, build_unit_optimizer
 
 NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 CPU = torch.device("cpu")

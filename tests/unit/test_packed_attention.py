@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from lisaft.batches import IGNORE_INDEX, collate
-from lisaft.doc_attention import model_inputs
-from lisaft.loss import token_loss_sum
-from lisaft.packing import pack_examples
+from lisaft.data.collate import IGNORE_INDEX, collate
+from lisaft.data.packing import pack_examples
+from lisaft.model.attention import model_inputs
+from lisaft.model.loss import token_loss_sum
 
 VOCAB = 96
 # Documents longer than the sliding window, so sliding layers must count positions per document.
@@ -170,7 +170,7 @@ def test_varlen_kwargs_reach_every_attention_call_and_keep_documents_apart(arch)
 
 
 def _saved_bytes(model, batch) -> int:
-    from lisaft.memory.measure import saved_activations
+    from lisaft.metrics.measure import saved_activations
 
     with saved_activations(model) as meter:
         token_loss_sum(model, batch)
@@ -182,7 +182,7 @@ def _bool_sdpa_mask(monkeypatch):
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     monkeypatch.setitem(AttentionMaskInterface._global_mapping, "sdpa", sdpa_mask)
-    monkeypatch.setattr("lisaft.doc_attention.share_sdpa_mask", lambda: None)
+    monkeypatch.setattr("lisaft.model.attention.share_sdpa_mask", lambda: None)
 
 
 def test_sdpa_keeps_one_mask_for_all_layers(monkeypatch):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from lisaft.batches import IGNORE_INDEX, collate
+from lisaft.data.collate import IGNORE_INDEX, collate
+from lisaft.data.packing import best_fit_rows, pack_examples
 from lisaft.errors import LisaftError
-from lisaft.packing import best_fit_rows, pack_examples
 
 
 def _lognormal_lengths(n, max_seq_len, seed=0):
@@ -119,7 +119,7 @@ def test_flattened_batches_carry_the_varlen_kernels_lengths():
 
 
 def test_data_order_over_packed_rows_names_rows_and_gives_ranks_whole_rows():
-    from lisaft.batches import DataOrder
+    from lisaft.data.order import DataOrder
 
     with pytest.raises(LisaftError, match="smaller than one batch: 3 packed rows"):
         DataOrder(3, 4, seed=0, unit="packed rows")

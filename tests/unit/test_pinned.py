@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from lisaft.pinned import MIN_SLAB_BYTES, HostArena, arena_bytes, slab_size
+from lisaft.optim.host_arena import MIN_SLAB_BYTES, HostArena, arena_bytes, slab_size
 
 
 def test_slab_size_is_a_power_of_two_that_holds_the_largest_tensor():

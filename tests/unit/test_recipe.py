@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lisaft.config.schema import Recipe, apply_overrides, load_recipe
 from lisaft.errors import LisaftError
-from lisaft.recipe import Recipe, apply_overrides, load_recipe
 
 BASE = {
     "model": {"config": "cfg/config.json", "tokenizer": "tok"},
@@ -87,7 +87,7 @@ def test_a_set_mistake_next_to_a_file_mistake_names_each_where_it_is(tmp_path):
 def test_a_set_value_yaml_cannot_read_gets_the_quoting_that_works(tmp_path, raw):
     import shlex
 
-    from lisaft.overrides import parse_override
+    from lisaft.config.overrides import parse_override
 
     with pytest.raises(LisaftError) as e:
         load_recipe(write(tmp_path, BASE), [f"data.template={raw}"])
@@ -190,10 +190,10 @@ def test_every_shipped_recipe_validates():
 
 
 def test_recipe_reference_doc_matches_schema():
-    from lisaft.recipe import reference_markdown
+    from lisaft.config.schema import reference_markdown
 
     doc = Path(__file__).parents[2] / "docs" / "recipes.md"
-    assert doc.read_text() == reference_markdown(), "regenerate: python -m lisaft.recipe > docs/recipes.md"
+    assert doc.read_text() == reference_markdown(), "regenerate: python -m lisaft.config.schema > docs/recipes.md"
 
 
 def test_hub_dataset_names_are_not_turned_into_paths(tmp_path):

@@ -1,10 +1,10 @@
-"""Optimizer moments of a training.fsdp checkpoint cut for another number of ranks (lisaft/reshard.py)."""
+"""Optimizer moments of a training.fsdp checkpoint cut for another number of ranks (lisaft/checkpoint/reshard.py)."""
 
 import pytest
 import torch
 
+from lisaft.checkpoint.reshard import ReshardNotes, _code, reshard_unit_state, row_range
 from lisaft.errors import LisaftError
-from lisaft.reshard import ReshardNotes, _code, reshard_unit_state, row_range
 
 GROUPS = [{"params": [0]}]
 

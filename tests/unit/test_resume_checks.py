@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
+from lisaft.checkpoint.missing import nothing_left, run_recipe_file
 from lisaft.errors import LisaftError
-from lisaft.resume_checks import nothing_left, run_recipe_file
 
 
 def _error(path) -> str:

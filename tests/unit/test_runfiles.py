@@ -11,8 +11,8 @@ import torch
 from _unprivileged import lisaft_error_as_unprivileged, open_dir
 
 from lisaft.errors import LisaftError
-from lisaft.runfiles import check_output_dir, clear_run, is_write_failure
-from lisaft.runlog import MetricsLog
+from lisaft.metrics.log import MetricsLog
+from lisaft.run_folder import check_output_dir, clear_run, is_write_failure
 
 
 @contextmanager
@@ -102,7 +102,7 @@ def test_files_get_the_mode_a_new_file_gets(tmp_path):
 
     from safetensors.torch import save_file
 
-    from lisaft.runfiles import give_files_the_usual_mode
+    from lisaft.run_folder import give_files_the_usual_mode
 
     before = os.umask(0o027)
     try:

@@ -1,6 +1,6 @@
 import pytest
 
-from lisaft.schedules import lr_at
+from lisaft.optim.lr_schedule import lr_at
 
 
 def test_warmup_then_cosine_to_floor():
@@ -25,8 +25,8 @@ def test_linear_and_constant():
 
 
 def test_schedule_follows_its_plan_and_saves_it():
-    from lisaft.recipe import SchedulerSection
-    from lisaft.schedules import Plan, Schedule
+    from lisaft.config.schema import SchedulerSection
+    from lisaft.optim.lr_schedule import Plan, Schedule
 
     section = SchedulerSection(name="cosine", warmup_steps=5, min_lr_ratio=0.1)
     schedule = Schedule(1e-3, section, horizon=50)

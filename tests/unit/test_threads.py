@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from lisaft import threads
-from lisaft.threads import apply_threads, configure_openmp, thread_count, usable_cpus
+from lisaft.env import threads
+from lisaft.env.threads import apply_threads, configure_openmp, thread_count, usable_cpus
 
 
 def test_idle_threads_sleep_unless_the_user_chose_a_wait_policy():

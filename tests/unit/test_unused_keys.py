@@ -1,7 +1,7 @@
 """Keys a run would drop without a word are named when it starts."""
 
-from lisaft.recipe import recipe_from_dict
-from lisaft.unused_keys import unused_keys
+from lisaft.config.schema import recipe_from_dict
+from lisaft.config.unused_keys import unused_keys
 
 BASE = {"model": {"config": "c", "tokenizer": "t"}, "data": {"train": "train.jsonl", "eval": "eval.jsonl"},
         "training": {"max_steps": 10, "output_dir": "run", "eval_every": 5}}

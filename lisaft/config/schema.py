@@ -1,0 +1,569 @@
+"""The recipe: a typed, documented schema for everything a run depends on.
+
+A recipe is YAML on disk and a `Recipe` object everywhere else; it is never turned back into a
+loose dict inside the package. Unknown keys are errors (extra="forbid") so that a typo such as
+`lisa.intervals_steps` fails loudly instead of silently training with the default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import string
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from lisaft.config.hub import can_only_be_path
+from lisaft.config.overrides import Override, apply_overrides, parse_override
+from lisaft.console import first_line
+from lisaft.errors import LisaftError
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
+OptimizerName = Literal["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
+StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _whole_number(v: Any) -> Any:
+    """A count: `true` is not 1, and `1e3` (which YAML reads as a string) is 1000."""
+    if isinstance(v, bool):
+        raise ValueError("must be a whole number, not true/false")
+    if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
+        f = float(v)
+        if not f.is_integer():
+            raise ValueError(f"must be a whole number, got {v}")
+        return int(f)
+    return v
+
+
+def _real_number(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("must be a number, not true/false")
+    return v
+
+
+def _layers_or_auto(v: Any) -> Any:
+    if v == "auto":
+        return v
+    v = _whole_number(v)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int):
+        raise ValueError(f"must be a whole number of layers or auto, got {v!r}")
+    if v < 1:
+        raise ValueError(f"must be at least 1, or auto, got {v}")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+# lisa.active_layers: γ, or "auto" (resolved from the memory estimate when a run starts).
+LayersOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_layers_or_auto)]
+Float = Annotated[float, BeforeValidator(_real_number)]
+Bool = Annotated[bool, Strict()]
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str | None = Field(
+        None, description="Local folder saved with save_pretrained, or a hub id (needs network)."
+    )
+    config: str | None = Field(
+        None,
+        description="A config.json (or a folder holding one) to build a randomly initialised "
+        "model from, instead of loading weights. Exactly one of name_or_path / config.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer folder or hub id. Default: name_or_path."
+    )
+    dtype: Dtype = Field(
+        "bfloat16", description="Dtype of weights and gradients (moments are float32 or 8-bit; float16 is refused)."
+    )
+    attention: Attention = Field(
+        "auto",
+        description="auto picks flash_attention_2 when flash-attn and CUDA are present, else sdpa.",
+    )
+    gradient_checkpointing: Bool = Field(
+        False, description="Recompute layer activations in backward (non-reentrant)."
+    )
+    offload_activations: bool = Field(
+        False,
+        description="Keep each checkpointed layer's input in pinned host memory instead of on the "
+        "GPU, copied on a side stream that overlaps compute (long context). Needs "
+        "gradient_checkpointing.",
+    )
+    mlp_chunk_tokens: int | None = Field(
+        None, ge=1,
+        description="Run each layer's MLP over this many positions at a time, each chunk "
+        "checkpointed: its intermediates (4 x intermediate_size per token) exist for one chunk "
+        "only. For long context; costs one more MLP forward per step.",
+    )
+    sparse_embedding_grad: Bool = Field(
+        True,
+        description="Keep the input embedding's gradient as the rows of the step's tokens only "
+        "(single process, untied embedding, fewer tokens than half the vocabulary); the update "
+        "still moves every row exactly as AdamW does. Saves a dense vocab x hidden gradient.",
+    )
+    layers_path: str | None = Field(
+        None,
+        description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "
+        "for architectures lisaft does not know.",
+    )
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_float16(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError(
+                "float16 weights would need loss scaling (small gradients underflow and Adam's "
+                "second moments with them); use bfloat16, which has float32's range"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError("set exactly one of model.name_or_path and model.config")
+        if self.config is not None and self.tokenizer is None:
+            raise ValueError("model.tokenizer is required when model.config is used (random init)")
+        if self.offload_activations and not self.gradient_checkpointing:
+            raise ValueError("model.offload_activations offloads checkpointed layer inputs: "
+                             "set model.gradient_checkpointing: true as well")
+        return self
+
+
+class DataSection(_Section):
+    train: str = Field(..., description="jsonl/json/csv/parquet file, saved dataset folder, or hub name.")
+    eval: str | None = Field(None, description="Eval set, same kinds as train.")
+    eval_fraction: Float = Field(
+        0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
+    )
+    format: Literal["text", "instruction", "chat"] = Field(
+        "text",
+        description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
+        "chat: `messages` [{role, content}].",
+    )
+    max_seq_len: Int = Field(
+        1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
+        "max_position_embeddings it is an error, unless the model config sets rope_scaling (then a "
+        "warning).")
+    packing: Bool = Field(
+        False, description="Put whole train examples into rows of up to max_seq_len tokens (best "
+        "fit, seeded); each document attends only to itself. See docs/data.md.")
+    columns: dict[str, str] = Field(
+        {}, description="Rename dataset fields to the ones data.format reads, old: new; names inside "
+        "chat turns too. E.g. {prompt: instruction, completion: output}, or for ShareGPT "
+        "{conversations: messages, from: role, value: content}.")
+    roles: dict[str, str] = Field(
+        {}, description="Chat role names mapped to system, user or assistant, e.g. {human: user, "
+        "gpt: assistant}. Any other role is an error naming the row.")
+    template: str | None = Field(
+        None, description="Instruction prompt with {instruction} and optionally {input}; the "
+        "response follows it. null: the ### Instruction / ### Input / ### Response layout.")
+    subset: str | None = Field(None, description="Hub datasets: the configuration (subset) name.")
+    train_split: str = Field("train", description="Split of a hub or saved dataset to train on.")
+    eval_split: str | None = Field(
+        None, description="Split for eval when data.eval is a hub or saved dataset (null: "
+        "validation, test or eval, whichever exists).")
+
+    @field_validator("template")
+    @classmethod
+    def _template_fields(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(v) if name is not None}
+        except ValueError as e:
+            raise ValueError(f"not a valid template ({e}); write literal braces as {{{{ and }}}}") from None
+        if "instruction" not in names:
+            raise ValueError("must contain {instruction}")
+        unknown = names - {"instruction", "input"}
+        if unknown:
+            raise ValueError(f"unknown field {{{sorted(unknown)[0]}}}; only {{instruction}} and {{input}} exist")
+        return v
+
+    @field_validator("roles")
+    @classmethod
+    def _role_targets(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, role in v.items():
+            if role not in CHAT_ROLES:
+                raise ValueError(f"{name}: {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        return v
+
+
+class OptimizerSection(_Section):
+    name: OptimizerName = Field("adamw_32bit", description="Optimizer; see docs/lisa.md.")
+    lr: Float = Field(1e-5, description="Peak learning rate.")
+    weight_decay: Float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
+    betas: tuple[Float, Float] = Field((0.9, 0.999), description="Adam beta1, beta2.")
+    eps: Float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    in_backward: Bool = Field(
+        False,
+        description="Step each parameter inside backward and free its gradient at once. "
+        "Incompatible with grad_accum_steps > 1 and max_grad_norm.",
+    )
+    cpu_offload: Bool = Field(
+        False,
+        description="Keep the moments in host memory and step on the CPU: each gradient is copied "
+        "to host memory in backward and accumulated there, the updated weights are copied back "
+        "(ZeRO-Offload's design; docs/memory.md). Not with in_backward or data parallel.",
+    )
+    bf16_update: Literal["stochastic", "nearest"] = Field(
+        "stochastic",
+        description="How bfloat16 weights take an update: stochastic rounding (updates below half "
+        "a bf16 step still land on average) or round-to-nearest (drops them; for comparison).",
+    )
+
+    @field_validator("lr")
+    @classmethod
+    def _lr_positive(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("must be > 0")
+        return v
+
+
+class SchedulerSection(_Section):
+    name: Literal["constant", "linear", "cosine"] = Field("cosine", description="LR decay shape.")
+    warmup_steps: Int = Field(0, ge=0, description="Linear warmup from 0 over this many steps.")
+    min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, x peak lr.")
+
+
+class LisaSection(_Section):
+    enabled: Bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
+    active_layers: LayersOrAuto = Field(
+        2, description="γ: decoder layers trained per interval. auto: the largest γ whose estimated peak fits "
+        "the device's memory (a GPU's total memory; on CPU the host RAM available at start), worked out when "
+        "the run starts and written into the run's recipe.yaml (docs/lisa.md).")
+    interval_steps: Int = Field(20, ge=1, description="K: optimizer steps between re-samples.")
+    sampling: Literal["uniform", "cyclic"] = Field(
+        "uniform", description="uniform: γ layers drawn afresh each interval (the paper); cyclic: every "
+        "layer trains at least once in each cycle of ceil(layers/γ) intervals, in an order drawn afresh "
+        "per cycle (docs/lisa.md).")
+    train_embeddings: Bool = Field(True, description="Embeddings always train (paper default).")
+    train_head: Bool = Field(True, description="LM head and final norm always train (paper default).")
+    state_policy: StatePolicy = Field(
+        "discard",
+        description="Optimizer state of a deactivated layer: discard (paper), offload_cpu, "
+        "offload_disk, or keep (resident, as LMFlow; for comparison).",
+    )
+
+
+class TrainingSection(_Section):
+    seed: Int = Field(42, description="Seeds model init, data order, LISA sampling, dropout.")
+    batch_size: Int = Field(1, ge=1, description="Sequences per micro-batch (per rank).")
+    grad_accum_steps: Int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    max_steps: Int | None = Field(
+        None, ge=1, description="Optimizer steps in the run. Give this or training.epochs.")
+    epochs: Float | None = Field(
+        None, gt=0, description="Passes over the train set, instead of max_steps: max_steps becomes "
+        "ceil(epochs x train rows / (batch_size x grad_accum_steps x ranks)), worked out when the run "
+        "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts (a "
+        "warning says so).")
+    max_grad_norm: Float | None = Field(1.0, description="Clip total grad norm; null disables.")
+    log_every: Int = Field(1, ge=1, description="Write a train record every N steps.")
+    eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); without "
+                            "an eval set (data.eval, data.eval_fraction) nothing is evaluated and a warning says so.")
+    eval_batches: Int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
+    save_every: Int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
+    keep_last: Int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
+    output_dir: str = Field(..., description="Run directory; a relative path means the recipe file's "
+                            "folder (the current directory when given with --set).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available.")
+    compile: Bool = Field(
+        False, description="Compile each decoder layer with torch.compile (regional: same weights, same "
+        "checkpoints). An 11% faster LISA step on a 2-core CPU, after 4-20 s of compiling at start-up "
+        "(docs/lisa.md). Needs a C++ compiler (CPU) or triton (CUDA).")
+    shard_optimizer_state: Bool = Field(
+        False,
+        description="Data parallel only: each rank keeps the moments of its share of the trainable "
+        "parameters and broadcasts their update (optimizer memory / ranks; same results).",
+    )
+    fsdp: Bool = Field(
+        False,
+        description="Under torchrun: shard weights, gradients and optimizer state over the ranks with "
+        "FSDP2 (one FSDP unit per training unit), for models larger than one card; LISA works. "
+        "adamw_32bit and adamw_8bit only; a resume may change the number of ranks if the global batch "
+        "stays the same (docs/distributed.md).",
+    )
+    threads: int | Literal["auto"] = Field(
+        "auto", description="CPU threads for torch's kernels. auto: the CPUs this process may use "
+        "(affinity and container quota), shared among data-parallel processes on the machine; "
+        "OMP_NUM_THREADS, when set, counts instead. See README: threads on a busy CPU.")
+
+    @model_validator(mode="after")
+    def _length(self) -> TrainingSection:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set training.max_steps (optimizer steps) or training.epochs (passes "
+                             "over the train set)")
+        return self
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        try:
+            n = _whole_number(v)
+        except ValueError:
+            n = None
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"must be a whole number of threads (1 or more) or auto, got {v!r}")
+        return n
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _norm_positive(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            raise ValueError("must be > 0, or null to disable clipping")
+        return v
+
+
+LoggingBackend = Literal["jsonl", "tensorboard", "wandb"]
+
+
+class LoggingSection(_Section):
+    backends: list[LoggingBackend] = Field(
+        ["jsonl"],
+        description="Where records go: jsonl (RUN/metrics.jsonl, always on), tensorboard "
+        "(RUN/logs/tensorboard), wandb (RUN/logs/wandb). See docs/logging.md.",
+    )
+    wandb_project: str = Field("lisaft", description="W&B project the run is logged under.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: write locally, upload later with `wandb sync`; online: "
+        "stream to the W&B server (needs `wandb login`).",
+    )
+
+
+class Recipe(_Section):
+    model: ModelSection
+    data: DataSection
+    optimizer: OptimizerSection = OptimizerSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    lisa: LisaSection = LisaSection()
+    training: TrainingSection
+    logging: LoggingSection = LoggingSection()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Recipe:
+        if self.optimizer.cpu_offload and self.optimizer.in_backward:
+            raise ValueError(
+                "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the "
+                "step on the CPU no gradient stays on the device anyway; set in_backward false"
+            )
+        if self.optimizer.in_backward:
+            if self.training.grad_accum_steps > 1:
+                raise ValueError(
+                    "optimizer.in_backward cannot be combined with training.grad_accum_steps > 1: "
+                    "the update runs before the next micro-batch could add its gradient"
+                )
+            if self.training.max_grad_norm is not None:
+                raise ValueError(
+                    "optimizer.in_backward cannot be combined with training.max_grad_norm: the "
+                    "total norm is known only after every parameter was already updated; set "
+                    "training.max_grad_norm: null"
+                )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+
+# Keys a resume may change; the change is reported. Gradient checkpointing recomputes the same
+# activations, so turning it on after an out-of-memory stop continues the same run.
+CADENCE_KEYS = (
+    "training.max_steps", "training.log_every", "training.eval_every", "training.eval_batches",
+    "training.save_every", "training.keep_last", "training.device", "training.threads",
+    "model.gradient_checkpointing",
+    "logging.backends", "logging.wandb_project", "logging.wandb_mode",
+)
+
+# Recipe fields holding paths: resolved against the recipe file's folder, or the current directory
+# for a value given with --set.
+_PATH_FIELDS = (
+    ("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"),
+    ("data", "train"), ("data", "eval"), ("training", "output_dir"),
+)
+
+
+def _resolve_paths(data: dict, base: Path, only: list[Override] | None = None) -> None:
+    """Resolve relative paths against `base`; with `only`, just the keys those overrides set."""
+    for section, key in _PATH_FIELDS:
+        sec = data.get(section)
+        if not isinstance(sec, dict) or not isinstance(sec.get(key), str):
+            continue
+        if only is not None and not any(o.covers((section, key)) for o in only):
+            continue
+        value = sec[key]
+        p = Path(value).expanduser()
+        if p.is_absolute():
+            continue
+        candidate = base / p
+        # A hub id ("name" or "org/name") stays as it is unless something of that name sits beside
+        # the recipe; a value that can only be a path ("./x", "a/b/c", "x.jsonl") is resolved
+        # even when missing, so the error names the full path.
+        if key in ("name_or_path", "tokenizer", "train", "eval") and not candidate.exists() \
+                and not can_only_be_path(value, data_file=section == "data"):
+            continue
+        sec[key] = str(candidate.resolve())
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys allowed where `loc` points (a section or the top level)."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _message(e: dict) -> str:
+    if e["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(str(e["loc"][-1]), _known_keys(e["loc"]), n=1, cutoff=0.6)
+        prefix = "".join(f"{p}." for p in e["loc"][:-1])
+        return "unknown key" + (f"; did you mean {prefix}{close[0]}?" if close else "")
+    if e["type"] == "missing":
+        return "required key is missing"
+    if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a section of keys (a YAML mapping), got {type(e['input']).__name__}"
+    if e["type"] == "bool_type":
+        return "must be true or false"
+    if e["type"] == "string_type":
+        return "must be text"
+    if e["type"] == "literal_error":
+        choices = re.findall(r"'([^']*)'", e["ctx"]["expected"])
+        close = difflib.get_close_matches(str(e["input"]), choices, n=1, cutoff=0.6)
+        return f"{e['input']!r} is not one of {', '.join(choices)}" + (f"; did you mean {close[0]}?" if close else "")
+    # pydantic's own words, minus its prefixes and any internal class name.
+    return re.sub(r"\b\w+Section\b", "section", e["msg"].removeprefix("Value error, "))
+
+
+def format_validation_error(err: ValidationError, source: str, overrides: tuple[Override, ...] = ()) -> str:
+    """One line. A mistake in a key given with --set is blamed on the --set, the rest on `source`
+    (with the --set items when the recipe-wide check failed, where both may play a part)."""
+    from_file, from_set = [], []
+    recipe_wide = False
+    for e in err.errors():
+        # A failed Annotated/Literal/union member adds a non-key part to loc; keep the key path.
+        keys = tuple(p for p in e["loc"]
+                     if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
+        loc = ".".join(map(str, keys))
+        line = f"{loc}: {_message(e)}" if loc else _message(e)
+        recipe_wide |= not keys
+        by = next((o for o in overrides if keys and o.covers(keys)), None)
+        if by is not None and e["type"] == "string_type" and not isinstance(by.value, str):
+            # YAML read the text as something else ("Q: {instruction}" is a mapping).
+            line += f" (YAML read {by.raw!r} as a {type(by.value).__name__}); to pass it as text, quote it: " \
+                    + by.as_text()
+        (from_set if by is not None else from_file).append(line)
+    parts = [f"--set {line}" for line in dict.fromkeys(from_set)]
+    if from_file:
+        where = source + ("".join(f" --set {o.item}" for o in overrides) if recipe_wide else "")
+        parts.insert(0, f"{where}: invalid recipe: " + "; ".join(dict.fromkeys(from_file)))
+    return "; ".join(parts)
+
+
+def recipe_from_dict(data: dict, source: str = "recipe", overrides: tuple[Override, ...] = ()) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise LisaftError(format_validation_error(e, source, overrides)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_paths: bool = True) -> Recipe:
+    """Read a recipe YAML, apply --set overrides, resolve relative paths, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise LisaftError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(e, "problem", None) or first_line(e)
+        raise LisaftError(f"{path}: {where}not valid YAML: {what}") from None
+    except UnicodeDecodeError:
+        raise LisaftError(f"{path}: not a text file") from None
+    except OSError as e:
+        raise LisaftError(f"{path}: cannot read the recipe: {e.strerror or e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise LisaftError(f"{path}: a recipe must be a YAML mapping of sections, got {type(data).__name__}")
+    parsed = tuple(parse_override(item) for item in overrides or [])
+    if resolve_paths:  # the file's paths mean its folder, the command line's the current directory
+        _resolve_paths(data, path.resolve().parent)
+    data = apply_overrides(data, overrides or [])
+    if resolve_paths and parsed:
+        _resolve_paths(data, Path.cwd(), only=list(parsed))
+    return recipe_from_dict(data, str(path), parsed)
+
+
+def get_key(recipe: Recipe, dotted: str) -> Any:
+    node: Any = recipe
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def reference_markdown() -> str:
+    """docs/recipes.md, generated from the schema so the reference cannot drift from the code
+    (tests/unit/test_recipe.py checks it)."""
+    lines = ["# Recipe reference", "",
+             "Generated from `lisaft/config/schema.py` by `python -m lisaft.config.schema > docs/recipes.md`.",
+             "Unknown keys are errors. Any key can be overridden on the command line with",
+             "`--set section.key=value` (the value is parsed as YAML; quote text that YAML would read",
+             "otherwise: `--set 'data.template=\"Q: {instruction}\"'`). A relative path in the recipe",
+             "file resolves against the file's folder; one given with `--set` against the current",
+             "directory, as any path typed on a command line.", ""]
+    for name, f in Recipe.model_fields.items():
+        section = f.annotation
+        lines += [f"## {name}", "", "| key | default | meaning |", "| --- | --- | --- |"]
+        for key, field in section.model_fields.items():
+            default = "required" if field.is_required() else json.dumps(
+                field.default if not isinstance(field.default, tuple) else list(field.default))
+            lines.append(f"| `{name}.{key}` | {default} | {field.description or ''} |")
+        lines.append("")
+    lines += ["## Keys a resume may change", "",
+              ", ".join(f"`{k}`" for k in CADENCE_KEYS) + ". On another number of ranks than wrote "
+              "the checkpoint, also `training.batch_size` and `training.grad_accum_steps`, as long as "
+              "batch_size x grad_accum_steps x ranks stays the same (docs/distributed.md). Every other key "
+              "alters the training path and is refused by `lisaft resume`.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

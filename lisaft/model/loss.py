@@ -1,0 +1,165 @@
+"""Next-token loss without vocab x tokens float32 buffers for the whole sequence.
+
+The usual causal-LM loss materialises the logits of every position, upcasts them to float32 and
+keeps the log-softmax for backward: 12 bytes x tokens x vocabulary at the loss's backward, which
+for Llama-3's 128,256-entry vocabulary is 1.5 GiB per 1,024 tokens — at 2,048 tokens more than
+LISA's whole optimizer state. When that product exceeds LOSS_CHUNK_ELEMENTS, the head and the
+loss run over chunks of positions under non-reentrant activation checkpointing: only one chunk's
+logits exist at a time, in forward and again (recomputed) in backward, at the cost of one more
+head matmul per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from lisaft.data.collate import IGNORE_INDEX as IGNORE
+from lisaft.model.attention import model_inputs
+
+# Logits per chunk: 16.8M entries, 64 MiB in float32 (131 positions of a 128k vocabulary).
+LOSS_CHUNK_ELEMENTS = 1 << 24
+# Architectures whose logits are exactly head(final hidden state), possibly soft-capped.
+PLAIN_HEAD_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "gemma", "gemma2",
+                     "gpt2", "gpt_neox"}
+
+
+def _vocab(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def chunked(model, tokens: int) -> bool:
+    """Whether the loss for `tokens` positions runs in chunks on this model."""
+    cfg = model.config
+    return (tokens * _vocab(model) > LOSS_CHUNK_ELEMENTS
+            and getattr(cfg, "model_type", None) in PLAIN_HEAD_TYPES
+            and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+            and model.base_model is not model)
+
+
+def _softcap(model) -> float | None:
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+def _head_logits(hidden: torch.Tensor, head: torch.nn.Module, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    """Sum of the cross entropy of logits [N, V] (any float dtype, computed in float32) over the
+    rows whose target is not -100: F.cross_entropy(logits.float(), reduction="sum") with less
+    memory traffic. Backward turns the saved float32 log-probs into the gradient in place
+    (exp, times the row's output gradient, minus it at the target) instead of zero-filling a
+    vocab x tokens NLL gradient and reading it back in log-softmax's backward: one buffer of that
+    size instead of three. On a CPU each fresh buffer of that size also costs its page faults."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        valid = targets != IGNORE
+        safe = targets.masked_fill(~valid, 0)
+        picked = logp.gather(1, safe[:, None]).squeeze(1)
+        ctx.save_for_backward(logp, safe, valid)
+        ctx.logits_dtype, ctx.spent = logits.dtype, False
+        return -torch.where(valid, picked, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if ctx.spent:
+            # The saved log-probs became the first backward's gradient.
+            raise RuntimeError("lisaft's loss supports one backward pass (no retain_graph)")
+        ctx.spent = True
+        logp, safe, valid = ctx.saved_tensors
+        scale = torch.where(valid, grad_out.float(), 0.0)[:, None]
+        grad = logp.exp_().mul_(scale)
+        grad.scatter_add_(1, safe[:, None], -scale)
+        return grad.to(ctx.logits_dtype), None
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Float32 sum of the cross entropy of logits [N, V] over targets [N] that are not -100."""
+    return _CrossEntropySum.apply(logits, targets)
+
+
+def _chunk_loss(hidden, targets, head, softcap):
+    return cross_entropy_sum(_head_logits(hidden, head, softcap), targets)
+
+
+def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states of every position that predicts a token, flattened, and the targets."""
+    last = _sharded_last_hidden(model, batch) if _is_sharded(model) else \
+        model.base_model(**model_inputs(batch)).last_hidden_state
+    hidden = last[:, :-1]
+    return hidden.reshape(-1, hidden.size(-1)), batch["labels"][:, 1:].reshape(-1)
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
+    """training.fsdp: the model's own forward must run, since its hooks gather the root unit's
+    weights (the embeddings) and arm its backward; calling the base model directly would skip
+    them. The head then runs on no position (logits_to_keep: an empty index) and the base
+    model's output is taken on its way out."""
+    seen = []
+    hook = model.base_model.register_forward_hook(lambda _m, _a, out: seen.append(out.last_hidden_state))
+    try:
+        model(**model_inputs(batch), logits_to_keep=torch.empty(0, dtype=torch.long, device=batch["input_ids"].device))
+    finally:
+        hook.remove()
+    return seen[-1]
+
+
+def token_loss_sum(model, batch: dict) -> torch.Tensor:
+    """Sum of next-token cross entropy (float32) over the positions whose label is not -100."""
+    input_ids = batch["input_ids"]
+    if not chunked(model, input_ids.numel()):
+        logits = model(**model_inputs(batch)).logits
+        return logits_loss_sum(logits, batch["labels"])
+    hidden, targets = _positions(model, batch)
+    head, cap = model.get_output_embeddings(), _softcap(model)
+    step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
+    fn = functools.partial(_chunk_loss, head=head, softcap=cap)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.size(0), step):
+        total = total + checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
+    return total
+
+
+def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # Shift the labels, not the logits: a sliced logits tensor is copied to be flattened, and its
+    # backward zero-fills and copies a logits-sized gradient once more. The last position gets
+    # label -100 and counts for nothing.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return cross_entropy_sum(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@torch.no_grad()
+def eval_sums(model, batch: dict) -> tuple[float, int, int]:
+    """(loss sum, response tokens, argmax-correct response tokens) of one batch."""
+    if chunked(model, batch["input_ids"].numel()):
+        hidden, targets = _positions(model, batch)
+        head, cap = model.get_output_embeddings(), _softcap(model)
+        step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
+        # One chunk's logits at a time: each is reduced before the next is computed.
+        loss = correct = 0.0
+        for i in range(0, hidden.size(0), step):
+            logits = _head_logits(hidden[i:i + step], head, cap)
+            t = targets[i:i + step]
+            loss += cross_entropy_sum(logits, t).item()
+            correct += ((logits.argmax(-1) == t) & (t != IGNORE)).sum().item()
+        return loss, int((targets != IGNORE).sum()), int(correct)
+    logits = model(**model_inputs(batch)).logits
+    targets = batch["labels"][:, 1:]
+    mask = targets != IGNORE
+    correct = ((logits[:, :-1].argmax(-1) == targets) & mask).sum().item()
+    return logits_loss_sum(logits, batch["labels"]).item(), int(mask.sum()), int(correct)

@@ -1,0 +1,367 @@
+"""The optimizer on the CPU (`optimizer.cpu_offload`): ZeRO-Offload's design on lisaft's unit
+optimizers.
+
+The training device holds the weights and the activations, nothing else that scales with the
+model. Each unit's optimizer is lisaft's own AdamW (lisaft/optim/adamw.py), built over host copies of
+the unit's weights, so its moments are created, stepped, offloaded by LISA's state policy and
+checkpointed (optimizer/<unit>.pt) exactly as the device-resident ones are: this class is a
+UnitOptimizers whose units are the host copies.
+
+A step, for each parameter:
+1. backward: as soon as the parameter's gradient is complete (a post-accumulate-grad hook), it
+   is copied to host memory and the device gradient is freed; over grad_accum_steps the copies
+   are added into one host accumulator. On CUDA the copy runs on a side stream into pinned
+   memory: the first micro-batch's lands in the accumulator itself, later ones in a small ring of
+   pinned staging buffers that a worker thread adds into the accumulator once the copy is done,
+   so the autograd thread never waits for the CPU.
+2. the step: clipping by the true global norm over the host gradients (the same clip_grad_norm
+   as the device path), then the unit optimizers' step on the CPU: torch's fused AdamW kernel
+   (or bitsandbytes' CPU kernels for 8-bit moments) over whole tensors or chunks, never a Python
+   loop over elements. Units step concurrently on `step_threads` threads (torch's thread count):
+   bitsandbytes' CPU quantization and the rounding noise's generator run on one core each, so
+   units side by side are what fills the cores. Each unit's update depends only on its own
+   tensors and its own noise key, so the result does not depend on the order.
+3. the new weights go back to the device unit by unit on the side stream while the CPU steps the
+   next unit. With `overlap` (the default) the training loop does not wait: the next
+   step's forward starts at once, and a forward pre-hook on every module waits for the unit that
+   owns the module's weights (its CPU step, then its copy's event on the compute stream), so the
+   CPU step of the upper layers runs while the GPU computes the lower ones and no forward reads
+   a half-copied weight. The loop calls `wait()` before it reads weights any other way
+   (checkpoints, the final model).
+
+Accumulators and host weights keep the weight dtype: a bfloat16 gradient accumulates in bf16 on
+the host exactly as autograd accumulates it in p.grad on the device, and a bf16 weight takes the
+stochastically rounded update of the device path (noise keyed by the run's position), so on CPU
+an offloaded run is bit for bit the run without offload. No float32 master copy: docs/memory.md
+says why. Sparse embedding gradients are kept sparse on the host (added, then coalesced at the
+step, as the device path does); their copy is synchronous, and small.
+"""
+
+from __future__ import annotations
+
+import queue
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lisaft.config.schema import OptimizerSection
+from lisaft.distributed import dist
+from lisaft.errors import LisaftError
+from lisaft.model.units import Unit
+from lisaft.optim.adamw import clip_grad_norm
+from lisaft.optim.host_arena import HostArena, slab_size
+from lisaft.optim.unit_optimizers import UnitOptimizers
+
+# Gradients of later micro-batches go through STAGING_SLOTS pinned buffers of at most
+# STAGING_SLOT_BYTES, a large gradient in several pieces: the copy of one piece overlaps the
+# worker's addition of the previous one, and staging costs 1 GiB whatever the model.
+STAGING_SLOTS = 4
+STAGING_SLOT_BYTES = 1 << 28
+
+
+def staging_slot_bytes(largest_bytes: int) -> int:
+    return min(STAGING_SLOT_BYTES, -(-largest_bytes // 64) * 64)
+
+
+def _host_copy(p: nn.Parameter, arena: HostArena) -> nn.Parameter:
+    host = arena.tensor(p.shape, p.dtype)
+    host.copy_(p.detach())
+    return nn.Parameter(host, requires_grad=False)
+
+
+class _Transfers:
+    """The CUDA side of the transfers: one side stream for device->host gradients and
+    host->device weights, the staging ring, and the worker thread that adds staged gradients."""
+
+    def __init__(self, device: torch.device, slot_bytes: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.slot_bytes = slot_bytes
+        staging = torch.empty(STAGING_SLOTS * slot_bytes, dtype=torch.uint8, pin_memory=True)
+        self.slots: queue.Queue[torch.Tensor] = queue.Queue()
+        for buf in staging.split(slot_bytes):
+            self.slots.put(buf)
+        self.staging_bytes = staging.numel()
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="lisaft-grad-add")
+        self.pending: list[Future] = []
+
+    def gradient(self, g: torch.Tensor, acc: torch.Tensor, add: bool) -> None:
+        """Queue acc <- g (first micro-batch) or acc += g (later ones)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if not add:
+            with torch.cuda.stream(self.stream):
+                acc.copy_(g, non_blocking=True)
+        else:
+            # Elementwise additions: piece by piece gives the whole tensor's sum, bit for bit.
+            flat_g, flat_acc = g.reshape(-1), acc.view(-1)
+            piece = self.slot_bytes // g.element_size()
+            for lo in range(0, flat_g.numel(), piece):
+                part = flat_g[lo:lo + piece]
+                buf = self.slots.get()  # blocks only while every slot still waits for its addition
+                staged = buf[: part.numel() * part.element_size()].view(g.dtype)
+                with torch.cuda.stream(self.stream):
+                    staged.copy_(part, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(self.stream)
+                self.pending.append(self.worker.submit(self._add, copied, flat_acc[lo:lo + piece], staged, buf))
+        # The caller drops g now; its memory is reused only after the side stream has read it.
+        g.record_stream(self.stream)
+
+    def _add(self, copied: torch.cuda.Event, acc: torch.Tensor, staged: torch.Tensor, buf: torch.Tensor) -> None:
+        copied.synchronize()
+        acc.add_(staged)
+        self.slots.put(buf)
+
+    def drain(self) -> None:
+        """Every queued gradient is in its accumulator."""
+        for f in self.pending:
+            f.result()
+        self.pending.clear()
+        self.stream.synchronize()
+
+    def send(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+        """Queue the weights' copies; returns the event that marks them done."""
+        # Weights are overwritten only after every kernel queued so far (the backward) is done.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for dev, host in pairs:
+                dev.copy_(host, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return copied
+
+    def weights_ready(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+# Offloaded optimizers with steps in flight, for the one forward pre-hook that waits for them.
+_IN_FLIGHT: weakref.WeakSet[OffloadedOptimizers] = weakref.WeakSet()
+_forward_hook = None
+
+
+def _wait_before_forward(module: nn.Module, args) -> None:
+    for opts in list(_IN_FLIGHT):
+        opts.wait_for_module(module)
+
+
+def _watch(opts: OffloadedOptimizers) -> None:
+    global _forward_hook
+    if _forward_hook is None:
+        _forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(_wait_before_forward)
+    _IN_FLIGHT.add(opts)
+
+
+class OffloadedOptimizers(UnitOptimizers):
+    """UnitOptimizers over host copies of the units, fed by gradients streamed out in backward.
+
+    The training loop calls `clip_and_step` (or `step`) after the last micro-batch's backward,
+    as it would for device optimizers; LISA's controller switches units by name as before."""
+
+    def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
+                 offload_dir: Path, seed: int, shard: bool = False) -> None:
+        if dist.world_size() > 1:
+            raise LisaftError("optimizer.cpu_offload runs on one device; for data parallel set it false "
+                              "(training.shard_optimizer_state divides the moments between ranks)")
+        self.train_device = torch.device(device)
+        cuda = self.train_device.type == "cuda"
+        sizes = [p.numel() * p.element_size() for u in units for p in u.params]
+        slab = slab_size(max(sizes, default=0), sum(sizes))
+        # Pinned on CUDA, so the copies run asynchronously; slabs, so pinning rounds up nothing.
+        weights_arena, self._acc_arena = HostArena(slab, cuda), HostArena(slab, cuda)
+        host_units = [Unit(u.name, u.index, [_host_copy(p, weights_arena) for p in u.params], u.layer)
+                      for u in units]
+        super().__init__(host_units, section, torch.device("cpu"), offload_dir, seed, shard=False)
+        self._weights_arena = weights_arena
+        self._device_units = {u.name: u for u in units}
+        self._host_of = {p: h for u, hu in zip(units, host_units) for p, h in zip(u.params, hu.params)}
+        self._acc: dict[nn.Parameter, torch.Tensor] = {}
+        # Accumulators of units LISA froze, by (shape, dtype), for the next unit that trains.
+        self._spare: dict[tuple, list[torch.Tensor]] = {}
+        self.transfers = _Transfers(self.train_device, staging_slot_bytes(max(sizes, default=64))) if cuda else None
+        self.step_threads = torch.get_num_threads()
+        self.overlap = True
+        self._unit_name = {p: u.name for u in units for p in u.params}
+        self._in_flight: dict[str, Future] = {}
+        self._first_steps: set[str] = set()  # units whose moments the steps in flight create
+        self._step_index = 0
+        self._step_pool: ThreadPoolExecutor | None = None
+        self._step_pool_size = 0
+        self._grad_hooks = []
+        for p in self._host_of:
+            trains = p.requires_grad  # torch hooks only tensors that require grad; frozen units too
+            p.requires_grad_(True)
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+            p.requires_grad_(trains)
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        self._wait_unit(self._unit_name[p])  # its accumulators are the step's gradients until then
+        g, p.grad = p.grad, None
+        host = self._host_of[p]
+        if g.is_sparse:
+            g = g.cpu()
+            host.grad = g if host.grad is None else host.grad + g
+            return
+        acc = self._acc.get(host)
+        if acc is None:
+            spare = self._spare.get((host.shape, g.dtype))
+            acc = self._acc[host] = spare.pop() if spare else self._acc_arena.tensor(host.shape, g.dtype)
+        first = host.grad is None
+        if first:
+            host.grad = acc  # filled below, complete after drain()
+        if self.transfers is not None:
+            self.transfers.gradient(g, acc, add=not first)
+        elif first:
+            acc.copy_(g)
+        else:
+            acc.add_(g)
+
+    def drain(self) -> None:
+        if self.transfers is not None:
+            self.transfers.drain()
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def optimizer(self, unit: Unit):
+        return super().optimizer(self.units[unit.name])
+
+    def set_lr(self, lr: float, step: int) -> None:
+        # Units of the previous step may still be stepping with their own rate and noise key:
+        # the new ones are applied when this step's update starts (clip_and_step).
+        self.lr, self._step_index = lr, step
+
+    def step(self, units: list[Unit]) -> None:
+        self.clip_and_step(units, max_norm=None, measure_norm=False)
+
+    def clip_and_step(self, units: list[Unit], max_norm: float | None, measure_norm: bool) -> float | None:
+        """Clip by the global norm of the host gradients, step each unit on the CPU and send its
+        weights back (without waiting for either with `overlap`). Returns the norm before
+        clipping when measured."""
+        self.wait()
+        self.drain()
+        hosts = [self._host_of[p] for u in units for p in u.params]
+        for h in hosts:
+            if h.grad is not None and h.grad.is_sparse:
+                h.grad = h.grad.coalesce()  # sum repeated tokens' rows once, as the device path
+        norm = clip_grad_norm(hosts, max_norm) if max_norm is not None or measure_norm else None
+        self.rounding.step = self._step_index
+        self.dirty.update(u.name for u in units)  # before a checkpoint could ask, step in flight or not
+        optimizers = [self.optimizer(u) for u in units]  # created here, not in the workers
+        self._first_steps = {u.name for u, opt in zip(units, optimizers) if not opt.state}
+        for opt in optimizers:
+            self._set_group_lr(opt)
+        if not self.overlap and (self.step_threads <= 1 or len(units) <= 1):
+            for unit, opt in zip(units, optimizers):
+                self._step_unit(unit, opt)
+        else:
+            pool = self._pool()
+            self._in_flight = {u.name: pool.submit(self._step_unit, u, opt) for u, opt in zip(units, optimizers)}
+            if self.overlap:
+                _watch(self)
+                return norm
+            self.wait()
+        if self.transfers is not None:
+            self.transfers.weights_ready()
+        return norm
+
+    def _pool(self) -> ThreadPoolExecutor:
+        size = max(1, self.step_threads)
+        if self._step_pool is None or self._step_pool_size != size:
+            if self._step_pool is not None:
+                self._step_pool.shutdown()
+            self._step_pool = ThreadPoolExecutor(size, thread_name_prefix="lisaft-cpu-step")
+            self._step_pool_size = size
+        return self._step_pool
+
+    def _step_unit(self, unit: Unit, opt) -> torch.cuda.Event | None:
+        """One unit's update and the copy of its weights back; the copy's event on CUDA."""
+        opt.step()
+        pairs = [(p.detach(), self._host_of[p]) for p in self._device_units[unit.name].params
+                 if self._host_of[p].grad is not None]
+        for _, host in pairs:
+            host.grad = None
+        if self.transfers is not None:
+            return self.transfers.send(pairs)
+        for dev, host in pairs:
+            dev.copy_(host)
+        return None
+
+    # -- waiting for steps in flight ------------------------------------------------------------
+
+    def _wait_unit(self, name: str) -> None:
+        job = self._in_flight.pop(name, None)
+        if job is None:
+            return
+        copied = job.result()
+        if copied is not None:
+            torch.cuda.current_stream(self.train_device).wait_event(copied)
+
+    def wait_for_module(self, module: nn.Module) -> None:
+        """Before a forward: the units that own the module's own weights are updated and back."""
+        if self._in_flight:
+            for p in module.parameters(recurse=False):
+                name = self._unit_name.get(p)
+                if name is not None:
+                    self._wait_unit(name)
+
+    def wait(self) -> None:
+        """Every step in flight is done and its weights are back on the device."""
+        for name in list(self._in_flight):
+            self._wait_unit(name)
+
+    # -- residency ------------------------------------------------------------------------------
+
+    def deactivate(self, unit: Unit, policy: str) -> None:
+        self._wait_unit(unit.name)
+        # A frozen unit needs no accumulator until LISA samples it again.
+        for h in self.units[unit.name].params:
+            acc = self._acc.pop(h, None)
+            if acc is not None:
+                self._spare.setdefault((acc.shape, acc.dtype), []).append(acc)
+            h.grad = None
+        super().deactivate(unit, policy)
+
+    def refresh_host_weights(self) -> None:
+        """The host copies take the device weights (after a checkpoint was loaded into the model)."""
+        self.wait()
+        with torch.no_grad():
+            for p, host in self._host_of.items():
+                host.copy_(p.detach())
+
+    def clear(self) -> None:
+        """Forget all state. A checkpoint's weights are in the model when its optimizer files
+        are read (clear, then restore): the host copies take them."""
+        self.refresh_host_weights()
+        for h, acc in self._acc.items():
+            self._spare.setdefault((acc.shape, acc.dtype), []).append(acc)
+            h.grad = None
+        self._acc.clear()
+        super().clear()
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    def state_bytes(self) -> tuple[int, int]:
+        """Nothing of the optimizer stays on the training device: all of it is host memory."""
+        for name in self._first_steps:  # their moments are being created
+            self._wait_unit(name)
+        resident, offloaded = super().state_bytes()
+        return 0, resident + offloaded
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory this class holds besides the moments: weight copies, accumulators, staging."""
+        return {"host_weights": self._weights_arena.nbytes, "grad_accumulators": self._acc_arena.nbytes,
+                "staging": self.transfers.staging_bytes if self.transfers is not None else 0}
+
+    # -- checkpoints (lisaft/checkpoint/optimizer_files.py): a step in flight completes first ---------------
+
+    def has_state(self, name: str) -> bool:
+        self._wait_unit(name)
+        return super().has_state(name)
+
+    def host_state(self, name: str) -> dict | None:
+        self._wait_unit(name)
+        return super().host_state(name)
