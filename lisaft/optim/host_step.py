@@ -85,6 +85,8 @@ def step_chunk(w: torch.Tensor, g: torch.Tensor, st: dict, lo: int, hi: int, s: 
             host_reference.step_dense(w, g, m, v, sl, lo, k1, k2, stochastic)
         return
     with _lock:
+        # numba's thread count is per calling thread: follow torch's (training.threads).
+        _kernel.numba.set_num_threads(max(1, min(torch.get_num_threads(), _kernel.numba.config.NUMBA_NUM_THREADS)))
         if eight:
             _kernel.step_8bit(_np(w), _np(g), m.numpy(), v.numpy(), am.numpy(), av.numpy(), *_codes(*maps), s,
                               lo, np.uint32(k1), np.uint32(k2), stochastic)
