@@ -78,6 +78,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     changed = policy.recipe_changes(candidates[0], recipe)
     saved_world = saved_world_size(candidates[0])
     policy.check_resumable(run_dir, candidates[0], recipe, max_steps)
+    policy.check_extension(run_dir, candidates[0], recipe, recipe_file, reschedule)
     session = build_session(recipe, run_dir)
     ckpt = policy.load_newest(session, candidates, recipe_file)
     schedule_note = policy.continue_schedule(session, reschedule)

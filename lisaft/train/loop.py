@@ -15,11 +15,11 @@ from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
 from lisaft.metrics.measure import memory_counters
 from lisaft.run_folder import clean_write_failures, remove_temporaries
-from lisaft.train import export, report
+from lisaft.train import export, nonfinite, report
 from lisaft.train.evaluate import evaluate
 from lisaft.train.session import Session
 from lisaft.train.step import StepResult, train_step
-from lisaft.train.stop import StopRequest
+from lisaft.train.stop import StopRequest, resume_command
 
 _EMPTY_WINDOW = {"loss_sum": 0.0, "steps": 0, "tokens": 0, "padding": 0}
 
@@ -40,6 +40,8 @@ def _train_record(session: Session, result: StepResult, window: dict, elapsed: f
         "optimizer_state_bytes": dev_state,
         "offloaded_state_bytes": off_state,
         **memory_counters(session.device),
+        **({"skipped_steps": session.progress.skipped_steps}
+           if session.recipe.training.on_nonfinite == "skip" else {}),
     }
 
 
@@ -99,6 +101,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                                     longer_than=session.peaks.activation_seq_len)
             except torch.OutOfMemoryError:
                 raise report.out_of_memory(session, step, base) from None
+            nonfinite.check_step(session, step, result, base)
             _record_peaks(session, result)
             changed |= {u.name for u in session.controller.trainable_units()}
             progress.step += 1
@@ -123,7 +126,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 if stop.signum is None and stop_at is None:
                     why = "another rank was stopped"
                 display.print(f"stopped ({why}) at step {progress.step}; checkpoint {base.name} written. "
-                              f"Continue with: lisaft resume {session.run_dir}")
+                              f"Continue with: {resume_command(session.run_dir, t.batch_size)}")
                 return 128 + stop.signum if stop.signum else 3
 
         session.optimizers.wait()
