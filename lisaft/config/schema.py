@@ -552,6 +552,15 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _choices(field) -> str:
+    """' One of: a, b.' for a key that takes one of a fixed set of words, read from its type."""
+    from typing import get_args, get_origin
+
+    if get_origin(field.annotation) is not Literal:
+        return ""
+    return " One of: " + ", ".join(f"`{v}`" for v in get_args(field.annotation)) + "."
+
+
 def reference_markdown() -> str:
     """docs/recipes.md, generated from the schema so the reference cannot drift from the code
     (tests/unit/test_recipe.py checks it)."""
@@ -568,7 +577,7 @@ def reference_markdown() -> str:
         for key, field in section.model_fields.items():
             default = "required" if field.is_required() else json.dumps(
                 field.default if not isinstance(field.default, tuple) else list(field.default))
-            lines.append(f"| `{name}.{key}` | {default} | {field.description or ''} |")
+            lines.append(f"| `{name}.{key}` | {default} | {field.description or ''}{_choices(field)} |")
         lines.append("")
     lines += ["## Keys a resume may change", "",
               ", ".join(f"`{k}`" for k in CADENCE_KEYS) + ". On another number of ranks than wrote "
