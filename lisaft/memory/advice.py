@@ -247,14 +247,22 @@ def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     return grid
 
 
-def largest_fitting_layers(s: Settings, layer_count: int) -> Estimate | None:
-    """The LISA estimate at the largest γ (1..layer_count) that fits with nothing paged; None if
-    even γ=1 does not. Memory grows with γ, so a binary search is exact."""
+# lisa.active_layers: auto keeps this share of the budget free: the estimate was within 3% of
+# three NVML measurements (docs/memory.md), and a desktop's other processes may grow after start.
+AUTO_MARGIN = 0.05
+
+
+def largest_fitting_layers(s: Settings, layer_count: int, margin: float = 0.0) -> Estimate | None:
+    """The LISA estimate at the largest γ (1..layer_count) that fits with nothing paged, within
+    (1 - margin) of the budget; None if even γ=1 does not. Memory grows with γ, so a binary
+    search is exact. The estimate returned is judged against the whole budget."""
+    limit = s.with_(budget_bytes=int(s.budget_bytes * (1 - margin)))
+
     def estimate(gamma: int) -> Estimate:
-        return compute(s.with_(lisa=True, active_layers=gamma))
+        return compute(limit.with_(lisa=True, active_layers=gamma))
 
     lo, hi = 0, layer_count + 1  # estimate(lo) fits (or lo is 0), estimate(hi) does not (or hi is past the top)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if estimate(mid).fits else (lo, mid)
-    return estimate(lo) if lo else None
+    return compute(s.with_(lisa=True, active_layers=lo)) if lo else None

@@ -12,6 +12,7 @@ from lisaft.config.schema import Recipe, load_recipe
 from lisaft.env.allocator import expandable_segments
 from lisaft.errors import LisaftError
 from lisaft.memory.advice import (
+    AUTO_MARGIN,
     Change,
     advice,
     fewest_ranks,
@@ -205,7 +206,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     _check_step_place(s, cpu_offload, in_backward)
     layers = param_counts(s.config, s.layers_path).layer_count
     if s.lisa and s.active_layers_auto:
-        chosen = largest_fitting_layers(s, layers)
+        chosen = largest_fitting_layers(s, layers, AUTO_MARGIN)
         s = s.with_(active_layers=chosen.settings.active_layers if chosen else 1)
     if s.lisa and s.active_layers > layers:
         key = "--lisa-layers" if lisa_layers is not None else "lisa.active_layers"

@@ -6,7 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from lisaft.memory.advice import RANKS, Change
+from lisaft.memory.advice import AUTO_MARGIN, RANKS, Change
 from lisaft.memory.estimate import Estimate
 
 _DESCRIPTIONS = {
@@ -282,7 +282,7 @@ def _auto_line(est: Estimate) -> Text:
     if est.fits:
         return Text(f"lisa.active_layers: auto picks γ={est.settings.active_layers}: "
                     f"{est.total_bytes / 1024**3:.1f} of {est.budget_bytes / 1024**3:.1f} GiB, the largest γ that "
-                    "fits (a run on a device of this budget picks the same)")
+                    f"fits with {AUTO_MARGIN:.0%} kept free (a run on a device of this budget picks the same)")
     return Text("lisa.active_layers: auto: not even γ=1 fits this budget (shown at γ=1); a run would stop "
                 "with this message", style="bold red")
 
