@@ -73,10 +73,14 @@ def test_skip_drops_nonfinite_steps_and_counts_them(tiny_run, monkeypatch):
     run = tiny_run.dir / "run"
     records = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert [r["skipped_steps"] for r in records] == [0, 1, 1, 1, 1]
+    assert _final_weights_finite(run)
+
+
+def _final_weights_finite(run) -> bool:
     from safetensors.torch import load_file
 
     weights = load_file(str(next((run / "final").glob("*.safetensors"))))
-    assert all(bool(w.isfinite().all()) for w in weights.values())
+    return all(bool(w.isfinite().all()) for w in weights.values())
 
 
 def test_skip_is_refused_with_the_update_in_backward(tiny_run):
@@ -127,3 +131,18 @@ def test_extending_past_a_zero_floor_is_refused_with_the_fix_named(tiny_run):
     # Finished at a floor of 0: --reschedule would re-plan from 0 too; a new run from final/ is named.
     out = _one_line(runner.invoke(app, ["resume", str(run), "--max-steps", "8", "--reschedule"]), 2)
     assert "every new step would train at LR 0" in out and "model.name_or_path=" in out, out
+
+
+def test_skip_with_the_step_on_the_cpu_and_its_host_rows(tiny_run, monkeypatch):
+    recipe = tiny_run(optimizer={"name": "adamw_32bit", "lr": 1e-3, "cpu_offload": True},
+                      training={"max_steps": 4, "eval_every": 0, "on_nonfinite": "skip"})
+    _poison(monkeypatch, lambda call: math.nan if call == 3 else 1.0)
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    run = tiny_run.dir / "run"
+    records = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1]
+    assert math.isfinite(records[-1]["loss"]) and _final_weights_finite(run)
+    # The end-of-run table shows where a cpu_offload run's optimizer memory is: on the host.
+    for row in ("host: optimizer states", "host: weight copies", "host: gradient accumulators"):
+        assert row in result.output, result.output
