@@ -146,3 +146,34 @@ def test_skip_with_the_step_on_the_cpu_and_its_host_rows(tiny_run, monkeypatch):
     # The end-of-run table shows where a cpu_offload run's optimizer memory is: on the host.
     for row in ("host: optimizer states", "host: weight copies", "host: gradient accumulators"):
         assert row in result.output, result.output
+
+
+def test_a_cpu_offload_run_whose_host_memory_exceeds_the_ram_is_refused_at_start(tiny_run, monkeypatch):
+    from lisaft.memory import command
+
+    recipe = tiny_run(optimizer={"name": "adamw_32bit", "cpu_offload": True}, training={"max_steps": 2})
+    monkeypatch.setattr(command, "host_ram_bytes", lambda: 64 * 2**20)  # a 64 MiB machine
+    out = _one_line(runner.invoke(app, ["train", str(recipe)]), 2)
+    assert out.startswith("error: optimizer.cpu_offload: this run needs an estimated"), out
+    assert "of RAM" in out and f"lisaft estimate-memory {recipe}" in out
+    assert not (tiny_run.dir / "run").exists()  # refused before anything was written
+
+
+def test_the_host_check_on_a_gpu_counts_the_host_table(monkeypatch):
+    from pathlib import Path
+
+    import pytest
+
+    from lisaft.config.schema import load_recipe
+    from lisaft.errors import LisaftError
+    from lisaft.memory import command
+    from lisaft.train.host_memory import check_host_memory
+
+    full = Path(__file__).resolve().parents[2] / "recipes" / "llama3.1-8b-full-24gb.yaml"
+    recipe = load_recipe(full, [])
+    monkeypatch.setattr(command, "host_ram_bytes", lambda: 64 * 2**30)
+    check_host_memory(recipe, "R", device="cuda")  # 48.7 GiB estimated: fits 64 GiB
+    monkeypatch.setattr(command, "host_ram_bytes", lambda: 32 * 2**30)
+    with pytest.raises(LisaftError, match=r"needs an estimated 4\d\.\d\d GiB of host memory \(3\d\.\d\d GiB of it "
+                                          r"pinned.*has 32\.00 GiB of RAM"):
+        check_host_memory(recipe, "R", device="cuda")
