@@ -182,13 +182,13 @@ def explain_lines(est: Estimate) -> Text:
     return Text(NOTHING_PAGED.format(optimizer=est.settings.optimizer))
 
 
-def advice_table(changes: list[Change]) -> Table:
+def advice_table(changes: list[Change], host: bool = False) -> Table:
+    """host: a column of each row's host RAM, when that RAM is what decides."""
     t = Table(title="What brings it under", title_justify="left")
     t.add_column("change (recipe keys; --set key=value)")
     t.add_column("why", style="dim")
     t.add_column("total", justify="right")
-    host = any(c.estimate.host_components for c in changes)
-    if host:  # optimizer.cpu_offload's RAM decides as much as the GPU
+    if host:
         t.add_column("host RAM", justify="right")
     t.add_column("fits")
     for c in changes:
@@ -298,7 +298,7 @@ def render(report, explain: bool = False) -> Group:
     if not host_is_the_limit(est):
         parts.append(_largest_line(report))
     if report.advice:
-        parts.append(advice_table(report.advice))
+        parts.append(advice_table(report.advice, host=host_is_the_limit(est)))
     if report.leanest is not None:
         parts.append(_no_budget_fits(report))
     parts.append(grid_table(report.grid, est.budget_bytes))
