@@ -63,3 +63,10 @@ def test_messages_name_what_the_user_typed():
     assert result.exit_code == 2 and "--host-ram: '64' needs a unit" in out and "--gpu" not in out
     result = runner.invoke(app, ["estimate-memory", FULL, "--budget", "24"])
     assert result.exit_code == 2 and "--gpu" in result.output
+
+
+def test_the_mask_note_names_packing_only_when_the_recipe_packs():
+    out = _text(str(REPO / "recipes" / "quickstart.yaml"))
+    assert "data.packing under" not in out and "rows padded to the longest in the batch under sdpa" in out
+    out = _text(str(REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"), "--attention", "sdpa")
+    assert "data.packing under sdpa" in out
