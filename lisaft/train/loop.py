@@ -126,7 +126,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 if stop.signum is None and stop_at is None:
                     why = "another rank was stopped"
                 display.print(f"stopped ({why}) at step {progress.step}; checkpoint {base.name} written. "
-                              f"Continue with: {resume_command(session.run_dir, t.batch_size)}")
+                              f"Continue with: {resume_command(session.run_dir, t.batch_size, t.fsdp)}")
                 return 128 + stop.signum if stop.signum else 3
 
         session.optimizers.wait()

@@ -42,13 +42,15 @@ class StopRequest:
         return self.signum is not None
 
 
-def resume_command(run_dir: Path, batch_size: int) -> str:
+def resume_command(run_dir: Path, batch_size: int, fsdp: bool = False) -> str:
     """How to continue a stopped run: under torchrun, the same launch (a plain `lisaft resume`
-    would be one rank, another global batch), and the one-process form that keeps the batch."""
+    would be one rank, another global batch), and the one-process form that keeps the batch
+    (under torchrun too with training.fsdp, which needs a process group even on one rank)."""
     world = dist.world_size()
     if world == 1:
-        return f"lisaft resume {run_dir}"
+        return f"{'torchrun --nproc-per-node 1 -m ' if fsdp else ''}lisaft resume {run_dir}"
+    one = "torchrun --nproc-per-node 1 -m lisaft" if fsdp else "lisaft"
     return (f"torchrun --nproc-per-node {dist.local_world_size()} -m lisaft resume {run_dir}"
             + (f" (on {world} ranks in all)" if dist.local_world_size() != world else "")
-            + f", or on one process `lisaft resume {run_dir} --set training.batch_size={batch_size * world}`,"
+            + f", or on one process `{one} resume {run_dir} --set training.batch_size={batch_size * world}`,"
             " which keeps the global batch")

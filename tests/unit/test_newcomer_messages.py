@@ -47,7 +47,10 @@ def test_a_stopped_torchrun_run_prints_the_launch_that_continues_it(monkeypatch)
     monkeypatch.setattr(dist, "local_world_size", lambda: 2)
     line = resume_command("RUN", 4)
     assert line.startswith("torchrun --nproc-per-node 2 -m lisaft resume RUN")
-    assert "lisaft resume RUN --set training.batch_size=8" in line  # 4 x 2 ranks on one process
+    assert "`lisaft resume RUN --set training.batch_size=8`" in line  # 4 x 2 ranks on one process
+    # training.fsdp needs a process group even on one rank.
+    assert "`torchrun --nproc-per-node 1 -m lisaft resume RUN --set training.batch_size=8`" in \
+        resume_command("RUN", 4, fsdp=True)
 
 
 def test_a_run_that_trains_every_layer_gets_no_raster():
