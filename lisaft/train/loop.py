@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from lisaft.train import export, nonfinite, report
 from lisaft.train.evaluate import evaluate
 from lisaft.train.session import Session
 from lisaft.train.step import StepResult, train_step
-from lisaft.train.stop import StopRequest, resume_command
+from lisaft.train.stop import StopRequest
 
 _EMPTY_WINDOW = {"loss_sum": 0.0, "steps": 0, "tokens": 0, "padding": 0}
 
@@ -122,11 +121,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 base = _save(session, checkpointer, base, changed)
                 changed = set()
             if stopping and progress.step < t.max_steps:
-                why = signal.Signals(stop.signum).name if stop.signum else "stop requested"
-                if stop.signum is None and stop_at is None:
-                    why = "another rank was stopped"
-                display.print(f"stopped ({why}) at step {progress.step}; checkpoint {base.name} written. "
-                              f"Continue with: {resume_command(session.run_dir, t.batch_size, t.fsdp)}")
+                display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 
         session.optimizers.wait()

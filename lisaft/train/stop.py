@@ -41,6 +41,14 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def message(self, step: int, checkpoint: str, run_dir: Path, training, asked: bool) -> str:
+        """The stop's one line: why, the checkpoint written, the command that continues the run.
+        `asked`: a test's stop_at, not a signal; neither means another rank was signalled."""
+        why = signal.Signals(self.signum).name if self.signum else ("stop requested" if asked else
+                                                                     "another rank was stopped")
+        return (f"stopped ({why}) at step {step}; checkpoint {checkpoint} written. "
+                f"Continue with: {resume_command(run_dir, training.batch_size, training.fsdp)}")
+
 
 def resume_command(run_dir: Path, batch_size: int, fsdp: bool = False) -> str:
     """How to continue a stopped run: under torchrun, the same launch (a plain `lisaft resume`
