@@ -195,7 +195,7 @@ def test_no_complete_checkpoint_says_how_to_start_over(tiny_run):
 
 
 def test_unchanged_layers_are_hard_linked_between_checkpoints(tiny_run):
-    recipe = tiny_run(lisa={"active_layers": 1, "interval_steps": 10},
+    recipe = tiny_run(lisa={"active_layers": 1, "interval_steps": 10}, scheduler={"min_lr_ratio": 0.1},
                       training={"max_steps": 4, "save_every": 2, "keep_last": 5})
     assert train(recipe, show=False) == 0
     ck = tiny_run.dir / "run" / "checkpoints"
