@@ -86,7 +86,7 @@ class OptimizerFiles:
         resident = self.controller.resident_units()
         for name in sorted(names):
             if opts.owns(opts.units[name]):
-                sd = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True)
+                sd = read_state_file(folder / f"{name}.pt")
                 opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
         opts.dirty.clear()
 
@@ -124,3 +124,15 @@ def _link(source: Path, target: Path) -> bool:
         return True
     except OSError:
         return False  # missing, or a filesystem without hard links: write the file
+
+
+def read_state_file(path: Path) -> dict:
+    """One unit's optimizer state. A damaged file says so: torch's own text for a file it cannot
+    unpickle advises weights_only=False, which is no fix for a truncated or garbled file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise  # a read error names its file; resume tells it from a damaged checkpoint
+    except Exception as e:
+        raise LisaftError(f"{path}: damaged optimizer state file (torch cannot read it: "
+                          f"{type(e).__name__})") from None

@@ -156,9 +156,11 @@ def _checkpoint_model(target: Target, device):
         "gradient_checkpointing": False, "offload_activations": False, "mlp_chunk_tokens": None,
         "attention": "auto" if section.attention == "flash_attention_2" else section.attention})
     model = _from_recipe(target, lambda: run_model(section, device, seed=target.checkpoint_recipe.training.seed))
+    from safetensors import SafetensorError
+
     try:
         load_weights(target.model_dir, model)
-    except (OSError, RuntimeError, ValueError, LisaftError) as e:
+    except (OSError, RuntimeError, ValueError, LisaftError, SafetensorError) as e:
         raise LisaftError(f"{target.model_dir}: cannot read its weights into the model its recipe.json "
                           f"builds: {first_line(e)}") from None
     if hasattr(model.config, "use_cache"):

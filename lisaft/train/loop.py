@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
 from lisaft.metrics.measure import memory_counters
 from lisaft.run_folder import clean_write_failures, remove_temporaries
-from lisaft.train import export, report
+from lisaft.train import export, nonfinite, report
 from lisaft.train.evaluate import evaluate
 from lisaft.train.session import Session
 from lisaft.train.step import StepResult, train_step
@@ -40,6 +39,8 @@ def _train_record(session: Session, result: StepResult, window: dict, elapsed: f
         "optimizer_state_bytes": dev_state,
         "offloaded_state_bytes": off_state,
         **memory_counters(session.device),
+        **({"skipped_steps": session.progress.skipped_steps}
+           if session.recipe.training.on_nonfinite == "skip" else {}),
     }
 
 
@@ -99,6 +100,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                                     longer_than=session.peaks.activation_seq_len)
             except torch.OutOfMemoryError:
                 raise report.out_of_memory(session, step, base) from None
+            nonfinite.check_step(session, step, result, base)
             _record_peaks(session, result)
             changed |= {u.name for u in session.controller.trainable_units()}
             progress.step += 1
@@ -119,11 +121,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 base = _save(session, checkpointer, base, changed)
                 changed = set()
             if stopping and progress.step < t.max_steps:
-                why = signal.Signals(stop.signum).name if stop.signum else "stop requested"
-                if stop.signum is None and stop_at is None:
-                    why = "another rank was stopped"
-                display.print(f"stopped ({why}) at step {progress.step}; checkpoint {base.name} written. "
-                              f"Continue with: lisaft resume {session.run_dir}")
+                display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 
         session.optimizers.wait()

@@ -10,9 +10,10 @@ from lisaft.checkpoint.checkpointer import complete_checkpoints, read_components
 from lisaft.checkpoint.missing import nothing_left
 from lisaft.config.schema import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
 from lisaft.console import first_line, warn
+from lisaft.data.digest import DataChanged
 from lisaft.distributed import dist
 from lisaft.errors import LisaftError
-from lisaft.optim.lr_schedule import Plan
+from lisaft.optim.lr_schedule import Plan, Schedule
 from lisaft.run_folder import is_write_failure, write_failed
 from lisaft.train.session import Session
 
@@ -80,6 +81,31 @@ def check_resumable(run_dir: Path, ckpt: Path, recipe: Recipe, max_steps_given: 
         raise done
 
 
+def check_extension(run_dir: Path, ckpt: Path, recipe: Recipe, recipe_file: Path, reschedule: bool) -> None:
+    """Refuse, before any set-up, new steps that would all train at a learning rate of 0: past the
+    end of a saved curve whose floor is 0, or re-planned from a run that already reached it."""
+    components = read_components(ckpt)
+    max_steps = recipe.training.max_steps
+    if "schedule" not in components or recipe.scheduler.name == "constant":
+        return
+    schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=max_steps)
+    schedule.load_state_dict(components["schedule"])
+    horizon, step = schedule.plan.horizon, int(components.get("progress", {}).get("step", 0))
+    if schedule.floor_lr > 0 or (max_steps <= horizon and not reschedule):
+        return
+    if reschedule and schedule.lr(step) > 0:
+        return
+    if step < horizon:
+        raise LisaftError(f"training.max_steps {max_steps}: the saved learning-rate curve reaches its floor of 0 "
+                          f"(scheduler.min_lr_ratio 0) at step {horizon}, so every step after it would change "
+                          f"nothing; pass --reschedule to re-plan the decay from step {step} to step {max_steps}")
+    raise LisaftError(
+        f"training.max_steps {max_steps}: this run ended its learning-rate curve at step {step} at its floor of 0 "
+        f"(scheduler.min_lr_ratio 0), so every new step would train at LR 0, re-planned with --reschedule too; "
+        f"to train further, start a new run from its weights: `lisaft train {recipe_file} --set "
+        f"model.name_or_path={run_dir / 'final'} --set training.output_dir=NEW_RUN`")
+
+
 def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> Path:
     """Load the newest of `candidates` that loads; a checkpoint that passed the size check but
     does not load is skipped. A failed write while loading (optimizer state offloaded to disk)
@@ -92,6 +118,8 @@ def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> 
         except Exception as e:
             if is_write_failure(e) and not _names_a_file_in(e, ckpt):
                 raise write_failed(session.run_dir, e) from None
+            if isinstance(e, DataChanged):
+                raise  # an older checkpoint of this run saw the same data: one message, no skipping
             if isinstance(e, LisaftError) and "older lisaft" in str(e):
                 raise LisaftError(f"{e}; start over with `lisaft train {recipe_file} --overwrite`") from None
             if i + 1 == len(candidates):

@@ -16,6 +16,7 @@ from torch import nn
 from lisaft.checkpoint.checkpointer import Checkpointer
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.config.schema import Recipe
+from lisaft.data.digest import examples_digest
 from lisaft.data.order import DataOrder
 from lisaft.data.packing import Packing, pack_examples
 from lisaft.distributed import dist
@@ -47,6 +48,7 @@ class Progress:
     tokens_seen: int = 0              # global non-padding tokens trained on
     world_size: int = 1               # processes of this run now (a resume may change it)
     window: dict = field(default_factory=dict)  # the logging window not yet written (loss sums)
+    skipped_steps: int = 0            # steps training.on_nonfinite: skip dropped
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +57,7 @@ class Progress:
         self.step = int(sd["step"])
         self.tokens_seen = int(sd.get("tokens_seen", 0))
         self.window = dict(sd.get("window") or {})
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
 
 
 @dataclass
@@ -187,7 +190,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         controller.check_agreement = shards.check_same_layers
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
-                      unit="packed rows" if packing else "examples")
+                      unit="packed rows" if packing else "examples", digest=examples_digest(train_examples),
+                      accept_change=t.accept_data_change)
+    if packing is not None:
+        packing.accept_change = t.accept_data_change
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class StepResult:
     grad_bytes: int                   # gradient bytes held before the optimizer step
     activation_bytes: int | None = None  # saved for backward by the longest micro-batch, when measured
     activation_seq_len: int = 0          # that micro-batch's padded length
+    skipped: bool = False                # training.on_nonfinite: skip dropped a non-finite update
 
 
 class Phases:
@@ -91,25 +93,29 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             with phases.phase("backward"):
                 (loss / loss_tokens).backward()
             loss_sum += loss.item()
+    skipped = False
     if norm is not None:
         grad_norm, grad_bytes = norm.value, 0
     else:
-        grad_norm, grad_bytes = _clip_and_step(session, measure_norm, phases)
+        grad_norm, grad_bytes, skipped = _clip_and_step(session, measure_norm, phases)
     loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
     return StepResult(loss=loss_total / loss_tokens, tokens=int(counts[1].item()),
                       padding=int(counts[2].item() - counts[1].item()), lr=lr, grad_norm=grad_norm,
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
-                      activation_seq_len=activation_seq_len)
+                      activation_seq_len=activation_seq_len, skipped=skipped)
 
 
-def _clip_and_step(session: Session, measure_norm: bool, phases: Phases) -> tuple[float | None, int]:
-    """All-reduce, clip and step the trainable units; returns (grad norm, gradient bytes held)."""
+def _clip_and_step(session: Session, measure_norm: bool, phases: Phases) -> tuple[float | None, int, bool]:
+    """All-reduce, clip and step the trainable units; returns (grad norm, gradient bytes held,
+    whether training.on_nonfinite: skip dropped the update)."""
+    skip = session.recipe.training.on_nonfinite == "skip"
     if isinstance(session.optimizers, OffloadedOptimizers):
         # The gradients are in host memory: the norm, the clipping and the step run there, and
         # no gradient is held on the device.
         with phases.phase("optimizer"):
-            return session.optimizers.clip_and_step(session.controller.trainable_units(),
-                                                    session.recipe.training.max_grad_norm, measure_norm), 0
+            norm = session.optimizers.clip_and_step(session.controller.trainable_units(),
+                                                    session.recipe.training.max_grad_norm, measure_norm, skip)
+        return norm, 0, skip and not math.isfinite(norm)
     trainable = session.controller.trainable_parameters()
     for p in trainable:
         if p.grad is not None and p.grad.is_sparse:
@@ -120,14 +126,21 @@ def _clip_and_step(session: Session, measure_norm: bool, phases: Phases) -> tupl
     grad_bytes = session.controller.grad_bytes()
     max_norm = session.recipe.training.max_grad_norm
     grad_norm = None
-    if max_norm is not None or measure_norm:
+    if max_norm is not None or measure_norm or skip:
         with phases.phase("clip"):
             if session.shards is None:
                 grad_norm = clip_grad_norm(trainable, max_norm)
             else:
                 grad_norm = session.shards.clip_grad_norm(trainable, max_norm)
+    if skip and not math.isfinite(grad_norm):
+        # The norm is global (after the all-reduce), so every rank drops the same update.
+        for p in trainable:
+            p.grad = None
+        if session.shards is not None:
+            session.shards.release_grads(trainable)
+        return grad_norm, grad_bytes, True
     if session.shards is not None:
         session.shards.bind_grads(trainable)
     with phases.phase("optimizer"):
         session.optimizers.step(session.controller.trainable_units())
-    return grad_norm, grad_bytes
+    return grad_norm, grad_bytes, False
