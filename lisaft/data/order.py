@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from lisaft.errors import LisaftError
+from lisaft.errors import CheckpointMismatch, LisaftError
 
 # Seeds the data order (and the held-out split) apart from the other consumers of
 # training.seed: model init and LISA sampling.
@@ -72,7 +72,7 @@ class DataOrder:
     def load_state_dict(self, d: dict) -> None:
         n = d.get("n_examples", self.n)
         if n != self.n:
-            raise LisaftError(
+            raise CheckpointMismatch(
                 f"data.train: the checkpoint was taken with {n} training {self.unit}, the data now gives "
                 f"{self.n}; the data (or data.max_seq_len / data.packing) changed since the run started"
             )

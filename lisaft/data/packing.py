@@ -24,7 +24,7 @@ import numpy as np
 
 from lisaft.data.collate import Example
 from lisaft.data.order import ORDER_SALT
-from lisaft.errors import LisaftError
+from lisaft.errors import CheckpointMismatch
 
 # Stream of the order salt used for the packing order (0: epochs, 1: held-out split).
 _PACKING_STREAM = 2
@@ -101,7 +101,7 @@ class Packing:
 
     def load_state_dict(self, d: dict) -> None:
         if d.get("digest") != self.digest:
-            raise LisaftError(
+            raise CheckpointMismatch(
                 f"data.train: the checkpoint's packing ({d.get('rows')} rows, digest {d.get('digest')}) "
                 f"differs from what the data packs into now ({len(self.rows)} rows, digest {self.digest}); "
                 "the data, data.max_seq_len or training.seed changed since the run started")
