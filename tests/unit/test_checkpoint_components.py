@@ -13,6 +13,7 @@ from lisaft.checkpoint.components import STATE_FILE, FolderComponent, Optional, 
 from lisaft.config.schema import recipe_from_dict
 from lisaft.errors import OlderCheckpoint
 from lisaft.train import build_session, train_step
+from lisaft.train.parallel import CpuOffload, SingleProcess
 from lisaft.train.session import checkpoint_components
 
 
@@ -74,6 +75,7 @@ def _files(name: str, component, ckpt) -> tuple[str, set]:
 def test_the_checkpointer_writes_exactly_the_components_the_one_function_builds(tmp_path, tiny_llama_config,
                                                                               cpu_offload):
     session = _session(tmp_path, "run", tiny_llama_config, cpu_offload=cpu_offload)
+    assert isinstance(session.parallel, CpuOffload if cpu_offload else SingleProcess)
     session.controller.activate_for_step(0)
     _train(session, 0, 2)
     ckpt = session.checkpointer().save(2, base=None)
