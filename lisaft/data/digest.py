@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from lisaft.errors import LisaftError
+from lisaft.errors import CheckpointMismatch
 
 ACCEPT_KEY = "training.accept_data_change"
 
 
-class DataChanged(LisaftError):
+class DataChanged(CheckpointMismatch):
     """The data a checkpoint was trained on is not the data now: never a reason to try an older
     checkpoint of the same run, which saw the same data."""
 

@@ -162,7 +162,7 @@ class OffloadedOptimizers(UnitOptimizers):
     as it would for device optimizers; LISA's controller switches units by name as before."""
 
     def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
-                 offload_dir: Path, seed: int, shard: bool = False) -> None:
+                 offload_dir: Path, seed: int) -> None:
         if dist.world_size() > 1:
             raise LisaftError("optimizer.cpu_offload runs on one device; for data parallel set it false "
                               "(training.shard_optimizer_state divides the moments between ranks)")
@@ -174,7 +174,7 @@ class OffloadedOptimizers(UnitOptimizers):
         weights_arena, self._acc_arena = HostArena(slab, cuda), HostArena(slab, cuda)
         host_units = [Unit(u.name, u.index, [_host_copy(p, weights_arena) for p in u.params], u.layer)
                       for u in units]
-        super().__init__(host_units, section, torch.device("cpu"), offload_dir, seed, shard=False)
+        super().__init__(host_units, section, torch.device("cpu"), offload_dir, seed)
         self._weights_arena = weights_arena
         self._device_units = {u.name: u for u in units}
         self._host_of = {p: h for u, hu in zip(units, host_units) for p, h in zip(u.params, hu.params)}
@@ -256,7 +256,7 @@ class OffloadedOptimizers(UnitOptimizers):
                 h.grad = None
             return norm
         self.rounding.step = self._step_index
-        self.dirty.update(u.name for u in units)  # before a checkpoint could ask, step in flight or not
+        self.changes.bump(u.name for u in units)  # before a checkpoint could ask, step in flight or not
         optimizers = [self.optimizer(u) for u in units]  # created here, not in the workers
         self._first_steps = {u.name for u, opt in zip(units, optimizers) if not opt.state}
         for opt in optimizers:

@@ -6,8 +6,8 @@ import functools
 from pathlib import Path
 
 from lisaft import run_folder as runfiles
-from lisaft.checkpoint.checkpointer import saved_world_size
 from lisaft.checkpoint.missing import run_recipe_file
+from lisaft.checkpoint.run_state import saved_world_size
 from lisaft.config.schema import load_recipe
 from lisaft.config.unused_keys import unused_keys
 from lisaft.console import say, warn

@@ -3,16 +3,17 @@ curve the continued run follows."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from lisaft.checkpoint.checkpointer import complete_checkpoints, read_components, saved_world_size
+from lisaft.checkpoint.checkpointer import complete_checkpoints
+from lisaft.checkpoint.components import read_components
 from lisaft.checkpoint.missing import nothing_left
-from lisaft.config.schema import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
+from lisaft.checkpoint.run_state import saved_recipe, saved_world_size
+from lisaft.config.schema import CADENCE_KEYS, Recipe, flatten
 from lisaft.console import first_line, warn
 from lisaft.data.digest import DataChanged
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
+from lisaft.errors import LisaftError, OlderCheckpoint
 from lisaft.optim.lr_schedule import Plan, Schedule
 from lisaft.run_folder import is_write_failure, write_failed
 from lisaft.train.session import Session
@@ -35,7 +36,7 @@ def recipe_changes(ckpt: Path, recipe: Recipe) -> list[tuple[str, object, object
     """(key, saved, now) for each key the resume changes; refuses a change that alters the
     training path (anything but the cadence keys, and the per-rank batch when the number of
     ranks changes with the global batch kept)."""
-    saved = recipe_from_dict(json.loads((ckpt / "recipe.json").read_text()), f"{ckpt}/recipe.json")
+    saved = saved_recipe(ckpt)
     saved_flat = flatten(saved.model_dump(mode="json"))
     new_flat = flatten(recipe.model_dump(mode="json"))
     saved_flat["training.output_dir"] = new_flat["training.output_dir"]  # the run may have moved
@@ -120,13 +121,22 @@ def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> 
                 raise write_failed(session.run_dir, e) from None
             if isinstance(e, DataChanged):
                 raise  # an older checkpoint of this run saw the same data: one message, no skipping
-            if isinstance(e, LisaftError) and "older lisaft" in str(e):
-                raise LisaftError(f"{e}; start over with `lisaft train {recipe_file} --overwrite`") from None
+            if isinstance(e, OlderCheckpoint):
+                raise LisaftError(f"{_older(e, ckpt)}; start over with "
+                                  f"`lisaft train {recipe_file} --overwrite`") from None
             if i + 1 == len(candidates):
                 raise LisaftError(f"{ckpt}: cannot be loaded ({first_line(e)}); no older complete checkpoint; "
                                   f"start over with `lisaft train {recipe_file} --overwrite`") from None
             warn(f"skipping checkpoint {ckpt.name}: cannot be loaded ({first_line(e)})")
     raise AssertionError("unreachable: candidates is never empty")
+
+
+def _older(e: OlderCheckpoint, ckpt: Path) -> str:
+    # Before per-unit optimizers a checkpoint held one optimizer for the whole model and no LISA
+    # position or LR plan.
+    what = "one optimizer for the whole model, " if e.component in ("lisa", "schedule") else ""
+    return (f"{ckpt.name} was written by an older lisaft ({what}no {e.component} state); it cannot be resumed "
+            "by this version (docs/resume.md)")
 
 
 def _names_a_file_in(e: BaseException, folder: Path) -> bool:
