@@ -228,6 +228,11 @@ class OptimizerSection(_Section):
         "to host memory in backward and accumulated there, the updated weights are copied back "
         "(ZeRO-Offload's design; docs/memory.md). Not with in_backward or data parallel.",
     )
+    moments_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Moments of adamw_32bit where the step runs on the CPU (cpu_offload or "
+        "training.device cpu): bfloat16 halves their host memory (stochastically rounded; docs/memory.md).",
+    )
     bf16_update: Literal["stochastic", "nearest"] = Field(
         "stochastic",
         description="How bfloat16 weights take an update: stochastic rounding (updates below half "
@@ -379,6 +384,9 @@ class Recipe(_Section):
                 "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the "
                 "step on the CPU no gradient stays on the device anyway; set in_backward false"
             )
+        if self.optimizer.moments_dtype == "bfloat16" and self.optimizer.name != "adamw_32bit":
+            raise ValueError(f"optimizer.moments_dtype bfloat16 is for adamw_32bit; {self.optimizer.name} keeps "
+                             "its own moments (8-bit ones: adamw_8bit); set moments_dtype float32")
         if self.training.on_nonfinite == "skip" and self.optimizer.in_backward:
             raise ValueError("training.on_nonfinite: skip cannot be combined with optimizer.in_backward: "
                              "each update runs in backward, before the norm is known; use stop")

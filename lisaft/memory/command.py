@@ -95,7 +95,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         mlp_chunk_tokens=recipe.model.mlp_chunk_tokens,
         optimizer=recipe.optimizer.name, in_backward=recipe.optimizer.in_backward,
         cpu_offload=recipe.optimizer.cpu_offload, host_budget_bytes=host_ram_bytes(),
-        bf16_update=recipe.optimizer.bf16_update,
+        bf16_update=recipe.optimizer.bf16_update, moments_dtype=recipe.optimizer.moments_dtype,
         sparse_embedding_grad=recipe.model.sparse_embedding_grad,
         expandable_segments=expandable_segments(),
         lisa=recipe.lisa.enabled, active_layers_auto=recipe.lisa.active_layers == "auto",

@@ -71,6 +71,7 @@ class Settings:
     mlp_chunk_tokens: int | None = None  # MLP run in checkpointed chunks of this many positions
     optimizer: str = "adamw_32bit"
     bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
+    moments_dtype: str = "float32"  # float32 | bfloat16 (optimizer.moments_dtype, adamw_32bit on the CPU)
     sparse_embedding_grad: bool = True  # model.sparse_embedding_grad (single process)
     in_backward: bool = False
     cpu_offload: bool = False  # moments, gradient accumulators and the step in host memory
@@ -193,7 +194,8 @@ class Estimate:
                 "gradient_checkpointing": s.gradient_checkpointing,
                 "offload_activations": s.offload_activations,
                 "mlp_chunk_tokens": s.mlp_chunk_tokens, "optimizer": s.optimizer,
-                "bf16_update": s.bf16_update, "sparse_embedding_grad": s.sparse_embedding_grad,
+                "bf16_update": s.bf16_update, "moments_dtype": s.moments_dtype,
+                "sparse_embedding_grad": s.sparse_embedding_grad,
                 "expandable_segments": s.expandable_segments,
                 "in_backward": s.in_backward, "cpu_offload": s.cpu_offload, "lisa": s.lisa,
                 "active_layers": s.active_layers if s.lisa else None,
@@ -225,7 +227,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     weights = _weight_bytes(local, dt)
     sparse_saving = sparse_embedding_saving(local, shape, s, dt)
     grads_full = sum(trainable) * dt - sparse_saving
-    state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device)
+    moment_bytes = 2 if s.moments_dtype == "bfloat16" else 4
+    state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device, moment_bytes)
     largest = max(trainable) if trainable else 0
     # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
     offload = s.cpu_offload and s.device == "cuda"
@@ -355,7 +358,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         host = offload_host_bytes(s.optimizer, host_state, all_numels, trainable, dt, s.bf16_update,
                                   activation_host, CPU_PROCESS_BASELINE_BYTES
                                   + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0),
-                                  sparse_numel=sparse, sparse_bytes=sparse * dt - sparse_saving if sparse else 0)
+                                  sparse_numel=sparse, sparse_bytes=sparse * dt - sparse_saving if sparse else 0,
+                                  moment_bytes=moment_bytes)
         notes.append("cpu_offload: moments, gradient accumulators and the step live in host memory "
                      "(the host table)")
     if act.packed_mask:

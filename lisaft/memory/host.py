@@ -33,7 +33,7 @@ PINNED = ("host_weights", "gradient_accumulators", "staging", "activation_checkp
 
 def offload_host_bytes(optimizer: str, state_numels: list[int], all_numels: list[int], trainable_numels: list[int],
                        dt: int, bf16_update: str, activation_host_bytes: int, process_baseline: int,
-                       sparse_numel: int = 0, sparse_bytes: int = 0) -> dict[str, int]:
+                       sparse_numel: int = 0, sparse_bytes: int = 0, moment_bytes: int = 4) -> dict[str, int]:
     """Bytes of each host component (HOST_COMPONENTS) for a run with the optimizer on the CPU.
     Numels are in the model's order; `sparse_numel` names the trainable tensor (the input
     embedding) whose gradient is sparse, `sparse_bytes` that gradient's size."""
@@ -43,7 +43,7 @@ def offload_host_bytes(optimizer: str, state_numels: list[int], all_numels: list
     if sparse_numel:
         dense.remove(sparse_numel)
     return {
-        "moments": state_bytes(optimizer, state_numels, dt, "cpu").total,
+        "moments": state_bytes(optimizer, state_numels, dt, "cpu", moment_bytes).total,
         "host_weights": arena_bytes([n * dt for n in all_numels], slab),
         "gradient_accumulators": arena_bytes([n * dt for n in reversed(dense)], slab) + sparse_bytes,
         "staging": STAGING_SLOTS * staging_slot_bytes(max(all_numels, default=0) * dt),

@@ -51,11 +51,12 @@ class StateBytes:
     paged: int  # the part in CUDA unified memory (0 off CUDA)
 
 
-def tensor_state(optimizer: str, numel: int, dt: int, device: str) -> StateBytes:
-    """State bytes for one parameter tensor of `numel` elements and dtype size `dt`."""
+def tensor_state(optimizer: str, numel: int, dt: int, device: str, moment_bytes: int = 4) -> StateBytes:
+    """State bytes for one parameter tensor of `numel` elements and dtype size `dt`;
+    `moment_bytes` 2 for adamw_32bit's optimizer.moments_dtype bfloat16 (on the CPU only)."""
     paging = is_paged(optimizer) and device == "cuda" and numel >= PAGED_MIN_NUMEL
     if optimizer == "adamw_32bit":
-        return StateBytes(2 * numel * 4, 0)
+        return StateBytes(2 * numel * moment_bytes, 0)
     if is_8bit(optimizer) and numel >= MIN_8BIT_NUMEL:
         blocks = -(-numel // BLOCKSIZE)
         moments = 2 * numel
@@ -64,12 +65,12 @@ def tensor_state(optimizer: str, numel: int, dt: int, device: str) -> StateBytes
     return StateBytes(moments, moments if paging else 0)
 
 
-def state_bytes(optimizer: str, numels, dt: int, device: str) -> StateBytes:
+def state_bytes(optimizer: str, numels, dt: int, device: str, moment_bytes: int = 4) -> StateBytes:
     """State for a set of parameter tensors, the shared quantization maps included once."""
     total = paged = 0
     quantized = False
     for n in numels:
-        s = tensor_state(optimizer, n, dt, device)
+        s = tensor_state(optimizer, n, dt, device, moment_bytes)
         total += s.total
         paged += s.paged
         quantized |= is_8bit(optimizer) and n >= MIN_8BIT_NUMEL

@@ -29,6 +29,8 @@ import torch
 from lisaft import internals
 from lisaft.config.schema import OptimizerSection
 from lisaft.console import warn
+from lisaft.errors import LisaftError
+from lisaft.optim import host_step
 from lisaft.optim.rounding import Rounding
 
 # Elements updated at a time: a multiple of bitsandbytes' 256-element quantization block, so
@@ -205,9 +207,11 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, eight_bit: bool, paged: bool, bnb_32bit: bool,
-                 rounding: Rounding, unit_index: int, pool: PagedPool | None = None) -> None:
+                 rounding: Rounding, unit_index: int, pool: PagedPool | None = None,
+                 moments_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.eight_bit, self.paged, self.bnb_32bit = eight_bit, paged, bnb_32bit
+        self.moments_dtype = moments_dtype
         self.rounding, self.unit_index, self.pool = rounding, unit_index, pool
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._group = {p: g for g in self.param_groups for p in g["params"]}
@@ -222,7 +226,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor) -> dict:
         quantized = self.eight_bit and p.numel() >= MIN_8BIT_NUMEL
-        dtype = torch.uint8 if quantized else torch.float32
+        dtype = torch.uint8 if quantized else self.moments_dtype
         st = {"step": 0, "exp_avg": self._buffer(p, dtype), "exp_avg_sq": self._buffer(p, dtype)}
         if quantized:
             blocks = -(-p.numel() // BLOCKSIZE)
@@ -236,15 +240,17 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         stepped = False
         for group in self.param_groups:
-            fused, chunked = [], []
+            fused, chunked, host = [], [], []
             for p in group["params"]:
                 if p.grad is not None:
-                    (fused if self._fusable(p) else chunked).append(p)
+                    (host if self._on_host(p) else fused if self._fusable(p) else chunked).append(p)
             if fused:
                 self._fused_update(fused, group)
             for p in chunked:
                 self._update(p, group)
-            stepped |= bool(fused or chunked)
+            for p in host:
+                self._host_update(p, group)
+            stepped |= bool(fused or chunked or host)
         if stepped:
             self._sync()
         return None
@@ -252,11 +258,37 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step_param(self, p: torch.Tensor) -> None:
         """Update one parameter now (step-in-backward: its gradient has just been completed)."""
-        if self._fusable(p):
+        if self._on_host(p):
+            self._host_update(p, self._group[p])
+        elif self._fusable(p):
             self._fused_update([p], self._group[p])
         else:
             self._update(p, self._group[p])
         self._sync()
+
+    def _on_host(self, p: torch.Tensor) -> bool:
+        """Whether p steps through the fused host kernel (lisaft/optim/host_step.py): on the CPU,
+        whenever it loads; bfloat16 moments always, through its torch reference without it."""
+        if p.device.type != "cpu":
+            return False
+        return self.moments_dtype == torch.bfloat16 or host_step.available()
+
+    def _host_update(self, p: torch.Tensor, group: dict) -> None:
+        """One pass over weight, gradient and moments; a sparse gradient in dense chunks of rows,
+        each at its own element offset, so the rounding noise is that of the dense gradient."""
+        st = self._next_step(p)
+        s = host_step.adam_scalars(group, st["step"])
+        key = self.rounding.key(self.unit_index, self._index[p])
+        stochastic = self.rounding.mode == "stochastic"
+        maps = _quantization_maps(p.device) if st["exp_avg"].dtype == torch.uint8 else None
+        flat_p, g = p.detach().view(-1), p.grad.detach()
+        if not g.is_sparse:
+            host_step.step_chunk(flat_p, g.reshape(-1), st, 0, flat_p.numel(), s, key, stochastic, maps)
+            return
+        grad = _GradChunks(g)
+        for lo in range(0, flat_p.numel(), grad.chunk):
+            hi = min(lo + grad.chunk, flat_p.numel())
+            host_step.step_chunk(flat_p[lo:hi], grad.slice(lo, hi), st, lo, hi, s, key, stochastic, maps)
 
     def _fusable(self, p: torch.Tensor) -> bool:
         """Whether p steps whole, with the others of its group in one kernel call: a float32
@@ -373,6 +405,10 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
     decay, no_decay = _decay_split(params)
     groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     paged = section.name.startswith("paged_")
+    moments = torch.bfloat16 if section.moments_dtype == "bfloat16" else torch.float32
+    if moments == torch.bfloat16 and device.type != "cpu":
+        raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
+                          "true or training.device cpu")
     if paged and device.type != "cuda" and section.name not in _warned_cpu_paging:
         _warned_cpu_paging.add(section.name)
         warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "
@@ -380,7 +416,7 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
     return AdamW(groups, lr=section.lr, betas=section.betas, eps=section.eps,
                  weight_decay=section.weight_decay, eight_bit=section.name.endswith("_8bit"),
                  paged=paged, bnb_32bit=section.name == "paged_adamw_32bit", rounding=rounding,
-                 unit_index=unit_index, pool=pool)
+                 unit_index=unit_index, pool=pool, moments_dtype=moments)
 
 
 def _decay_split(params: list) -> tuple[list, list]:

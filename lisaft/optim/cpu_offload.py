@@ -52,6 +52,7 @@ from lisaft.config.schema import OptimizerSection
 from lisaft.distributed import dist
 from lisaft.errors import LisaftError
 from lisaft.model.units import Unit
+from lisaft.optim import host_step
 from lisaft.optim.adamw import clip_grad_norm
 from lisaft.optim.host_arena import HostArena, slab_size
 from lisaft.optim.unit_optimizers import UnitOptimizers
@@ -182,7 +183,9 @@ class OffloadedOptimizers(UnitOptimizers):
         # Accumulators of units LISA froze, by (shape, dtype), for the next unit that trains.
         self._spare: dict[tuple, list[torch.Tensor]] = {}
         self.transfers = _Transfers(self.train_device, staging_slot_bytes(max(sizes, default=64))) if cuda else None
-        self.step_threads = torch.get_num_threads()
+        # The host kernel spreads each unit over every core itself: units then go one at a time,
+        # lowest first, which is the order the next forward needs them in.
+        self.step_threads = 1 if host_step.available() else torch.get_num_threads()
         self.overlap = True
         self._unit_name = {p: u.name for u in units for p in u.params}
         self._in_flight: dict[str, Future] = {}

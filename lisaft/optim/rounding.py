@@ -41,6 +41,13 @@ class Rounding:
         # at once, each re-seeding its own generator, so no thread sees another's seed.
         self._local = threading.local()
 
+    def key(self, *key: int) -> int:
+        """The 63-bit noise key of (seed, step, *key[, shard]): the host kernel hashes it with each
+        element's index (lisaft/optim/host_step.py), this class seeds a generator with it."""
+        if self.shard is not None:
+            key = (*key, self.shard)
+        return _mix(self.seed, self.step, *key)
+
     def write(self, dst: torch.Tensor, src: torch.Tensor, *key: int) -> None:
         """dst (bf16) <- src (float32, consumed)."""
         if self.mode == "stochastic" and dst.dtype == torch.bfloat16:
@@ -48,9 +55,7 @@ class Rounding:
             gen = generators.get(src.device)
             if gen is None:
                 gen = generators[src.device] = torch.Generator(device=src.device)
-            if self.shard is not None:
-                key = (*key, self.shard)
-            gen.manual_seed(_mix(self.seed, self.step, *key))
+            gen.manual_seed(self.key(*key))
             noise = torch.randint(0, 1 << 16, src.shape, generator=gen, device=src.device, dtype=torch.int32)
             # Adding below the 16 bits bf16 keeps, then truncating, rounds the magnitude up with
             # exactly the probability of its discarded fraction (sign-magnitude floats).

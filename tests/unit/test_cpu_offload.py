@@ -28,11 +28,12 @@ ACCUM = 2
 MAX_NORM = 0.5  # small enough that the tiny model's gradients are clipped
 
 
-def setup(tmp_path, offload: bool, name="adamw_32bit", dtype=torch.float32, lisa=False, sparse=False):
+def setup(tmp_path, offload: bool, name="adamw_32bit", dtype=torch.float32, lisa=False, sparse=False,
+          moments="float32"):
     model = _tiny(0, 4).to(dtype)
     model.get_input_embeddings().sparse = sparse
     units = model_units(model_parts(model))
-    section = OptimizerSection(name=name, lr=1e-3, weight_decay=0.1, cpu_offload=offload)
+    section = OptimizerSection(name=name, lr=1e-3, weight_decay=0.1, cpu_offload=offload, moments_dtype=moments)
     cls = OffloadedOptimizers if offload else UnitOptimizers
     opts = cls(units, section, CPU, tmp_path / ("off" if offload else "dev"), seed=3)
     ctrl = LisaController(units, opts, LisaSection(enabled=lisa, active_layers=2, interval_steps=2), seed=3)
@@ -100,6 +101,17 @@ def test_offloaded_lisa_is_the_device_run_bit_for_bit(tmp_path, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_bf16_moments_offloaded_are_the_resident_run_bit_for_bit(tmp_path, dtype, sparse):
+    dev = setup(tmp_path, False, "adamw_32bit", dtype, lisa=True, sparse=sparse, moments="bfloat16")
+    off = setup(tmp_path, True, "adamw_32bit", dtype, lisa=True, sparse=sparse, moments="bfloat16")
+    assert run(dev, 0, 3) == run(off, 0, 3)
+    assert_same(dev, off)
+    states = [st for name in off.opts.units if (sd := off.opts.host_state(name)) for st in sd["state"].values()]
+    assert states and all(st["exp_avg_sq"].dtype == torch.bfloat16 for st in states)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sparse_embedding_gradients_stay_exact(tmp_path, dtype):
     dev = setup(tmp_path, False, "adamw_32bit", dtype, sparse=True)
     off = setup(tmp_path, True, "adamw_32bit", dtype, sparse=True)
@@ -108,11 +120,13 @@ def test_sparse_embedding_gradients_stay_exact(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_checkpoint_round_trip_resumes_exactly(tmp_path, dtype):
+@pytest.mark.parametrize("name,moments", [("adamw_8bit", "float32"), ("adamw_32bit", "bfloat16"),
+                                          ("adamw_32bit", "float32")], ids=["8bit", "bf16-moments", "fp32-moments"])
+def test_checkpoint_round_trip_resumes_exactly(tmp_path, dtype, name, moments):
     """The same optimizer/<unit>.pt files as the device path, and a run restored from them
     continues as the uninterrupted one."""
-    dev = setup(tmp_path, False, "adamw_8bit", dtype, lisa=True)
-    off = setup(tmp_path, True, "adamw_8bit", dtype, lisa=True)
+    dev = setup(tmp_path, False, name, dtype, lisa=True, moments=moments)
+    off = setup(tmp_path, True, name, dtype, lisa=True, moments=moments)
     run(dev, 0, 3)
     run(off, 0, 3)
     folders = {}
@@ -125,7 +139,7 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, dtype):
     weights = {k: v.clone() for k, v in off.model.state_dict().items()}
     ctrl_state = off.ctrl.state_dict()
 
-    resumed = setup(tmp_path / "r", True, "adamw_8bit", dtype, lisa=True)
+    resumed = setup(tmp_path / "r", True, name, dtype, lisa=True, moments=moments)
     resumed.model.load_state_dict(weights)  # what the loop does before loading optimizer state
     resumed.ctrl.load_state_dict(ctrl_state)
     OptimizerFiles(resumed.opts, resumed.ctrl).read(folders["off"])

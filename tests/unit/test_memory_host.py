@@ -52,6 +52,19 @@ def test_host_components_are_the_formulas():
     assert 40 * GiB < e.host_bytes < 52 * GiB
 
 
+def test_host_moments_by_moment_type():
+    """8B full fine-tuning on a 64 GiB host: float32 moments do not fit, bfloat16 and 8-bit do."""
+    runs = {m: compute(_8b(cpu_offload=True, optimizer=o, moments_dtype=d))
+            for m, (o, d) in {"fp32": ("adamw_32bit", "float32"), "bf16": ("adamw_32bit", "bfloat16"),
+                              "8bit": ("adamw_8bit", "float32")}.items()}
+    counts = param_counts(runs["fp32"].settings.config)
+    moments = {m: e.host_components["moments"] for m, e in runs.items()}
+    assert moments["fp32"] == 8 * counts.total and moments["bf16"] == 4 * counts.total
+    assert 2 * counts.total < moments["8bit"] < 2.1 * counts.total
+    assert [runs[m].fits_host for m in ("fp32", "bf16", "8bit")] == [False, True, True]
+    assert len({e.total_bytes for e in runs.values()}) == 1  # the GPU side holds no moments
+
+
 def test_the_machines_ram_is_a_second_budget():
     small = compute(_8b(cpu_offload=True, host_budget_bytes=32 * GiB))
     assert small.total_bytes <= small.budget_bytes and not small.fits_host and not small.fits

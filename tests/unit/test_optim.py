@@ -1,5 +1,8 @@
 """The unit optimizer: the AdamW arithmetic, moment dtypes, chunking, state round trips, and
-bf16 rounding."""
+bf16 rounding.
+
+These tests pin the torch path: the one on CUDA, and on the CPU where the host kernel cannot load.
+With the kernel, the CPU step is its own one-pass arithmetic (tests/unit/test_host_step.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,11 @@ from lisaft.optim.adamw import Rounding, build_unit_optimizer
 
 NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch):
+    monkeypatch.setattr(optim.host_step, "available", lambda: False)
 
 
 def tiny(seed: int = 0, layers: int = 2, dtype=torch.float32):

@@ -1,0 +1,158 @@
+"""The fused host kernel (lisaft/optim/host_kernel.py): bit for bit its torch reference for every
+dtype combination, bitsandbytes' 8-bit format, the fallback without numba, and the recipe key."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+from _tiny import tiny as _tiny
+
+from lisaft import internals
+from lisaft.config.schema import OptimizerSection
+from lisaft.errors import LisaftError
+from lisaft.optim import adamw, host_step
+from lisaft.optim.adamw import Rounding, build_unit_optimizer
+
+pytest.importorskip("numba")
+CPU = torch.device("cpu")
+MAPS = internals.dynamic_maps(CPU)
+GROUP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
+N = 3 * 256 + 77  # a partial last block
+OFFSET = 512  # a chunk of a larger tensor: the noise counter starts at its element offset
+
+
+def state(moments: torch.dtype, gen: torch.Generator) -> dict:
+    """The whole tensor's state; the chunk steps its elements OFFSET:OFFSET + N."""
+    n = OFFSET + N
+    if moments == torch.uint8:
+        blocks = -(-n // 256)
+        return dict(exp_avg=torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen),
+                    exp_avg_sq=torch.randint(128, 256, (n,), dtype=torch.uint8, generator=gen),
+                    absmax1=torch.rand(blocks, generator=gen) * 1e-2, absmax2=torch.rand(blocks, generator=gen) * 1e-4)
+    return dict(exp_avg=(torch.randn(n, generator=gen) * 1e-2).to(moments),
+                exp_avg_sq=(torch.rand(n, generator=gen) * 1e-4).to(moments))
+
+
+def step(w, g, st, kernel: bool, stochastic: bool, monkeypatch) -> None:
+    monkeypatch.setattr(host_step, "_kernel", host_step._kernel if kernel else None)
+    s = host_step.adam_scalars(GROUP, 3)
+    host_step.step_chunk(w, g, st, OFFSET, OFFSET + N, s, 0x5DEECE66D1234, stochastic, MAPS)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+@pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16, torch.uint8], ids=["m32", "m16", "m8"])
+@pytest.mark.parametrize("wdt,gdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float32, torch.bfloat16)], ids=["w32g32", "w16g16", "w32g16"])
+def test_kernel_is_its_torch_reference_bit_for_bit(monkeypatch, wdt, gdt, moments, stochastic):
+    assert host_step.available()
+    gen = torch.Generator().manual_seed(0)
+    w0, g = torch.randn(N, generator=gen).to(wdt), (torch.randn(N, generator=gen) * 1e-2).to(gdt)
+    st0 = state(moments, gen)
+    out = []
+    for kernel in (True, False):
+        w, st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+        step(w, g, st, kernel, stochastic, monkeypatch)
+        out.append((w, st))
+    (wk, sk), (wr, sr) = out
+    assert not torch.equal(bits(wk), bits(w0))
+    assert torch.equal(bits(wk), bits(wr))
+    for k in sk:
+        assert torch.equal(bits(sk[k]), bits(sr[k])), k
+        assert not torch.equal(bits(sk[k]), bits(st0[k])), k
+
+
+def test_8bit_moments_are_bitsandbytes_format(monkeypatch):
+    """After one step from zero state, bitsandbytes' own CPU kernel and this one store the same
+    moments up to one code step: a checkpoint moves between them (cpu_offload on or off)."""
+    gen = torch.Generator().manual_seed(1)
+    w0, g = torch.randn(4096, generator=gen), torch.randn(4096, generator=gen) * 1e-2
+    zero = dict(exp_avg=torch.zeros(4096, dtype=torch.uint8) + 127, exp_avg_sq=torch.zeros(4096, dtype=torch.uint8),
+                absmax1=torch.zeros(16), absmax2=torch.zeros(16))
+    ours, theirs = {k: v.clone() for k, v in zero.items()}, {k: v.clone() for k, v in zero.items()}
+    w1, w2 = w0.clone(), w0.clone()
+    host_step.step_chunk(w1, g, ours, 0, 4096, host_step.adam_scalars(GROUP, 1), 7, False, MAPS)
+    internals.adam_update_8bit_blockwise(g, w2, theirs["exp_avg"], theirs["exp_avg_sq"], beta1=0.9, beta2=0.999,
+                                         eps=1e-8, step=1, lr=1e-3, code1=MAPS[0], code2=MAPS[1],
+                                         absmax1=theirs["absmax1"], absmax2=theirs["absmax2"], weight_decay=0.1)
+    assert torch.allclose(ours["absmax1"], theirs["absmax1"]) and torch.allclose(ours["absmax2"], theirs["absmax2"])
+    for k, a, code in (("exp_avg", "absmax1", MAPS[0]), ("exp_avg_sq", "absmax2", MAPS[1])):
+        scale = ours[a].repeat_interleave(256)
+        # the same values: codes of one book, scaled by the block's absmax
+        mine, bnb = code[ours[k].long()] * scale, code[theirs[k].long()] * scale
+        assert torch.allclose(mine, bnb, rtol=0, atol=0.02 * scale.max())
+        assert (ours[k] == theirs[k]).float().mean() > 0.9
+    assert torch.allclose(w1, w2, atol=1e-6)
+
+
+def test_float32_step_is_close_to_torch_adamw():
+    a, b = _tiny(0, 2), _tiny(0, 2)
+    sec = OptimizerSection(lr=1e-3, weight_decay=0.0)
+    ours = build_unit_optimizer(list(a.parameters()), sec, CPU, Rounding("stochastic", 0), 0, None)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-3, weight_decay=0.0)
+    for opt, model in ((ours, a), (ref, b)):
+        for s in range(3):
+            x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, rtol=0, atol=1e-6)
+
+
+def test_without_numba_one_warning_then_the_torch_path(monkeypatch):
+    monkeypatch.setattr(host_step, "_kernel", None)
+    monkeypatch.setattr(host_step, "_tried", False)
+    monkeypatch.setitem(sys.modules, "lisaft.optim.host_kernel", None)  # import fails
+    monkeypatch.delattr(sys.modules["lisaft.optim"], "host_kernel", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not host_step.available() and not host_step.available()
+    assert len(caught) == 1
+    line = str(caught[0].message)
+    assert "\n" not in line and "host-step" in line and "slower" in line
+    model = _tiny(0, 1)
+    opt = build_unit_optimizer(list(model.parameters()), OptimizerSection(), CPU, Rounding("stochastic", 0), 0, None)
+    assert not any(opt._on_host(p) for p in model.parameters())
+
+
+def test_bf16_moments_without_numba_are_the_kernel_run(monkeypatch):
+    """The fallback for bf16 moments is the reference: a run may lose numba at resume."""
+    runs = []
+    for kernel in (host_step._kernel, None):
+        monkeypatch.setattr(host_step, "_kernel", kernel)
+        model = _tiny(0, 1).to(torch.bfloat16)
+        sec = OptimizerSection(lr=1e-3, moments_dtype="bfloat16")
+        opt = build_unit_optimizer(list(model.parameters()), sec, CPU, Rounding("stochastic", 0), 0, None)
+        x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_bf16_second_moment_decays():
+    """beta2 = 0.999 is within half a bf16 step of 1: rounded to nearest, v would never decay."""
+    w, g = torch.zeros(N, dtype=torch.bfloat16), torch.zeros(N, dtype=torch.bfloat16)
+    st = dict(exp_avg=torch.zeros(N, dtype=torch.bfloat16), exp_avg_sq=torch.ones(N, dtype=torch.bfloat16))
+    for t in range(1, 201):
+        host_step.step_chunk(w, g, st, 0, N, host_step.adam_scalars(GROUP, t), t, True, None)
+    assert abs(st["exp_avg_sq"].float().mean().item() - 0.999 ** 200) < 0.01
+
+
+def test_bf16_moments_key_is_checked():
+    with pytest.raises(ValueError, match="moments_dtype"):
+        from lisaft.config.schema import Recipe
+        Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"train": "t.jsonl"},
+                               "training": {"output_dir": "r", "max_steps": 1},
+                               "optimizer": {"name": "adamw_8bit", "moments_dtype": "bfloat16"}})
+    model = _tiny(0, 1)
+    with pytest.raises(LisaftError, match="moments_dtype"):
+        adamw.build_unit_optimizer(list(model.parameters()), OptimizerSection(moments_dtype="bfloat16"),
+                                   torch.device("cuda"), Rounding("stochastic", 0), 0, None)
