@@ -75,6 +75,7 @@ def run_one(cfg: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from lisaft.config.optimizers import optimizer_kind
     from lisaft.memory.estimate import Settings, compute
     from lisaft.metrics.measure import (
         grad_bytes,
@@ -125,7 +126,7 @@ def run_one(cfg: dict) -> dict:
         del loss
     measured["weights"] = weight_bytes(model)
     # The two 8-bit code books are shared by every unit, outside any optimizer's state.
-    code_books = 2 * 256 * 4 if cfg["optimizer"].endswith("_8bit") else 0
+    code_books = 2 * 256 * 4 if optimizer_kind(cfg["optimizer"]).eight_bit else 0
     measured["optimizer_states"] = optimizer_state_bytes(opt) + code_books
     measured["peak"] = peak_rss_bytes()
     seconds = time.perf_counter() - t0

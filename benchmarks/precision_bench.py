@@ -42,12 +42,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from lisaft.config.optimizers import OPTIMIZERS  # noqa: E402
 from lisaft.config.schema import recipe_from_dict  # noqa: E402
 from lisaft.optim.adamw import Rounding, build_unit_optimizer  # noqa: E402
 from lisaft.train import build_session, evaluate, train_step  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart"
-OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
 MODES = ("float32", "bf16_nearest", "bf16_stochastic")
 KINDS = ("layer_matrices", "norms", "embeddings_head")
 LR = 1e-5

@@ -26,14 +26,15 @@ from pydantic import (
     model_validator,
 )
 
+from lisaft.config.compat import first_exclusion
 from lisaft.config.hub import can_only_be_path
+from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parse_override
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
-OptimizerName = Literal["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -365,23 +366,9 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
-        if self.optimizer.cpu_offload and self.optimizer.in_backward:
-            raise ValueError(
-                "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the "
-                "step on the CPU no gradient stays on the device anyway; set in_backward false"
-            )
-        if self.optimizer.in_backward:
-            if self.training.grad_accum_steps > 1:
-                raise ValueError(
-                    "optimizer.in_backward cannot be combined with training.grad_accum_steps > 1: "
-                    "the update runs before the next micro-batch could add its gradient"
-                )
-            if self.training.max_grad_norm is not None:
-                raise ValueError(
-                    "optimizer.in_backward cannot be combined with training.max_grad_norm: the "
-                    "total norm is known only after every parameter was already updated; set "
-                    "training.max_grad_norm: null"
-                )
+        # The table lives in config/compat.py, beside the rules that depend on the number of ranks.
+        if (message := first_exclusion(self)) is not None:
+            raise ValueError(message)
         return self
 
     def to_yaml(self) -> str:

@@ -38,29 +38,6 @@ from lisaft.errors import LisaftError
 from lisaft.model.load import ModelParts
 
 
-def check_supported(recipe) -> None:
-    """One-line refusals of what FSDP cannot run (docs/distributed.md says why)."""
-    name = recipe.optimizer.name
-    if name.startswith("paged_"):
-        raise LisaftError(f"optimizer.name {name} is not supported with training.fsdp (paging of one rank's "
-                          "slices is untested on CUDA); use adamw_32bit or adamw_8bit")
-    if recipe.optimizer.in_backward:
-        raise LisaftError("optimizer.in_backward cannot run with training.fsdp: the update would run before "
-                          "the gradient reduce-scatter; set it false")
-    if recipe.optimizer.cpu_offload:
-        raise LisaftError("optimizer.cpu_offload runs on one device and cannot be combined with training.fsdp; "
-                          "set one of them false")
-    if recipe.training.shard_optimizer_state:
-        raise LisaftError("training.shard_optimizer_state is data parallel's sharding; training.fsdp already "
-                          "shards the optimizer state: set one of them false")
-    if recipe.training.compile:
-        raise LisaftError("training.compile is not supported with training.fsdp yet; set it false")
-    if not dist.is_initialized():
-        # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU).
-        raise LisaftError("training.fsdp needs torchrun: launch with torchrun --nproc-per-node N, "
-                          "or set training.fsdp false")
-
-
 def shard_model(model: nn.Module, parts: ModelParts, device: torch.device) -> LocalShards:
     """Shard the model in place, one FSDP unit per training unit, on a mesh over every rank on
     the training device (the default mesh would pick CUDA whenever one exists)."""

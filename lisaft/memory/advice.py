@@ -15,8 +15,8 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
 from lisaft.memory.estimate import Estimate, Settings, compute
-from lisaft.memory.optimizer_state import OPTIMIZERS
 
 # Positions per MLP chunk offered for long context: the shipped 16k recipe's choice.
 MLP_CHUNK_TOKENS = 2048
@@ -97,7 +97,7 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
     if s.optimizer != "paged_adamw_8bit" and s.device == "cuda" and not s.fsdp:
         groups.append([Option({"optimizer.name": "paged_adamw_8bit"}, "2 B/param of moments, paged on pressure",
                               {"optimizer": "paged_adamw_8bit"}, SLOWER)])
-    elif s.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
+    elif not optimizer_kind(s.optimizer).eight_bit:
         groups.append([Option({"optimizer.name": "adamw_8bit"}, "2 B/param of moments",
                               {"optimizer": "adamw_8bit"}, SLOWER)])
     groups.append(_lisa_options(s, layer_count))
@@ -178,8 +178,8 @@ def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
     unpaged kind, the step in backward or on the CPU goes back to the optimizer step (each refused
     under FSDP, lisaft/distributed/fsdp.py)."""
     keys, fields = {"training.fsdp": True}, {"fsdp": True}
-    if s.optimizer.startswith("paged_"):
-        keys["optimizer.name"] = fields["optimizer"] = s.optimizer.removeprefix("paged_")
+    if optimizer_kind(s.optimizer).paged:
+        keys["optimizer.name"] = fields["optimizer"] = optimizer_kind(s.optimizer).unpaged
     if s.in_backward:
         keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
         fields.update(in_backward=False, clipping=True)
@@ -240,7 +240,7 @@ def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     keyed "full" and "lisa_<γ>". Under training.fsdp the paged ones, which it refuses, are left out."""
     grid = {}
     for opt in OPTIMIZERS:
-        if s.fsdp and opt.startswith("paged_"):
+        if s.fsdp and optimizer_kind(opt).paged:
             continue
         grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False))
         grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma))

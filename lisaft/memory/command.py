@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
 from lisaft.config.schema import Recipe, load_recipe
 from lisaft.env.allocator import expandable_segments
 from lisaft.errors import LisaftError
@@ -24,7 +25,6 @@ from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
-from lisaft.memory.optimizer_state import OPTIMIZERS
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
 DEFAULT_BUDGET = "24GiB"
@@ -229,9 +229,9 @@ def check_ranks(s: Settings, ranks: int | None) -> None:
     if ranks is None:
         raise LisaftError("training.fsdp: give --ranks N, the number of processes (torchrun --nproc-per-node N): "
                           "the estimate is one rank's")
-    if s.optimizer.startswith("paged_"):
+    if optimizer_kind(s.optimizer).paged:
         raise LisaftError(f"optimizer.name {s.optimizer} is not supported with training.fsdp; use "
-                          f"--optimizer {s.optimizer.removeprefix('paged_')} (or adamw_32bit)")
+                          f"--optimizer {optimizer_kind(s.optimizer).unpaged} (or adamw_32bit)")
     for on, key in ((s.in_backward, "optimizer.in_backward"), (s.cpu_offload, "optimizer.cpu_offload")):
         if on:
             raise LisaftError(f"{key} cannot be combined with training.fsdp (docs/distributed.md); set it false")

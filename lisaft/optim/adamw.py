@@ -27,6 +27,7 @@ from collections import defaultdict
 import torch
 
 from lisaft import internals
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.console import warn
 from lisaft.optim.rounding import Rounding
@@ -372,14 +373,15 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
     """The unit's optimizer; weight decay on matrices and embeddings (>= 2-D) only."""
     decay, no_decay = _decay_split(params)
     groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    paged = section.name.startswith("paged_")
+    kind = optimizer_kind(section.name)
+    paged = kind.paged
     if paged and device.type != "cuda" and section.name not in _warned_cpu_paging:
         _warned_cpu_paging.add(section.name)
         warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "
              f"{device.type} the optimizer runs unpaged (same updates, ordinary memory)")
     return AdamW(groups, lr=section.lr, betas=section.betas, eps=section.eps,
-                 weight_decay=section.weight_decay, eight_bit=section.name.endswith("_8bit"),
-                 paged=paged, bnb_32bit=section.name == "paged_adamw_32bit", rounding=rounding,
+                 weight_decay=section.weight_decay, eight_bit=kind.eight_bit,
+                 paged=paged, bnb_32bit=kind.bnb and not kind.eight_bit, rounding=rounding,
                  unit_index=unit_index, pool=pool)
 
 

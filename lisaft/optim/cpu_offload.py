@@ -48,8 +48,6 @@ import torch
 from torch import nn
 
 from lisaft.config.schema import OptimizerSection
-from lisaft.distributed import dist
-from lisaft.errors import LisaftError
 from lisaft.model.units import Unit
 from lisaft.optim.adamw import clip_grad_norm
 from lisaft.optim.host_arena import HostArena, slab_size
@@ -162,9 +160,6 @@ class OffloadedOptimizers(UnitOptimizers):
 
     def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
                  offload_dir: Path, seed: int, shard: bool = False) -> None:
-        if dist.world_size() > 1:
-            raise LisaftError("optimizer.cpu_offload runs on one device; for data parallel set it false "
-                              "(training.shard_optimizer_state divides the moments between ranks)")
         self.train_device = torch.device(device)
         cuda = self.train_device.type == "cuda"
         sizes = [p.numel() * p.element_size() for u in units for p in u.params]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.distributed import dist
 from lisaft.model.units import Unit
@@ -48,7 +49,7 @@ class UnitOptimizers:
         self.device = torch.device(device)
         self.offload_dir = Path(offload_dir)
         self.rounding = Rounding(section.bf16_update, seed, shard=None if shards is None else shards.rank)
-        self.pool = PagedPool() if section.name.startswith("paged_") and self.device.type == "cuda" else None
+        self.pool = PagedPool() if optimizer_kind(section.name).paged and self.device.type == "cuda" else None
         self.shard = shard and dist.world_size() > 1
         self.lr = section.lr
         self.resident: dict[str, AdamW] = {}

@@ -15,11 +15,11 @@ from torch import nn
 
 from lisaft.checkpoint.checkpointer import Checkpointer
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
+from lisaft.config.compat import check_world
 from lisaft.config.schema import Recipe
 from lisaft.data.order import DataOrder
 from lisaft.data.packing import Packing, pack_examples
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
 from lisaft.model.load import ModelParts
@@ -127,14 +127,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     from lisaft.model.units import model_units
 
     t = recipe.training
-    if t.fsdp:
-        from lisaft.distributed.fsdp import check_supported
-
-        check_supported(recipe)
+    check_world(recipe, dist.world_size(), dist.is_initialized())
     apply_threads(t.threads, dist.local_world_size())
-    if recipe.optimizer.in_backward and dist.world_size() > 1:
-        raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
-                          "before the gradient all-reduce; set it false")
     device = resolve_device(t.device)
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)
