@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lisaft.memory.command import build_settings
+from lisaft.memory.command import EstimateFlags, build_settings
 from lisaft.memory.estimate import GiB, compute
 from lisaft.memory.gpus import gpu
 from lisaft.memory.render import step_peak_phase
@@ -35,9 +35,10 @@ CARDS = {"24 GB": gpu("rtx-4090"), "80 GB": gpu("h100-80gb")}
 
 
 def estimate(model: str, overrides: list[str], ranks: int, cpu_offload: bool = False):
-    s = build_settings(RECIPE, model, "adamw_8bit", None, False, None, None, None, None, None, None,
-                       CARDS["24 GB"].usable_bytes, "cuda", overrides, cpu_offload=cpu_offload,
-                       host_ram="1TiB", fsdp=ranks > 1, ranks=ranks if ranks > 1 else None)
+    flags = EstimateFlags(recipe=RECIPE, model=model, optimizer="adamw_8bit", device="cuda",
+                          overrides=tuple(overrides), cpu_offload=cpu_offload, host_ram="1TiB", fsdp=ranks > 1,
+                          ranks=ranks if ranks > 1 else None)
+    s = build_settings(flags, CARDS["24 GB"].usable_bytes)
     return compute(s)
 
 

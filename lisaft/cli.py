@@ -145,17 +145,17 @@ def estimate_memory(
     explain: bool = typer.Option(False, "--explain", help="Explain paged optimizer memory.", **FLAG),
 ) -> None:
     """Will it fit, where does the memory go, what to change."""
-    from lisaft.memory.command import estimate_memory_command
+    from lisaft.memory.command import EstimateFlags, estimate_memory_command
 
     try:
-        code = estimate_memory_command(
+        code = estimate_memory_command(EstimateFlags(
             recipe=recipe, model=model, optimizer=optimizer, lisa_layers=lisa_layers,
             no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
             gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
             in_backward=in_backward, cpu_offload=cpu_offload, host_ram=host_ram,
-            budget=budget, gpu=gpu, device=device, overrides=set_ or [],
+            budget=budget, gpu=gpu, device=device, overrides=tuple(set_ or ()),
             json_out=json_out, explain=explain, fsdp=fsdp, ranks=ranks,
-        )
+        ))
     except LisaftError as e:
         _fail(str(e))
     raise typer.Exit(code or 0)

@@ -251,7 +251,7 @@ def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
     import torch.distributed.checkpoint as dcp
     from test_distributed import torchrun
 
-    from lisaft.memory.command import build_settings
+    from lisaft.memory.command import EstimateFlags, build_settings
     from lisaft.memory.counts import param_counts
     from lisaft.memory.estimate import compute
     from lisaft.metrics.log import read_metrics
@@ -268,8 +268,7 @@ def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
              for name, m in meta.state_dict_metadata.items() if hasattr(m, "chunks")}
     assert first["model.embed_tokens.weight"][0] == 56  # ceil(111 / 2) rows
     record = [r for r in read_metrics(tiny_run.dir / "fsdp" / "metrics.jsonl") if "loss" in r][-1]
-    est = compute(build_settings(path, None, None, None, False, None, None, None, None, None, None,
-                                 2**34, "cpu", ranks=2))
+    est = compute(build_settings(EstimateFlags(recipe=path, device="cpu", ranks=2), 2**34))
     assert est.settings.fsdp and est.settings.ranks == 2
     counts = param_counts(est.settings.config)
     buffers = counts.buffer_bytes_fp32  # rotary inv_freq: float32, not in the state dict
