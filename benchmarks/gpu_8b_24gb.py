@@ -134,31 +134,31 @@ class NvmlPeak:
         self.peak = None
         self.interval_s = interval_s
         self._stop = threading.Event()
-        self._ok = torch.cuda.is_available() and self._read() is not None
+        self._ok = torch.cuda.is_available() and self.read() is not None
 
     @staticmethod
-    def _read() -> int | None:
+    def read() -> int | None:
         from lisaft.metrics.measure import nvml_used_bytes
 
         return nvml_used_bytes("cuda:0")
 
     def __enter__(self):
         if self._ok:
-            self.peak = self._read()
+            self.peak = self.read()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
         return self
 
     def _poll(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._read())
+            self.peak = max(self.peak, self.read())
             time.sleep(self.interval_s)
 
     def __exit__(self, *exc):
         self._stop.set()
         if self._ok:
             self._thread.join()
-            self.peak = max(self.peak, self._read())
+            self.peak = max(self.peak, self.read())
 
 
 def synthetic_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
@@ -241,7 +241,7 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
         torch.zeros(1, device="cuda")
-        result["nvml_baseline_bytes"] = NvmlPeak._read()  # the context alone
+        result["nvml_baseline_bytes"] = NvmlPeak.read()  # the context alone
     vocab = json.loads(Path(recipe.model.config).read_text())["vocab_size"]
     examples = synthetic_examples(cfg.steps * t.batch_size * t.grad_accum_steps, recipe.data.max_seq_len, vocab, t.seed)
     joined = _one_rank_group(workdir, cuda) if t.fsdp else False

@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from lisaft.config.compat import first_exclusion
 from lisaft.config.hub import can_only_be_path
@@ -426,7 +427,7 @@ def _known_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _message(e: dict) -> str:
+def _message(e: ErrorDetails) -> str:
     if e["type"] == "extra_forbidden":
         close = difflib.get_close_matches(str(e["loc"][-1]), _known_keys(e["loc"]), n=1, cutoff=0.6)
         prefix = "".join(f"{p}." for p in e["loc"][:-1])
@@ -450,7 +451,8 @@ def _message(e: dict) -> str:
 def format_validation_error(err: ValidationError, source: str, overrides: tuple[Override, ...] = ()) -> str:
     """One line. A mistake in a key given with --set is blamed on the --set, the rest on `source`
     (with the --set items when the recipe-wide check failed, where both may play a part)."""
-    from_file, from_set = [], []
+    from_file: list[str] = []
+    from_set: list[str] = []
     recipe_wide = False
     for e in err.errors():
         # A failed Annotated/Literal/union member adds a non-key part to loc; keep the key path.
@@ -538,6 +540,7 @@ def reference_markdown() -> str:
              "directory, as any path typed on a command line.", ""]
     for name, f in Recipe.model_fields.items():
         section = f.annotation
+        assert isinstance(section, type) and issubclass(section, BaseModel)
         lines += [f"## {name}", "", "| key | default | meaning |", "| --- | --- | --- |"]
         for key, field in section.model_fields.items():
             default = "required" if field.is_required() else json.dumps(

@@ -45,6 +45,7 @@ see what one process with an N times larger batch sees.
 from __future__ import annotations
 
 import warnings
+from typing import Literal, overload
 
 import numpy as np
 
@@ -79,6 +80,14 @@ def render_instruction_prompt(instruction: str, input: str | None = None, templa
 
 # ---------------------------------------------------------------------------------------------
 # Rows to examples
+
+
+@overload
+def row_field(rows: Rows, i: int, name: str, optional: Literal[False] = False) -> str: ...
+
+
+@overload
+def row_field(rows: Rows, i: int, name: str, optional: bool) -> str | None: ...
 
 
 def row_field(rows: Rows, i: int, name: str, optional: bool = False) -> str | None:

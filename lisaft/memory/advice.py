@@ -68,7 +68,7 @@ def _lisa_options(s: Settings, layer_count: int) -> list[Option]:
 def _step_options(s: Settings) -> list[Option]:
     """Where the optimizer step runs instead: inside backward, or on the CPU (one or the other:
     the step on the CPU replaces the step in backward). Neither runs under training.fsdp."""
-    out = []
+    out: list[Option] = []
     if s.fsdp:
         return out
     if not s.in_backward and not s.cpu_offload and s.grad_accum_steps == 1:
@@ -76,7 +76,7 @@ def _step_options(s: Settings) -> list[Option]:
                           "no full gradient set resident (and no clipping)",
                           {"in_backward": True, "clipping": False}, CHANGES_TRAINING))
     if not s.cpu_offload and s.device == "cuda":
-        keys = {"optimizer.cpu_offload": True}
+        keys: dict[str, object] = {"optimizer.cpu_offload": True}
         fields = {"cpu_offload": True, "in_backward": False, "clipping": s.clipping or s.in_backward}
         if s.in_backward:
             keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
@@ -177,7 +177,8 @@ def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
     """`s` as training.fsdp runs it, and the recipe keys that says: paged optimizers become their
     unpaged kind, the step in backward or on the CPU goes back to the optimizer step (each refused
     under FSDP, lisaft/distributed/fsdp.py)."""
-    keys, fields = {"training.fsdp": True}, {"fsdp": True}
+    keys: dict[str, object] = {"training.fsdp": True}
+    fields: dict[str, object] = {"fsdp": True}
     if optimizer_kind(s.optimizer).paged:
         keys["optimizer.name"] = fields["optimizer"] = optimizer_kind(s.optimizer).unpaged
     if s.in_backward:
@@ -238,7 +239,7 @@ def largest_fitting(s: Settings, field: str, limit: int | None = None) -> int | 
 def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     """The four optimizers x (full fine-tuning, LISA γ), everything else as in `s`. Columns are
     keyed "full" and "lisa_<γ>". Under training.fsdp the paged ones, which it refuses, are left out."""
-    grid = {}
+    grid: dict[tuple[str, str], Estimate] = {}
     for opt in OPTIMIZERS:
         if s.fsdp and optimizer_kind(opt).paged:
             continue

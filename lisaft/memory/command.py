@@ -70,6 +70,7 @@ def _attention_for(choice: str, device: str, dtype: str) -> str:
 def _model_ref(recipe: Recipe) -> tuple[str, str]:
     if recipe.model.config is not None:
         return recipe.model.config, "model.config"
+    assert recipe.model.name_or_path is not None  # the schema asks for exactly one of the two
     return recipe.model.name_or_path, "model.name_or_path"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
@@ -80,7 +81,7 @@ class PagedPool:
         return buf
 
     def give(self, t: torch.Tensor) -> None:
-        self._free[(t.numel(), t.dtype, t.page_deviceid)].append(t)
+        self._free[(t.numel(), t.dtype, internals.page_device(t))].append(t)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
@@ -116,7 +117,7 @@ def _bnb_update(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> Non
 
 def _slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     view = t.view(-1)[lo:hi]
-    return internals.mark_paged(view, t.page_deviceid) if is_paged(t) else view
+    return internals.mark_paged(view, internals.page_device(t)) if is_paged(t) else view
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class _GradChunks:
         return dense.view(-1)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
     """The total L2 norm of the gradients before clipping; with max_norm, the gradients are
     scaled by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. A sparse
     gradient (coalesced) counts by its values."""
@@ -218,6 +219,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.paged and p.device.type == "cuda" and p.numel() >= PAGED_MIN_NUMEL:
+            assert self.pool is not None, "paged state on CUDA comes from the unit optimizers' pool"
             return self.pool.take(p.numel(), dtype, p.device)
         return torch.zeros(p.numel(), dtype=dtype, device=p.device)
 
@@ -237,7 +239,8 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         stepped = False
         for group in self.param_groups:
-            fused, chunked = [], []
+            fused: list[torch.Tensor] = []
+            chunked: list[torch.Tensor] = []
             for p in group["params"]:
                 if p.grad is not None:
                     (fused if self._fusable(p) else chunked).append(p)
@@ -291,6 +294,7 @@ class AdamW(torch.optim.Optimizer):
         st = self._next_step(p)
         kernel = _bnb_update if (self.eight_bit or self.bnb_32bit) else _fused_chunk
         flat_p = p.detach().view(-1)
+        assert p.grad is not None
         grad = _GradChunks(p.grad.detach())
         low = p.dtype != torch.float32  # holds_chunk_buffers: a float32 copy per chunk
         for c, lo in enumerate(range(0, flat_p.numel(), grad.chunk)):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import queue
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,7 +121,7 @@ class _Transfers:
         self.pending.clear()
         self.stream.synchronize()
 
-    def send(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+    def send(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         """Queue the weights' copies; returns the event that marks them done."""
         # Weights are overwritten only after every kernel queued so far (the backward) is done.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -171,14 +172,15 @@ class OffloadedOptimizers(UnitOptimizers):
         super().__init__(host_units, section, torch.device("cpu"), offload_dir, seed, shard=False)
         self._weights_arena = weights_arena
         self._device_units = {u.name: u for u in units}
-        self._host_of = {p: h for u, hu in zip(units, host_units) for p, h in zip(u.params, hu.params)}
+        self._host_of: dict[torch.Tensor, nn.Parameter] = {
+            p: h for u, hu in zip(units, host_units) for p, h in zip(u.params, hu.params)}
         self._acc: dict[nn.Parameter, torch.Tensor] = {}
         # Accumulators of units LISA froze, by (shape, dtype), for the next unit that trains.
         self._spare: dict[tuple, list[torch.Tensor]] = {}
         self.transfers = _Transfers(self.train_device, staging_slot_bytes(max(sizes, default=64))) if cuda else None
         self.step_threads = torch.get_num_threads()
         self.overlap = True
-        self._unit_name = {p: u.name for u in units for p in u.params}
+        self._unit_name: dict[torch.Tensor, str] = {p: u.name for u in units for p in u.params}
         self._in_flight: dict[str, Future] = {}
         self._first_steps: set[str] = set()  # units whose moments the steps in flight create
         self._step_index = 0
@@ -196,6 +198,7 @@ class OffloadedOptimizers(UnitOptimizers):
     def _gradient_ready(self, p: torch.Tensor) -> None:
         self._wait_unit(self._unit_name[p])  # its accumulators are the step's gradients until then
         g, p.grad = p.grad, None
+        assert g is not None, "called by the post-accumulate-grad hook"
         host = self._host_of[p]
         if g.is_sparse:
             g = g.cpu()

@@ -8,6 +8,7 @@ import shutil
 
 from lisaft import run_folder as runfiles
 from lisaft.distributed import dist
+from lisaft.model.load import pretrained
 from lisaft.train.session import Session
 
 
@@ -27,11 +28,13 @@ def save_final(session: Session) -> None:
         if dist.is_main():
             _write_config(session.model, tmp)
     elif dist.is_main():
-        session.model.save_pretrained(tmp, safe_serialization=True)
+        pretrained(session.model).save_pretrained(tmp, safe_serialization=True)
     if not dist.is_main():
         dist.barrier()
         return
-    session.tokenizer.save_pretrained(tmp)
+    save_tokenizer = getattr(session.tokenizer, "save_pretrained", None)
+    assert save_tokenizer is not None, "a run that exports loaded a transformers tokenizer"
+    save_tokenizer(tmp)
     runfiles.give_files_the_usual_mode(tmp)
     if final.exists():
         shutil.rmtree(final)

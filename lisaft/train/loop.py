@@ -77,6 +77,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
     checkpoint the run continues from (None for a new run); `stop_at` (tests) stops as a signal
     would after that many optimizer steps."""
     t = session.recipe.training
+    assert t.max_steps is not None  # build_session resolves training.epochs into it
     progress = session.progress
     checkpointer = session.checkpointer()
     changed: set[str] = set()
@@ -122,6 +123,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 why = signal.Signals(stop.signum).name if stop.signum else "stop requested"
                 if stop.signum is None and stop_at is None:
                     why = "another rank was stopped"
+                assert base is not None  # saved just above: a stop always checkpoints
                 display.print(f"stopped ({why}) at step {progress.step}; checkpoint {base.name} written. "
                               f"Continue with: lisaft resume {session.run_dir}")
                 return 128 + stop.signum if stop.signum else 3

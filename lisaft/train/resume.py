@@ -105,7 +105,9 @@ def _names_a_file_in(e: BaseException, folder: Path) -> bool:
     # Reading a checkpoint can fail with an errno that also fails writes (EACCES, EIO); that
     # error names the checkpoint's file, and the checkpoint is the one to skip.
     filename = getattr(e, "filename", None)
-    return bool(filename) and Path(folder) in Path(filename).parents
+    if not filename:
+        return False
+    return Path(folder) in Path(filename).parents
 
 
 def continue_schedule(session: Session, reschedule: bool) -> str:
@@ -115,6 +117,7 @@ def continue_schedule(session: Session, reschedule: bool) -> str:
     saved = schedule.plan
     step = session.progress.step
     max_steps = session.recipe.training.max_steps
+    assert max_steps is not None  # build_session resolves training.epochs into it
     if reschedule:
         lr_now = schedule.lr(step, saved)
         schedule.plan = Plan(horizon=max_steps, start_step=step, start_lr=lr_now)

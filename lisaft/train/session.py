@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from lisaft.checkpoint.checkpointer import Checkpointer
+from lisaft.checkpoint.checkpointer import Checkpointer, Component
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.config.compat import check_world
 from lisaft.config.schema import Recipe
@@ -95,7 +95,7 @@ class Session:
         """The checkpointer, handed every stateful component. JSON components load in the order
         given (the LISA position before the optimizer files, which place moments by it)."""
         t = self.recipe.training
-        components = {"progress": self.progress, "data": self.order, "lisa": self.controller,
+        components: dict[str, Component] = {"progress": self.progress, "data": self.order, "lisa": self.controller,
                       "schedule": self.schedule}
         if self.packing is not None:
             components["packing"] = self.packing  # a resume over data that packs otherwise is refused
@@ -140,6 +140,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if packing is not None:
         train_examples = packing.rows
     if t.max_steps is None:  # training.epochs: the run's length follows from the train set
+        assert t.epochs is not None  # the schema asks for one of the two
         t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
     shards = None
