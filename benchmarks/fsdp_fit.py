@@ -12,7 +12,7 @@ slices (lisaft/distributed/fsdp.py load_sharded) and the peak is the training st
 here: these are `lisaft estimate-memory` figures (lisaft/memory/sharded.py says what each rank
 holds), for the docs' table in docs/distributed.md.
 
-    python benchmarks/fsdp_fit.py     # writes benchmarks/results/fsdp_fit/fsdp_fit.{json,md}
+    python -m benchmarks.fsdp_fit     # writes benchmarks/results/fsdp_fit/fsdp_fit.{json,md}
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ subprocess (so peak RSS belongs to that configuration alone) and compares the es
 - activations: bytes saved for backward, from saved-tensor hooks (target: within 10%);
 - peak: the process's peak RSS (target: within 15%).
 
-    python benchmarks/memory_accuracy.py                 # all configurations, ~5-10 min on 2 cores
-    python benchmarks/memory_accuracy.py --quick         # one tiny configuration, seconds
-    python benchmarks/memory_accuracy.py --out results.json
+    python -m benchmarks.memory_accuracy                 # all configurations, ~5-10 min on 2 cores
+    python -m benchmarks.memory_accuracy --quick         # one tiny configuration, seconds
+    python -m benchmarks.memory_accuracy --out results.json
 
 The JSON result (default benchmarks/results/memory_accuracy.json) holds every configuration's
 estimated and measured figures and whether each target was met.
@@ -216,7 +216,7 @@ def _write(args, results: list[dict], started: float) -> dict:
 
     out = {
         "benchmark": "memory_accuracy", "device": "cpu", "quick": args.quick,
-        "command": "python benchmarks/memory_accuracy.py" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.memory_accuracy" + (" --quick" if args.quick else ""),
         "torch": version("torch"), "transformers": version("transformers"),
         "bitsandbytes": version("bitsandbytes"), "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "steps": STEPS,

@@ -17,8 +17,8 @@ optimizer update's time per step. A micro-benchmark times one optimizer step on 
 
 It runs on CPU, where the paged optimizers run unpaged (same updates; paging needs CUDA).
 
-    python benchmarks/precision_bench.py            # full: 4 optimizers x 3 modes, 50 steps
-    python benchmarks/precision_bench.py --quick    # adamw_32bit only, a tinier model: ~20 s
+    python -m benchmarks.precision_bench            # full: 4 optimizers x 3 modes, 50 steps
+    python -m benchmarks.precision_bench --quick    # adamw_32bit only, a tinier model: ~20 s
 
 Writes precision.json and precision.md into --out (default benchmarks/results/precision, or
 benchmarks/results/precision-quick with --quick).
@@ -37,15 +37,14 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
+from lisaft.config.optimizers import OPTIMIZERS
+from lisaft.config.schema import recipe_from_dict
+from lisaft.optim.adamw import Rounding, build_unit_optimizer
+from lisaft.train import build_session, evaluate, train_step
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from lisaft.config.optimizers import OPTIMIZERS  # noqa: E402
-from lisaft.config.schema import recipe_from_dict  # noqa: E402
-from lisaft.optim.adamw import Rounding, build_unit_optimizer  # noqa: E402
-from lisaft.train import build_session, evaluate, train_step  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart"
 MODES = ("float32", "bf16_nearest", "bf16_stochastic")
@@ -283,7 +282,7 @@ def markdown(s: dict) -> str:
         lines.append(f"| {opt} | " + " | ".join(f"{row[m]:.1f}" for m in MODES) + " |")
     lines += [""] + [f"Note: {x}" for x in s["notes"]]
     lines += ["", f"Train loss: first step → mean of the last {TRAIN_LOSS_WINDOW}. "
-              f"Run time {s['seconds']:.0f} s. Command: `python benchmarks/precision_bench.py"
+              f"Run time {s['seconds']:.0f} s. Command: `python -m benchmarks.precision_bench"
               f"{' --quick' if s['mode'] == 'quick' else ''}`", ""]
     return "\n".join(lines)
 

@@ -219,12 +219,9 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _one_line_warning
-    from lisaft.env.allocator import configure_cuda_allocator
-    from lisaft.env.threads import configure_openmp
+    from lisaft.env import configure_process
 
-    configure_openmp()  # before torch loads OpenMP, which reads the wait policy once
-
-    configure_cuda_allocator()  # before anything initialises CUDA
+    configure_process()  # before torch loads OpenMP and initialises CUDA
     try:
         app()
     except KeyboardInterrupt:
