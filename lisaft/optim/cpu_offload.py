@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lisaft.config.schema import OptimizerSection
 from lisaft.model.units import Unit
@@ -137,8 +138,10 @@ class _Transfers:
 
 
 # Offloaded optimizers with steps in flight, for the one forward pre-hook that waits for them.
+# The hook is process-wide (every module's forward), so it is installed only while some step is
+# in flight and removed when the last one is claimed.
 _IN_FLIGHT: weakref.WeakSet[OffloadedOptimizers] = weakref.WeakSet()
-_forward_hook = None
+_forward_hook: RemovableHandle | None = None
 
 
 def _wait_before_forward(module: nn.Module, args) -> None:
@@ -151,6 +154,14 @@ def _watch(opts: OffloadedOptimizers) -> None:
     if _forward_hook is None:
         _forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(_wait_before_forward)
     _IN_FLIGHT.add(opts)
+
+
+def _unwatch(opts: OffloadedOptimizers) -> None:
+    global _forward_hook
+    _IN_FLIGHT.discard(opts)
+    if not _IN_FLIGHT and _forward_hook is not None:
+        _forward_hook.remove()
+        _forward_hook = None
 
 
 class OffloadedOptimizers(UnitOptimizers):
@@ -294,6 +305,8 @@ class OffloadedOptimizers(UnitOptimizers):
         job = self._in_flight.pop(name, None)
         if job is None:
             return
+        if not self._in_flight:
+            _unwatch(self)
         copied = job.result()
         if copied is not None:
             torch.cuda.current_stream(self.train_device).wait_event(copied)

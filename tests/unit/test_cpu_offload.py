@@ -212,3 +212,31 @@ def test_overlapped_steps_give_the_same_run(tmp_path, monkeypatch, name, lisa):
     assert run(dev, 0, 5) == run(off, 0, 5)
     assert off.opts._in_flight  # the last step is still running or unclaimed
     assert_same(dev, off)
+
+
+def test_the_global_forward_hook_lives_only_while_a_step_is_in_flight(tmp_path, monkeypatch):
+    # Every module's forward in the process runs a global pre-hook: it is there from an
+    # overlapped step until that step's last unit is claimed, and gone after.
+    import threading
+
+    from torch.nn.modules import module as torch_module
+
+    from lisaft.optim import adamw as optim
+    from lisaft.optim import cpu_offload
+
+    release = threading.Event()
+    step = optim.AdamW.step
+
+    def held_step(self, *args, **kwargs):
+        release.wait(10)  # in flight until the test lets it finish
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(optim.AdamW, "step", held_step)
+    off = setup(tmp_path, True)
+    hooks = set(torch_module._global_forward_pre_hooks)
+    run(off, 0, 1)
+    assert off.opts._in_flight and cpu_offload._forward_hook is not None
+    assert set(torch_module._global_forward_pre_hooks) - hooks == {cpu_offload._forward_hook.id}
+    release.set()
+    off.opts.wait()
+    assert cpu_offload._forward_hook is None and set(torch_module._global_forward_pre_hooks) == hooks
