@@ -1,5 +1,6 @@
-"""Training data: reading rows, turning them into token ids with loss masks, and the order in
-which the loop sees them.
+"""Training examples: rows (read by lisaft/data/read.py) turned into token ids with loss masks,
+and the held-out split. The order the loop sees them in is lisaft/data/order.py's; how they
+become tensors, lisaft/data/collate.py's.
 
 An example is a plain dict {"input_ids": [...], "labels": [...]}. Labels are aligned with
 input_ids (the model shifts them), and -100 marks a position with no loss. Only the response

@@ -176,7 +176,7 @@ RANKS = (2, 4, 8, 16, 32, 64)
 def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
     """`s` as training.fsdp runs it, and the recipe keys that says: paged optimizers become their
     unpaged kind, the step in backward or on the CPU goes back to the optimizer step (each refused
-    under FSDP, lisaft/distributed/fsdp.py)."""
+    under FSDP, lisaft/config/compat.py)."""
     keys: dict[str, object] = {"training.fsdp": True}
     fields: dict[str, object] = {"fsdp": True}
     if optimizer_kind(s.optimizer).paged:

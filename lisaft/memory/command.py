@@ -249,8 +249,8 @@ def _flag_changes(f: EstimateFlags, s: Settings) -> dict:
 
 
 def check_ranks(s: Settings, ranks: int | None) -> None:
-    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (lisaft/distributed/fsdp.py
-    refuses the same combinations), each refusal one line."""
+    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (the recipe
+    refuses the same combinations, lisaft/config/compat.py), each refusal one line."""
     if not s.fsdp:
         if s.ranks > 1:
             raise LisaftError(f"--ranks {s.ranks}: without training.fsdp every rank holds the whole model (data "
