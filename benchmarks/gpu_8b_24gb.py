@@ -346,12 +346,13 @@ def tables(results: list[dict]) -> str:
 def _child(cfg: Config, args, tmp: str, remaining: float | None) -> dict:
     # A fresh process per run: the cap, the allocator's setting and peaks, bitsandbytes' page
     # manager all start clean, and one run's OOM cannot poison the next.
-    cmd = [sys.executable, __file__, "--only", cfg.name, "--steps", str(cfg.steps), "--cap-gib", str(args.cap_gib),
+    cmd = [sys.executable, "-m", "benchmarks.gpu_8b_24gb", "--only", cfg.name, "--steps", str(cfg.steps),
+           "--cap-gib", str(args.cap_gib),
            "--workdir", tmp]
     cmd += ["--tiny"] if args.tiny else []
     env = {**os.environ, **cfg.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=remaining)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=remaining)
     except subprocess.TimeoutExpired:
         return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps, "error": "timeout (budget)"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

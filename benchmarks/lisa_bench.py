@@ -419,12 +419,12 @@ def whole_process(name: str, s: dict, threads: int, repeats: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="lisa_bench-proc-") as tmp:
         for _ in range(repeats):
             for steps in (n, 2 * n):
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--steps", str(steps),
+                cmd = [sys.executable, "-m", "benchmarks.lisa_bench", "--only", name, "--steps", str(steps),
                        "--interval", str(s["interval"]), "--threads", str(threads), "--processes", "0",
                        "--out", str(Path(tmp) / "out.json")] + (["--quick"] if s["mode"] == "quick" else
                                                                 ["--shape", s["mode"]])
                 t0 = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
                 walls[steps].append(time.perf_counter() - t0)
                 if proc.returncode:
                     raise RuntimeError(f"{name} in its own process failed:\n{proc.stderr[-2000:]}")

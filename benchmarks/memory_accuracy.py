@@ -161,8 +161,8 @@ def run_one(cfg: dict) -> dict:
 def _run_in_subprocess(cfg: dict) -> dict:
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, __file__, "--run-one", json.dumps(cfg)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory_accuracy", "--run-one", json.dumps(cfg)],
+                          cwd=root, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"configuration {cfg['name']} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
