@@ -33,6 +33,9 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
         "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
         "gradient stays on the device anyway; set in_backward false")),
+    Exclusion(lambda r: r.training.on_nonfinite == "skip" and r.optimizer.in_backward, _fixed(
+        "training.on_nonfinite: skip cannot be combined with optimizer.in_backward: each update runs in "
+        "backward, before the norm is known; use stop")),
     Exclusion(lambda r: r.optimizer.in_backward and r.training.grad_accum_steps > 1, _fixed(
         "optimizer.in_backward cannot be combined with training.grad_accum_steps > 1: the update runs before "
         "the next micro-batch could add its gradient")),
