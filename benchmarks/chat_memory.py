@@ -7,7 +7,7 @@ quickstart's width, LISA γ=2, batches of 4 rows padded to the longest (no packi
 It runs `lisaft train` as a user would and keeps the table it prints at the end (estimated vs
 measured: weights, gradients, optimizer states, activations, peak RSS) and the shape it names.
 
-    python benchmarks/chat_memory.py      # writes benchmarks/results/chat_memory/chat_memory.json
+    python -m benchmarks.chat_memory      # writes benchmarks/results/chat_memory/chat_memory.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ slices (lisaft/distributed/fsdp.py load_sharded) and the peak is the training st
 here: these are `lisaft estimate-memory` figures (lisaft/memory/sharded.py says what each rank
 holds), for the docs' table in docs/distributed.md.
 
-    python benchmarks/fsdp_fit.py     # writes benchmarks/results/fsdp_fit/fsdp_fit.{json,md}
+    python -m benchmarks.fsdp_fit     # writes benchmarks/results/fsdp_fit/fsdp_fit.{json,md}
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lisaft.memory.command import build_settings
+from lisaft.memory.command import EstimateFlags, build_settings
 from lisaft.memory.estimate import GiB, compute
 from lisaft.memory.gpus import gpu
 from lisaft.memory.render import step_peak_phase
@@ -35,9 +35,10 @@ CARDS = {"24 GB": gpu("rtx-4090"), "80 GB": gpu("h100-80gb")}
 
 
 def estimate(model: str, overrides: list[str], ranks: int, cpu_offload: bool = False):
-    s = build_settings(RECIPE, model, "adamw_8bit", None, False, None, None, None, None, None, None,
-                       CARDS["24 GB"].usable_bytes, "cuda", overrides, cpu_offload=cpu_offload,
-                       host_ram="1TiB", fsdp=ranks > 1, ranks=ranks if ranks > 1 else None)
+    flags = EstimateFlags(recipe=RECIPE, model=model, optimizer="adamw_8bit", device="cuda",
+                          overrides=tuple(overrides), cpu_offload=cpu_offload, host_ram="1TiB", fsdp=ranks > 1,
+                          ranks=ranks if ranks > 1 else None)
+    s = build_settings(flags, CARDS["24 GB"].usable_bytes)
     return compute(s)
 
 

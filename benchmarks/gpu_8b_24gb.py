@@ -31,8 +31,8 @@ same settings and its error, and what NVML saw beyond reserved + paged state + t
 every configuration, so a run cut short keeps what it measured; a markdown copy of the tables
 goes beside it for docs/memory.md.
 
-    python benchmarks/gpu_8b_24gb.py --budget-s 420      # on a CUDA machine
-    python benchmarks/gpu_8b_24gb.py --tiny              # same code path, CPU, tiny shapes (tested)
+    python -m benchmarks.gpu_8b_24gb --budget-s 420      # on a CUDA machine
+    python -m benchmarks.gpu_8b_24gb --tiny              # same code path, CPU, tiny shapes (tested)
     benchmarks/gpu_run.sh                                # carried wheels + the suite, results in $OUT
 """
 
@@ -49,9 +49,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.common import PadOnly, synthetic_examples
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))  # lisa_bench: the FLOP count and the matmul rate
 
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
 RECIPE_16K = REPO / "recipes" / "llama3.1-8b-lisa-16k-24gb.yaml"
@@ -119,12 +119,6 @@ CONFIGS = [
 BY_NAME = {c.name: c for c in CONFIGS}
 
 
-class _PadOnly:
-    """The trainer needs only a pad id from the tokenizer when batches are given."""
-
-    pad_token_id = 0
-
-
 class NvmlPeak:
     """Polls the device's NVML-used memory in a thread (torch maps the device index to NVML's)."""
 
@@ -134,39 +128,31 @@ class NvmlPeak:
         self.peak = None
         self.interval_s = interval_s
         self._stop = threading.Event()
-        self._ok = torch.cuda.is_available() and self._read() is not None
+        self._ok = torch.cuda.is_available() and self.read() is not None
 
     @staticmethod
-    def _read() -> int | None:
+    def read() -> int | None:
         from lisaft.metrics.measure import nvml_used_bytes
 
         return nvml_used_bytes("cuda:0")
 
     def __enter__(self):
         if self._ok:
-            self.peak = self._read()
+            self.peak = self.read()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
         return self
 
     def _poll(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._read())
+            self.peak = max(self.peak, self.read())
             time.sleep(self.interval_s)
 
     def __exit__(self, *exc):
         self._stop.set()
         if self._ok:
             self._thread.join()
-            self.peak = max(self.peak, self._read())
-
-
-def synthetic_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (n, seq_len), generator=g).tolist()
-    return [{"input_ids": row, "labels": list(row)} for row in ids]
+            self.peak = max(self.peak, self.read())
 
 
 def _overrides(cfg: Config, tiny: bool, workdir: Path, cuda: bool) -> list[str]:
@@ -241,13 +227,13 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
         torch.zeros(1, device="cuda")
-        result["nvml_baseline_bytes"] = NvmlPeak._read()  # the context alone
+        result["nvml_baseline_bytes"] = NvmlPeak.read()  # the context alone
     vocab = json.loads(Path(recipe.model.config).read_text())["vocab_size"]
     examples = synthetic_examples(cfg.steps * t.batch_size * t.grad_accum_steps, recipe.data.max_seq_len, vocab, t.seed)
     joined = _one_rank_group(workdir, cuda) if t.fsdp else False
     with NvmlPeak() as nvml:
         try:
-            session = build_session(recipe, workdir / cfg.name, tokenizer=_PadOnly(), train_examples=examples,
+            session = build_session(recipe, workdir / cfg.name, tokenizer=PadOnly(), train_examples=examples,
                                     eval_examples=None)
             _train(session, cfg.steps, cuda, result)
         except torch.OutOfMemoryError as e:
@@ -279,7 +265,8 @@ def _flop_bound(recipe, cuda: bool) -> dict:
     weight gradients, checkpointed layers run forward twice) and the device's measured matmul
     rate in the model's dtype (bf16 on CUDA: the bf16 FLOP bound)."""
     import torch
-    from lisa_bench import flops_per_token, matmul_flops_per_s, param_counts
+
+    from benchmarks.lisa_bench import flops_per_token, matmul_flops_per_s, param_counts
 
     cfg = json.loads(Path(recipe.model.config).read_text())
     lisa = recipe.lisa
@@ -359,12 +346,13 @@ def tables(results: list[dict]) -> str:
 def _child(cfg: Config, args, tmp: str, remaining: float | None) -> dict:
     # A fresh process per run: the cap, the allocator's setting and peaks, bitsandbytes' page
     # manager all start clean, and one run's OOM cannot poison the next.
-    cmd = [sys.executable, __file__, "--only", cfg.name, "--steps", str(cfg.steps), "--cap-gib", str(args.cap_gib),
+    cmd = [sys.executable, "-m", "benchmarks.gpu_8b_24gb", "--only", cfg.name, "--steps", str(cfg.steps),
+           "--cap-gib", str(args.cap_gib),
            "--workdir", tmp]
     cmd += ["--tiny"] if args.tiny else []
     env = {**os.environ, **cfg.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=remaining)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=remaining)
     except subprocess.TimeoutExpired:
         return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps, "error": "timeout (budget)"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

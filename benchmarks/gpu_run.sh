@@ -22,12 +22,12 @@ python3 -c "import bitsandbytes, pydantic, yaml, rich" || {
     exit 2
 }
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))"
-python3 benchmarks/gpu_8b_24gb.py --budget-s "${BUDGET_S:-420}" --out "$out/gpu_8b_24gb.json" "$@" 2>&1 \
+python3 -m benchmarks.gpu_8b_24gb --budget-s "${BUDGET_S:-420}" --out "$out/gpu_8b_24gb.json" "$@" 2>&1 \
     | tee "$out/gpu_8b_24gb.log"
 # Packing (docs/data.md): the CPU benchmark's contenders at a 1B-class size, on the varlen kernel
 # where flash-attn is installed. Not part of --tiny (the CPU test runs packing_bench --quick).
 if [[ " $* " != *" --tiny "* ]]; then
     attention=$(python3 -c "import importlib.util as u; print('flash_attention_2' if u.find_spec('flash_attn') else 'sdpa')")
-    python3 benchmarks/packing_bench.py --gpu-size --device cuda --attention "$attention" \
+    python3 -m benchmarks.packing_bench --gpu-size --device cuda --attention "$attention" \
         --out "$out/packing-gpu" 2>&1 | tee "$out/packing_bench.log"
 fi

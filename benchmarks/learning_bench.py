@@ -28,9 +28,9 @@ Transfer, so that forgetting shows:
 A precision arm repeats LISA γ=2 at lr 1e-5 in bfloat16 with each `optimizer.bf16_update` rounding
 mode, against float32. If this lisaft has no such recipe key the arm is skipped with a note.
 
-    python benchmarks/learning_bench.py            # full: 3 lrs x 3 seeds, see docs/learning.md
-    python benchmarks/learning_bench.py --quick    # 1 seed, 1 lr, tiny shapes: about a minute
-    python benchmarks/learning_bench.py --protocol 2 [--reduced | --quick]   # the second protocol:
+    python -m benchmarks.learning_bench            # full: 3 lrs x 3 seeds, see docs/learning.md
+    python -m benchmarks.learning_bench --quick    # 1 seed, 1 lr, tiny shapes: about a minute
+    python -m benchmarks.learning_bench --protocol 2 [--reduced | --quick]   # the second protocol:
         validation/test splits, depths, equal memory, two task kinds (benchmarks/learning/protocol2.py)
 
 Writes learning.json, learning.md and PNG plots into --out (default benchmarks/results/learning,
@@ -56,8 +56,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 TOKENIZER = REPO / "recipes" / "quickstart" / "tokenizer"
 SETTINGS = {
@@ -77,7 +75,7 @@ NEEDS = {"lora_r8": "peft", "lora_r16": "peft", "badam": "badam"}
 
 def write_families(data_dir: Path, s: dict) -> None:
     """Family A is the quickstart's own data; family B the new tasks, with disjoint inputs."""
-    import make_quickstart_assets as gen
+    from scripts import make_quickstart_assets as gen
 
     data_dir.mkdir(parents=True, exist_ok=True)
     a_train, a_eval = gen.make_rows(random.Random(gen.SEED))
@@ -89,8 +87,9 @@ def write_families(data_dir: Path, s: dict) -> None:
 
 
 def model_config(s: dict) -> dict:
-    import make_quickstart_assets as gen
     from transformers import AutoTokenizer
+
+    from scripts import make_quickstart_assets as gen
 
     cfg = gen.llama_config(len(AutoTokenizer.from_pretrained(str(TOKENIZER))))
     cfg.update(num_hidden_layers=s["layers"], hidden_size=s["hidden"], intermediate_size=s["intermediate"])

@@ -46,8 +46,8 @@ Each contender is also reported as a share of this machine's FLOP bound: tokens/
 token / the measured float32 matmul rate (see flops_per_token for the counts: 6 x matmul
 parameters for full fine-tuning, less for LISA, where frozen layers compute only input gradients).
 
-    python benchmarks/lisa_bench.py              # default shape, about 12 minutes on 2 cores
-    python benchmarks/lisa_bench.py --quick      # tiny shape, seconds (the tests run this)
+    python -m benchmarks.lisa_bench              # default shape, about 12 minutes on 2 cores
+    python -m benchmarks.lisa_bench --quick      # tiny shape, seconds (the tests run this)
 
 Needs torch, transformers, pydantic, pyyaml, numpy, and `accelerate` for the Trainer runs
 (without it --quick skips them with a note; the full run fails).
@@ -65,8 +65,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import PadOnly, synthetic_rows
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 # Llama shapes. The default is CPU-sized (about 34 M parameters, decoder layers 75% of them, as
 # in real models where layers dominate); quick keeps the code path and shrinks everything.
@@ -95,24 +96,10 @@ RUN_ORDER = ("hf_full", "lisaft_full", "hf_lisa_lmflow") + tuple(f"lisaft_lisa_{
     + ("lisaft_lisa_discard_frozen_emb", "lisaft_lisa_discard_compiled")
 
 
-class _PadOnly:
-    """The trainer needs only a pad id from the tokenizer when batches are given."""
-
-    pad_token_id = 0
-
-
 def llama_config(shape: dict, seq_len: int) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": seq_len,
             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             **shape}
-
-
-def synthetic_rows(n: int, seq_len: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random token rows: the benchmark measures speed and memory, not learning."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, seq_len), generator=g).tolist()
 
 
 def tensor_bytes(state: dict) -> int:
@@ -169,7 +156,7 @@ class LisaftRunner:
                          "compile": compiled},
         }, "lisa_bench")
         examples = [{"input_ids": r, "labels": list(r)} for r in rows]
-        self.session = build_session(recipe, run_dir, tokenizer=_PadOnly(), train_examples=examples,
+        self.session = build_session(recipe, run_dir, tokenizer=PadOnly(), train_examples=examples,
                                      eval_examples=None)
         self.K = s["interval"]
         self.run = {"run": name, "impl": "lisaft", "method": "lisa" if policy else "full", "state_policy": policy,
@@ -432,12 +419,12 @@ def whole_process(name: str, s: dict, threads: int, repeats: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="lisa_bench-proc-") as tmp:
         for _ in range(repeats):
             for steps in (n, 2 * n):
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--steps", str(steps),
+                cmd = [sys.executable, "-m", "benchmarks.lisa_bench", "--only", name, "--steps", str(steps),
                        "--interval", str(s["interval"]), "--threads", str(threads), "--processes", "0",
                        "--out", str(Path(tmp) / "out.json")] + (["--quick"] if s["mode"] == "quick" else
                                                                 ["--shape", s["mode"]])
                 t0 = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
                 walls[steps].append(time.perf_counter() - t0)
                 if proc.returncode:
                     raise RuntimeError(f"{name} in its own process failed:\n{proc.stderr[-2000:]}")
@@ -643,7 +630,7 @@ def main(argv=None) -> int:
     summary = {
         "benchmark": "lisa_bench",
         "mode": mode,
-        "command": "python benchmarks/lisa_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.lisa_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": threads, "matmul_flops_per_s": rate,
                     "loadavg_1min_before": load0, "loadavg_1min_after": os.getloadavg()[0],
                     "platform": platform.platform(),

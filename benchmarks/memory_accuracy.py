@@ -6,9 +6,9 @@ subprocess (so peak RSS belongs to that configuration alone) and compares the es
 - activations: bytes saved for backward, from saved-tensor hooks (target: within 10%);
 - peak: the process's peak RSS (target: within 15%).
 
-    python benchmarks/memory_accuracy.py                 # all configurations, ~5-10 min on 2 cores
-    python benchmarks/memory_accuracy.py --quick         # one tiny configuration, seconds
-    python benchmarks/memory_accuracy.py --out results.json
+    python -m benchmarks.memory_accuracy                 # all configurations, ~5-10 min on 2 cores
+    python -m benchmarks.memory_accuracy --quick         # one tiny configuration, seconds
+    python -m benchmarks.memory_accuracy --out results.json
 
 The JSON result (default benchmarks/results/memory_accuracy.json) holds every configuration's
 estimated and measured figures and whether each target was met.
@@ -75,6 +75,7 @@ def run_one(cfg: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from lisaft.config.optimizers import optimizer_kind
     from lisaft.memory.estimate import Settings, compute
     from lisaft.metrics.measure import (
         grad_bytes,
@@ -125,7 +126,7 @@ def run_one(cfg: dict) -> dict:
         del loss
     measured["weights"] = weight_bytes(model)
     # The two 8-bit code books are shared by every unit, outside any optimizer's state.
-    code_books = 2 * 256 * 4 if cfg["optimizer"].endswith("_8bit") else 0
+    code_books = 2 * 256 * 4 if optimizer_kind(cfg["optimizer"]).eight_bit else 0
     measured["optimizer_states"] = optimizer_state_bytes(opt) + code_books
     measured["peak"] = peak_rss_bytes()
     seconds = time.perf_counter() - t0
@@ -160,8 +161,8 @@ def run_one(cfg: dict) -> dict:
 def _run_in_subprocess(cfg: dict) -> dict:
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, __file__, "--run-one", json.dumps(cfg)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory_accuracy", "--run-one", json.dumps(cfg)],
+                          cwd=root, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"configuration {cfg['name']} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -215,7 +216,7 @@ def _write(args, results: list[dict], started: float) -> dict:
 
     out = {
         "benchmark": "memory_accuracy", "device": "cpu", "quick": args.quick,
-        "command": "python benchmarks/memory_accuracy.py" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.memory_accuracy" + (" --quick" if args.quick else ""),
         "torch": version("torch"), "transformers": version("transformers"),
         "bitsandbytes": version("bitsandbytes"), "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus", "steps": STEPS,

@@ -57,7 +57,7 @@ def _recipe(model_dir: Path, run_dir: Path, arm: str, cfg: dict, seed: int):
 
 def run(cfg: dict, work: Path, seed: int) -> dict:
     model_dir = work / "model"
-    pb._save_model(cfg, model_dir, seed)
+    pb.save_model(cfg, model_dir, seed)
     data: dict = {}
     sessions = {}
     for arm in ARMS:

@@ -17,8 +17,8 @@ overlapped with compute, on CUDA). The step and the accumulation run the same co
 Results are also given per 10^9 parameters, the figure to scale to a model: Llama-3.1-8B
 has 8.03 x 10^9.
 
-    python benchmarks/offload_bench.py            # 52M and 210M params x threads x 2 optimizers
-    python benchmarks/offload_bench.py --quick    # one tiny size, one thread: a few seconds
+    python -m benchmarks.offload_bench            # 52M and 210M params x threads x 2 optimizers
+    python -m benchmarks.offload_bench --quick    # one tiny size, one thread: a few seconds
 
 Writes offload.json and offload.md into --out (default benchmarks/results/offload, or
 benchmarks/results/offload-quick with --quick).
@@ -31,20 +31,18 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from lisaft.config.schema import OptimizerSection
+from lisaft.model.units import Unit
+from lisaft.optim.cpu_offload import OffloadedOptimizers
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lisaft.config.schema import OptimizerSection  # noqa: E402
-from lisaft.model.units import Unit  # noqa: E402
-from lisaft.optim.cpu_offload import OffloadedOptimizers  # noqa: E402
 
 FULL = {"hidden": 1024, "layers": [4, 16], "threads": sorted({1, os.cpu_count() or 1}),
         "optimizers": ["adamw_8bit", "adamw_32bit"], "reps": 3}

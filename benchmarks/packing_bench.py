@@ -24,9 +24,9 @@ training tokens. The contenders advance
 in lockstep, one optimizer step each in turn, so that other load on the machine falls on all
 of them alike.
 
-    nice -n 15 python benchmarks/packing_bench.py            # full: 3 seeds, CPU ~15 min
-    python benchmarks/packing_bench.py --quick               # a tiny model and set: ~10 s
-    python benchmarks/packing_bench.py --gpu-size --attention flash_attention_2   # GPU suite
+    nice -n 15 python -m benchmarks.packing_bench            # full: 3 seeds, CPU ~15 min
+    python -m benchmarks.packing_bench --quick               # a tiny model and set: ~10 s
+    python -m benchmarks.packing_bench --gpu-size --attention flash_attention_2   # GPU suite
 
 Writes packing.json and packing.md into --out (default benchmarks/results/packing, or
 benchmarks/results/packing-quick with --quick).
@@ -42,16 +42,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
+from lisaft.data.packing import pack_examples
+from lisaft.model.attention import varlen_attention
+from lisaft.model.loss import eval_sums, token_loss_sum
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device  # noqa: E402
-from lisaft.data.packing import pack_examples  # noqa: E402
-from lisaft.model.attention import varlen_attention  # noqa: E402
-from lisaft.model.loss import eval_sums, token_loss_sum  # noqa: E402
 
 CONTENDERS = ("batch1", "padded8", "concat", "packed", "padding_free")
 # Sized for a shared 2-core CPU: about a minute per contender and seed.
@@ -312,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"real {r['real_share']:.1%}  eval {r['eval_loss']:.4f}", flush=True)
     result = {
         "benchmark": "packing_bench", "mode": mode,
-        "command": "python benchmarks/packing_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.packing_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "attention": args.attention, "torch": torch.__version__,
         "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},

@@ -17,8 +17,8 @@ optimizer update's time per step. A micro-benchmark times one optimizer step on 
 
 It runs on CPU, where the paged optimizers run unpaged (same updates; paging needs CUDA).
 
-    python benchmarks/precision_bench.py            # full: 4 optimizers x 3 modes, 50 steps
-    python benchmarks/precision_bench.py --quick    # adamw_32bit only, a tinier model: ~20 s
+    python -m benchmarks.precision_bench            # full: 4 optimizers x 3 modes, 50 steps
+    python -m benchmarks.precision_bench --quick    # adamw_32bit only, a tinier model: ~20 s
 
 Writes precision.json and precision.md into --out (default benchmarks/results/precision, or
 benchmarks/results/precision-quick with --quick).
@@ -37,17 +37,16 @@ import time
 import warnings
 from pathlib import Path
 
+import torch
+
+from lisaft.config.optimizers import OPTIMIZERS
+from lisaft.config.schema import recipe_from_dict
+from lisaft.optim.adamw import Rounding, build_unit_optimizer
+from lisaft.train import build_session, evaluate, train_step
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from lisaft.config.schema import recipe_from_dict  # noqa: E402
-from lisaft.optim.adamw import Rounding, build_unit_optimizer  # noqa: E402
-from lisaft.train import build_session, evaluate, train_step  # noqa: E402
 
 QUICKSTART = REPO / "recipes" / "quickstart"
-OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
 MODES = ("float32", "bf16_nearest", "bf16_stochastic")
 KINDS = ("layer_matrices", "norms", "embeddings_head")
 LR = 1e-5
@@ -66,7 +65,7 @@ def _kind(name: str, p: torch.Tensor) -> str:
     return "layer_matrices"
 
 
-def _save_model(cfg: dict, folder: Path, seed: int) -> None:
+def save_model(cfg: dict, folder: Path, seed: int) -> None:
     """The common starting point: a float32 model from the quickstart config, resized."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -218,7 +217,7 @@ def run(cfg: dict, out: Path, seed: int, mode_name: str) -> dict:
     results, note = {}, []
     with tempfile.TemporaryDirectory(prefix="precision-bench-") as tmp:
         work = Path(tmp)
-        _save_model(cfg, work / "model", seed)
+        save_model(cfg, work / "model", seed)
         data: dict = {}
         for optimizer in cfg["optimizers"]:
             print(f"{optimizer} ...", flush=True)
@@ -283,7 +282,7 @@ def markdown(s: dict) -> str:
         lines.append(f"| {opt} | " + " | ".join(f"{row[m]:.1f}" for m in MODES) + " |")
     lines += [""] + [f"Note: {x}" for x in s["notes"]]
     lines += ["", f"Train loss: first step → mean of the last {TRAIN_LOSS_WINDOW}. "
-              f"Run time {s['seconds']:.0f} s. Command: `python benchmarks/precision_bench.py"
+              f"Run time {s['seconds']:.0f} s. Command: `python -m benchmarks.precision_bench"
               f"{' --quick' if s['mode'] == 'quick' else ''}`", ""]
     return "\n".join(lines)
 

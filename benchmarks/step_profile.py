@@ -18,8 +18,8 @@ Each phase's figure is the minimum over R repeated runs of its per-step median: 
 with other work, and the minimum is the least disturbed figure. A short torch.profiler trace of the
 same step lists the top operators by self CPU time.
 
-    python benchmarks/step_profile.py                       # issue shape, LISA γ=2 K=5 and full FT
-    python benchmarks/step_profile.py --shape quickstart    # recipes/quickstart's model, seq 64, batch 32
+    python -m benchmarks.step_profile                       # issue shape, LISA γ=2 K=5 and full FT
+    python -m benchmarks.step_profile --shape quickstart    # recipes/quickstart's model, seq 64, batch 32
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.common import PadOnly, synthetic_examples
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 SHAPES = {
     # The shape of issue 15: Llama 8 layers x 384 hidden, seq 256, batch 4.
@@ -48,12 +49,7 @@ SHAPES = {
 PHASES = ("collate", "forward", "backward", "clip", "optimizer", "lisa", "metrics", "other")
 
 
-class _PadOnly:
-    pad_token_id = 0
-
-
 def build(shape: dict, lisa: bool, workdir: Path, steps: int, compile_layers: bool = False):
-    import torch
 
     from lisaft.config.schema import recipe_from_dict
     from lisaft.train import build_session
@@ -75,10 +71,8 @@ def build(shape: dict, lisa: bool, workdir: Path, steps: int, compile_layers: bo
         "lisa": {"enabled": lisa, "active_layers": 2, "interval_steps": 5, "state_policy": "discard"},
         "training": training,
     }, "step_profile")
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randint(3, cfg["vocab_size"], (steps * shape["batch_size"], shape["seq_len"]), generator=g).tolist()
-    examples = [{"input_ids": r, "labels": list(r)} for r in rows]
-    return build_session(recipe, workdir / "run", tokenizer=_PadOnly(), train_examples=examples, eval_examples=None)
+    examples = synthetic_examples(steps * shape["batch_size"], shape["seq_len"], cfg["vocab_size"], seed=0)
+    return build_session(recipe, workdir / "run", tokenizer=PadOnly(), train_examples=examples, eval_examples=None)
 
 
 class PhaseTimer:
@@ -148,7 +142,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     result = {"benchmark": "step_profile", "shape": args.shape, "compile": args.compile,
-              "command": "python benchmarks/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m benchmarks.step_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
               "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats,
               "note": "per phase: the minimum over repeats of the per-step median (shared CPU)", "configs": {}}
     for name in [args.only] if args.only else ["lisa", "full"]:

@@ -25,8 +25,8 @@ saving included; a run still going after --limit-s is stopped, and its rate is w
 then) and the load average when it started. Runs are interleaved, setting by setting, so a
 change in the machine's load touches every setting alike.
 
-    python benchmarks/threads_bench.py                  # 100 steps, evaluation off, 2 rounds
-    python benchmarks/threads_bench.py --full           # the quickstart as shipped (800 steps)
+    python -m benchmarks.threads_bench                  # 100 steps, evaluation off, 2 rounds
+    python -m benchmarks.threads_bench --full           # the quickstart as shipped (800 steps)
 
 Writes threads.json and threads.md into --out (default benchmarks/results/threads).
 """

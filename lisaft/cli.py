@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from lisaft.config.optimizers import OPTIMIZERS
 from lisaft.config.schema import CADENCE_KEYS
 from lisaft.errors import LisaftError
 
@@ -19,8 +20,7 @@ app = typer.Typer(
     rich_markup_mode=None,
     help="Fine-tune causal language models on one GPU: LISA, lean optimizers, exact resume.",
 )
-# Flags take no value; an empty metavar keeps help from showing one.
-FLAG = {"metavar": ""}
+# Flags take no value: each gives metavar="", which keeps help from showing one.
 SET_HELP = "Override a recipe key: --set training.max_steps=100 (repeatable)."
 
 
@@ -35,9 +35,9 @@ def _version(value: bool) -> None:
 @app.callback()
 def _global(
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Show other libraries' warnings "
-                                 "and progress bars too.", **FLAG),
+                                 "and progress bars too.", metavar=""),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit.", **FLAG),
+                                 help="Print the version and exit.", metavar=""),
 ) -> None:
     import warnings
 
@@ -68,9 +68,9 @@ def train(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe YAML."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run already in output_dir.",
-                                   **FLAG),
+                                   metavar=""),
     force: bool = typer.Option(False, "--force", help="With --overwrite: go on although output_dir "
-                               "holds files lisaft did not write (they are left alone).", **FLAG),
+                               "holds files lisaft did not write (they are left alone).", metavar=""),
 ) -> None:
     """Fine-tune as RECIPE says."""
     from lisaft.train import train as run_train
@@ -88,7 +88,7 @@ def resume(
     max_steps: Optional[int] = typer.Option(
         None, "--max-steps", metavar="N", help="Train to step N instead; the LR stays on its saved curve."),
     reschedule: bool = typer.Option(
-        False, "--reschedule", help="Re-plan the LR decay from the current step to --max-steps.", **FLAG),
+        False, "--reschedule", help="Re-plan the LR decay from the current step to --max-steps.", metavar=""),
     set_: Optional[List[str]] = typer.Option(
         None, "--set", metavar="KEY=VALUE",
         help=f"Change a key a resume may change: {', '.join(CADENCE_KEYS)}. Others alter the run "
@@ -112,10 +112,10 @@ def estimate_memory(
                                         help="Catalogue name (llama-3.1-8b), folder or hub id."),
     optimizer: Optional[str] = typer.Option(
         None, "--optimizer", metavar="NAME",
-        help="adamw_32bit, adamw_8bit, paged_adamw_32bit or paged_adamw_8bit."),
+        help=f"One of {', '.join(OPTIMIZERS)}."),
     lisa_layers: Optional[int] = typer.Option(None, "--lisa-layers", metavar="N",
                                               help="LISA with N active layers (γ)."),
-    no_lisa: bool = typer.Option(False, "--no-lisa", help="Full fine-tuning.", **FLAG),
+    no_lisa: bool = typer.Option(False, "--no-lisa", help="Full fine-tuning.", metavar=""),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", metavar="N",
                                              help="Sequences per micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", metavar="N", help="Tokens per sequence."),
@@ -146,21 +146,21 @@ def estimate_memory(
     ranks: Optional[int] = typer.Option(None, "--ranks", metavar="N",
                                         help="One rank's figures for N processes under FSDP."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON.", **FLAG),
-    explain: bool = typer.Option(False, "--explain", help="Explain paged optimizer memory.", **FLAG),
+    json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON.", metavar=""),
+    explain: bool = typer.Option(False, "--explain", help="Explain paged optimizer memory.", metavar=""),
 ) -> None:
     """Will it fit, where does the memory go, what to change."""
-    from lisaft.memory.command import estimate_memory_command
+    from lisaft.memory.command import EstimateFlags, estimate_memory_command
 
     try:
-        code = estimate_memory_command(
+        code = estimate_memory_command(EstimateFlags(
             recipe=recipe, model=model, optimizer=optimizer, lisa_layers=lisa_layers,
             no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
             gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
             in_backward=in_backward, cpu_offload=cpu_offload, host_ram=host_ram,
-            budget=budget, gpu=gpu, device=device, overrides=set_ or [],
+            budget=budget, gpu=gpu, device=device, overrides=tuple(set_ or ()),
             json_out=json_out, explain=explain, fsdp=fsdp, ranks=ranks,
-        )
+        ))
     except LisaftError as e:
         _fail(str(e))
     raise typer.Exit(code or 0)
@@ -202,7 +202,7 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", metavar="T", help="0: greedy; above 0: sample."),
     top_p: float = typer.Option(1.0, "--top-p", metavar="P", help="Nucleus sampling mass (with --temperature)."),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed for sampling."),
-    json_out: bool = typer.Option(False, "--json", help="One JSON object per prompt.", **FLAG),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per prompt.", metavar=""),
 ) -> None:
     """Try a model with the prompt format its run trained on."""
     from lisaft.generate.command import generate_command
@@ -225,12 +225,9 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _one_line_warning
-    from lisaft.env.allocator import configure_cuda_allocator
-    from lisaft.env.threads import configure_openmp
+    from lisaft.env import configure_process
 
-    configure_openmp()  # before torch loads OpenMP, which reads the wait policy once
-
-    configure_cuda_allocator()  # before anything initialises CUDA
+    configure_process()  # before torch loads OpenMP and initialises CUDA
     try:
         app()
     except KeyboardInterrupt:

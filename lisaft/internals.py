@@ -39,15 +39,27 @@ def sparse_sizes(g: torch.Tensor) -> tuple[int, int]:
     return g._values().numel(), g._indices().numel()
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """Names of the module's own buffers that stay out of its state_dict (rotary inv_freq). No
+    public accessor lists them; they must be recomputed where weights come from a checkpoint."""
+    return module._non_persistent_buffers_set
+
+
 # -- bitsandbytes (checked against 0.50) --------------------------------------------------------
 
 
 def mark_paged(t: torch.Tensor, device_index: int | None) -> torch.Tensor:
     """bitsandbytes recognises unified-memory tensors by these attributes (its optimizers set them
     on what F.get_paged returns); views do not inherit them."""
-    t.is_paged = True
-    t.page_deviceid = device_index
+    # Attributes of bitsandbytes' own making, which torch.Tensor does not declare.
+    t.is_paged = True  # type: ignore[attr-defined]
+    t.page_deviceid = device_index  # type: ignore[attr-defined]
     return t
+
+
+def page_device(t: torch.Tensor) -> int | None:
+    """The device index `mark_paged` recorded on a unified-memory tensor."""
+    return getattr(t, "page_deviceid", None)
 
 
 def get_paged(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -87,3 +99,19 @@ def adam_update_32bit(g, w, m, v, *, beta1: float, beta2: float, eps: float, ste
     import bitsandbytes.functional as F
 
     F.optimizer_update_32bit("adam", g, w, m, beta1, eps, step, lr, v, beta2, weight_decay=weight_decay)
+
+
+# -- transformers -----------------------------------------------------------------------------
+
+
+def registered_mask_builder(kind: str):
+    """The mask function transformers' AttentionMaskInterface holds for `kind` now."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    return AttentionMaskInterface._global_mapping[kind]
+
+
+def set_checkpointing_func(layer: torch.nn.Module, func) -> None:
+    """A checkpointed transformers layer calls `layer._gradient_checkpointing_func(run, *inputs)`;
+    a plain attribute, set past nn.Module's typed __setattr__."""
+    object.__setattr__(layer, "_gradient_checkpointing_func", func)

@@ -104,12 +104,13 @@ class LisaController:
             # The set-up resolves auto (lisaft.memory.auto_layers) before building the controller.
             raise LisaftError("lisa.active_layers: auto must be resolved from the memory estimate before "
                               "training starts")
-        if self.enabled and section.active_layers > n:
+        active = 0 if section.active_layers == "auto" else section.active_layers
+        if self.enabled and active > n:
             raise LisaftError(
-                f"lisa.active_layers is {section.active_layers} but the model has only {n} decoder "
+                f"lisa.active_layers is {active} but the model has only {n} decoder "
                 f"layers; set lisa.active_layers to at most {n}"
             )
-        self.sampler = (LayerSampler(n, section.active_layers, seed, section.sampling)
+        self.sampler = (LayerSampler(n, active, seed, section.sampling)
                         if self.enabled and n else None)
         if self.enabled:
             self._always = [u for u in units if u.layer is None and

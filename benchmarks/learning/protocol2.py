@@ -1,8 +1,8 @@
 """The learning benchmark's second protocol: which method learns most within a memory budget?
 
-    python benchmarks/learning_bench.py --protocol 2             # the designed protocol (hours)
-    python benchmarks/learning_bench.py --protocol 2 --reduced   # what fits in about an hour here
-    python benchmarks/learning_bench.py --protocol 2 --quick     # tiny: the tests run this
+    python -m benchmarks.learning_bench --protocol 2             # the designed protocol (hours)
+    python -m benchmarks.learning_bench --protocol 2 --reduced   # what fits in about an hour here
+    python -m benchmarks.learning_bench --protocol 2 --quick     # tiny: the tests run this
 
 Per depth (6, 12, 24 decoder layers at equal parameter count, narrower as deeper) a model is
 pre-trained on task family A; then each arm fine-tunes it on each kind of task

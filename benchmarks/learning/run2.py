@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -97,9 +96,9 @@ class Bench:
                   f"{100 * a['old_token_accuracy']:.1f}, exact match {100 * a['old_exact_match']:.1f}", flush=True)
 
     def config(self, depth: int) -> dict:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import make_quickstart_assets as gen
         from transformers import AutoTokenizer
+
+        from scripts import make_quickstart_assets as gen
 
         dims = p2.depth_settings(self.s, depth)
         cfg = gen.llama_config(len(AutoTokenizer.from_pretrained(str(TOKENIZER))))

@@ -26,14 +26,14 @@ def _as_list(fn):
 
 
 def format_tasks() -> dict:
-    import make_quickstart_assets as gen
+    from scripts import make_quickstart_assets as gen
 
     return {f"{name} as list": _as_list(fn) for name, fn in gen.TASKS.items()}
 
 
 def write_task_data(kind: str, data_dir: Path, s: dict) -> None:
     """new_train / new_val / new_test for `kind`, A_train (pre-training) and old_test (retention)."""
-    import make_quickstart_assets as gen
+    from scripts import make_quickstart_assets as gen
 
     data_dir.mkdir(parents=True, exist_ok=True)
     a_train, a_eval = gen.make_rows(random.Random(gen.SEED))

@@ -38,9 +38,11 @@ def run_recipe_file(run_dir: Path) -> Path:
     return recipe_file
 
 
-def nothing_left(run_dir: Path, step: int, max_steps: int, max_steps_given: int | None) -> LisaftError | None:
-    """The error when the newest checkpoint is already at or past where the resume would stop."""
-    if step < max_steps:
+def nothing_left(run_dir: Path, step: int, max_steps: int | None,
+                 max_steps_given: int | None) -> LisaftError | None:
+    """The error when the newest checkpoint is already at or past where the resume would stop
+    (not known before set-up for a run whose length is training.epochs: max_steps None)."""
+    if max_steps is None or step < max_steps:
         return None
     if max_steps_given is not None:
         return LisaftError(f"--max-steps {max_steps_given} is not past the newest checkpoint, at step {step}; "

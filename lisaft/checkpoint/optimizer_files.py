@@ -16,6 +16,7 @@ import torch
 
 from lisaft.checkpoint.reshard import ReshardNotes, read_resharded
 from lisaft.checkpoint.run_state import saved_world_size
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.console import warn
 from lisaft.distributed import dist
 from lisaft.errors import CheckpointError, CheckpointMismatch
@@ -107,7 +108,7 @@ class OptimizerFiles:
         opts.clear()
         resident = self.controller.resident_units()
         notes = ReshardNotes()
-        eight_bit = opts.section.name.endswith("_8bit")
+        eight_bit = optimizer_kind(opts.section.name).eight_bit
         for name in sorted(names):
             shapes = [p.shape for p in state_order(opts.units[name].params)]
             sd = read_resharded(folder, name, shapes, old_world, dist.world_size(), dist.rank(), eight_bit, notes)

@@ -21,7 +21,8 @@ class RngState:
 
     def state_dict(self) -> dict:
         py = random.getstate()
-        np_state = np.random.get_state()
+        np_state = np.random.get_state(legacy=True)
+        assert isinstance(np_state, tuple)  # the legacy form: (name, keys, pos, has_gauss, cached)
         state = {
             "python": [py[0], list(py[1]), py[2]],
             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],

@@ -25,15 +25,17 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
+from lisaft.config.compat import first_exclusion
 from lisaft.config.hub import can_only_be_path
+from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parse_override
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
-OptimizerName = Literal["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -379,29 +381,9 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
-        if self.optimizer.cpu_offload and self.optimizer.in_backward:
-            raise ValueError(
-                "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the "
-                "step on the CPU no gradient stays on the device anyway; set in_backward false"
-            )
-        if self.optimizer.moments_dtype == "bfloat16" and self.optimizer.name != "adamw_32bit":
-            raise ValueError(f"optimizer.moments_dtype bfloat16 is for adamw_32bit; {self.optimizer.name} keeps "
-                             "its own moments (8-bit ones: adamw_8bit); set moments_dtype float32")
-        if self.training.on_nonfinite == "skip" and self.optimizer.in_backward:
-            raise ValueError("training.on_nonfinite: skip cannot be combined with optimizer.in_backward: "
-                             "each update runs in backward, before the norm is known; use stop")
-        if self.optimizer.in_backward:
-            if self.training.grad_accum_steps > 1:
-                raise ValueError(
-                    "optimizer.in_backward cannot be combined with training.grad_accum_steps > 1: "
-                    "the update runs before the next micro-batch could add its gradient"
-                )
-            if self.training.max_grad_norm is not None:
-                raise ValueError(
-                    "optimizer.in_backward cannot be combined with training.max_grad_norm: the "
-                    "total norm is known only after every parameter was already updated; set "
-                    "training.max_grad_norm: null"
-                )
+        # The table lives in config/compat.py, beside the rules that depend on the number of ranks.
+        if (message := first_exclusion(self)) is not None:
+            raise ValueError(message)
         return self
 
     def to_yaml(self) -> str:
@@ -460,7 +442,7 @@ def _known_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _message(e: dict) -> str:
+def _message(e: ErrorDetails) -> str:
     if e["type"] == "extra_forbidden":
         close = difflib.get_close_matches(str(e["loc"][-1]), _known_keys(e["loc"]), n=1, cutoff=0.6)
         prefix = "".join(f"{p}." for p in e["loc"][:-1])
@@ -484,7 +466,8 @@ def _message(e: dict) -> str:
 def format_validation_error(err: ValidationError, source: str, overrides: tuple[Override, ...] = ()) -> str:
     """One line. A mistake in a key given with --set is blamed on the --set, the rest on `source`
     (with the --set items when the recipe-wide check failed, where both may play a part)."""
-    from_file, from_set = [], []
+    from_file: list[str] = []
+    from_set: list[str] = []
     recipe_wide = False
     for e in err.errors():
         # A failed Annotated/Literal/union member adds a non-key part to loc; keep the key path.
@@ -581,6 +564,7 @@ def reference_markdown() -> str:
              "directory, as any path typed on a command line.", ""]
     for name, f in Recipe.model_fields.items():
         section = f.annotation
+        assert isinstance(section, type) and issubclass(section, BaseModel)
         lines += [f"## {name}", "", "| key | default | meaning |", "| --- | --- | --- |"]
         for key, field in section.model_fields.items():
             default = "required" if field.is_required() else json.dumps(

@@ -1,5 +1,6 @@
-"""Training data: reading rows, turning them into token ids with loss masks, and the order in
-which the loop sees them.
+"""Training examples: rows (read by lisaft/data/read.py) turned into token ids with loss masks,
+and the held-out split. The order the loop sees them in is lisaft/data/order.py's; how they
+become tensors, lisaft/data/collate.py's.
 
 An example is a plain dict {"input_ids": [...], "labels": [...]}. Labels are aligned with
 input_ids (the model shifts them), and -100 marks a position with no loss. Only the response
@@ -45,6 +46,7 @@ see what one process with an N times larger batch sees.
 from __future__ import annotations
 
 import warnings
+from typing import Literal, overload
 
 import numpy as np
 
@@ -79,6 +81,14 @@ def render_instruction_prompt(instruction: str, input: str | None = None, templa
 
 # ---------------------------------------------------------------------------------------------
 # Rows to examples
+
+
+@overload
+def row_field(rows: Rows, i: int, name: str, optional: Literal[False] = False) -> str: ...
+
+
+@overload
+def row_field(rows: Rows, i: int, name: str, optional: bool) -> str | None: ...
 
 
 def row_field(rows: Rows, i: int, name: str, optional: bool = False) -> str | None:

@@ -59,6 +59,7 @@ class DataOrder:
         if self._perm_epoch != self.epoch:
             self._perm = _epoch_permutation(self.n, self.seed, self.epoch)
             self._perm_epoch = self.epoch
+        assert self._perm is not None
         return self._perm
 
     def next_indices(self) -> list[int]:

@@ -32,12 +32,12 @@ _PACKING_STREAM = 2
 
 def best_fit_rows(lengths: list[int], max_seq_len: int, seed: int) -> list[list[int]]:
     """Example indices per row: best-fit decreasing over a seeded permutation."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size and (lengths.min() < 1 or lengths.max() > max_seq_len):
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.size and (lens.min() < 1 or lens.max() > max_seq_len):
         raise ValueError(f"every length must be in [1, {max_seq_len}]")
     seq = np.random.SeedSequence([ORDER_SALT, seed & (2**63 - 1), _PACKING_STREAM])
-    perm = np.random.Generator(np.random.PCG64(seq)).permutation(lengths.size)
-    order = perm[np.argsort(-lengths[perm], kind="stable")]
+    perm = np.random.Generator(np.random.PCG64(seq)).permutation(lens.size)
+    order = perm[np.argsort(-lens[perm], kind="stable")]
     rows: list[list[int]] = []
     # Open rows by room left: `rooms` is the sorted list of distinct rooms, `by_room` the rows
     # with each. A full row leaves both. bisect finds the best fit in O(log rooms).

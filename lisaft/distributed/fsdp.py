@@ -27,38 +27,17 @@ What lisaft keeps of its own, and why:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 from safetensors.torch import load_file
 from torch import nn
 
+from lisaft import internals
 from lisaft.distributed import dist
 from lisaft.errors import CheckpointMismatch, LisaftError
-from lisaft.model.load import ModelParts
-
-
-def check_supported(recipe) -> None:
-    """One-line refusals of what FSDP cannot run (docs/distributed.md says why)."""
-    name = recipe.optimizer.name
-    if name.startswith("paged_"):
-        raise LisaftError(f"optimizer.name {name} is not supported with training.fsdp (paging of one rank's "
-                          "slices is untested on CUDA); use adamw_32bit or adamw_8bit")
-    if recipe.optimizer.in_backward:
-        raise LisaftError("optimizer.in_backward cannot run with training.fsdp: the update would run before "
-                          "the gradient reduce-scatter; set it false")
-    if recipe.optimizer.cpu_offload:
-        raise LisaftError("optimizer.cpu_offload runs on one device and cannot be combined with training.fsdp; "
-                          "set one of them false")
-    if recipe.training.shard_optimizer_state:
-        raise LisaftError("training.shard_optimizer_state is data parallel's sharding; training.fsdp already "
-                          "shards the optimizer state: set one of them false")
-    if recipe.training.compile:
-        raise LisaftError("training.compile is not supported with training.fsdp yet; set it false")
-    if not dist.is_initialized():
-        # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU).
-        raise LisaftError("training.fsdp needs torchrun: launch with torchrun --nproc-per-node N, "
-                          "or set training.fsdp false")
+from lisaft.model.load import ModelParts, pretrained
 
 
 def shard_model(model: nn.Module, parts: ModelParts, device: torch.device) -> LocalShards:
@@ -114,7 +93,7 @@ def load_sharded(section, device: torch.device) -> tuple[nn.Module, LocalShards]
     with torch.no_grad():
         dcp.load(state, storage_reader=reader)
         for module, source in fresh:
-            for name in module._non_persistent_buffers_set:
+            for name in internals.non_persistent_buffers(module):
                 getattr(module, name).copy_(getattr(source, name))
     return model, shards
 
@@ -125,12 +104,13 @@ def _buffer_sources(model: nn.Module, ref: str) -> list[tuple[nn.Module, nn.Modu
     before anything is allocated, so a module that cannot be rebuilt is refused at no cost."""
     out = []
     for name, module in model.named_modules():
-        if not module._non_persistent_buffers_set:
+        if not internals.non_persistent_buffers(module):
             continue
         try:
             with torch.device("cpu"):
                 source = type(module)(module.config)
-            ok = all(getattr(source, b).shape == getattr(module, b).shape for b in module._non_persistent_buffers_set)
+            ok = all(getattr(source, b).shape == getattr(module, b).shape
+                     for b in internals.non_persistent_buffers(module))
         except Exception:
             ok = False
         if not ok:
@@ -164,7 +144,7 @@ class LocalShards:
             if shadow is None:
                 with torch.no_grad():
                     # Shares the slice's storage: an update of the shadow is an update of p.
-                    shadow = self._local[id(p)] = nn.Parameter(p.to_local(), requires_grad=False)
+                    shadow = self._local[id(p)] = nn.Parameter(local_tensor(p), requires_grad=False)
             out.append(shadow)
         return out
 
@@ -172,7 +152,7 @@ class LocalShards:
         """The local tensors of params, each holding its slice of the reduced gradient."""
         shadows = self.local(params)
         for p, shadow in zip(params, shadows):
-            shadow.grad = None if p.grad is None else p.grad.to_local()
+            shadow.grad = None if p.grad is None else local_tensor(p.grad)
         return shadows
 
     def release_grads(self, params: list[nn.Parameter]) -> None:
@@ -231,7 +211,7 @@ class ShardFiles:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def state(self) -> dict[str, torch.Tensor]:
+    def state(self) -> dict[str, Any]:  # DCP's state-dict values: the sharded parameters
         """The sharded state dict: DTensors over this rank's slices of the weights."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         from torch.distributed.fsdp import FSDPModule
@@ -289,6 +269,7 @@ def _write_config(model: nn.Module, folder: Path) -> None:
 
     from torch.distributed.fsdp import FSDPModule
 
+    model = pretrained(model)
     config = copy.deepcopy(model.config)
     # fully_shard swapped the model's class for a subclass named FSDP<class>: name the model's own.
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))

@@ -42,9 +42,9 @@ def _cgroup_cpu_limit(root: Path) -> float | None:
     except (OSError, ValueError):
         pass
     try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 and period > 0 else None
+        us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        per = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return us / per if us > 0 and per > 0 else None
     except (OSError, ValueError):
         return None
 

@@ -37,7 +37,7 @@ def read_prompts(prompt: str | None, input_text: str | None, input_file: Path | 
         raise LisaftError("give --prompt TEXT or --input-file FILE.jsonl (one of them)")
     if prompt is not None:
         if fmt == "instruction":
-            row = {"instruction": prompt, "input": input_text}
+            row: dict[str, object] = {"instruction": prompt, "input": input_text}
         elif fmt == "chat":
             row = {"messages": [{"role": "user", "content": prompt}]}
         else:

@@ -149,13 +149,15 @@ def _checkpoint_model(target: Target, device):
     from lisaft.checkpoint.checkpointer import load_weights
     from lisaft.model.load import load_model as run_model
 
-    section = target.checkpoint_recipe.model
+    recipe = target.checkpoint_recipe
+    assert recipe is not None, "a checkpoint target carries the recipe it was trained with"
+    section = recipe.model
     # Training's memory savers change nothing a forward computes; FlashAttention where it can run
     # here, else sdpa: the same attention.
     section = section.model_copy(update={
         "gradient_checkpointing": False, "offload_activations": False, "mlp_chunk_tokens": None,
         "attention": "auto" if section.attention == "flash_attention_2" else section.attention})
-    model = _from_recipe(target, lambda: run_model(section, device, seed=target.checkpoint_recipe.training.seed))
+    model = _from_recipe(target, lambda: run_model(section, device, seed=recipe.training.seed))
     from safetensors import SafetensorError
 
     try:

@@ -150,13 +150,13 @@ def packed_mask_bytes(attention: str, checkpointing: bool, batch: int, seq_len: 
 
 def mlp_chunked(seq_len: int, chunk_tokens: int | None) -> bool:
     """Whether lisaft/model/activation_offload.py splits the MLP: only sequences longer than one chunk."""
-    return bool(chunk_tokens) and seq_len > chunk_tokens
+    return chunk_tokens is not None and chunk_tokens > 0 and seq_len > chunk_tokens
 
 
 def mlp_chunk_bytes(shape: Shape, dt: int, batch: int, seq_len: int, chunk_tokens: int | None) -> int:
     """One MLP chunk (`chunk_tokens` positions of every row) recomputed in backward: its four
     intermediates (as a trainable layer keeps them) and their two gradients in flight."""
-    if not mlp_chunked(seq_len, chunk_tokens):
+    if chunk_tokens is None or not mlp_chunked(seq_len, chunk_tokens):
         return 0
     return batch * chunk_tokens * dt * shape.intermediate * (4 + 2)
 

@@ -15,8 +15,8 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
 from lisaft.memory.estimate import Estimate, Settings, compute
-from lisaft.memory.optimizer_state import OPTIMIZERS
 
 # The shipped recipe that trains every layer with the optimizer on the CPU.
 OFFLOAD_RECIPE = "recipes/llama3.1-8b-full-24gb.yaml"
@@ -70,7 +70,7 @@ def _lisa_options(s: Settings, layer_count: int) -> list[Option]:
 def _step_options(s: Settings) -> list[Option]:
     """Where the optimizer step runs instead: inside backward, or on the CPU (one or the other:
     the step on the CPU replaces the step in backward). Neither runs under training.fsdp."""
-    out = []
+    out: list[Option] = []
     if s.fsdp:
         return out
     if not s.in_backward and not s.cpu_offload and s.grad_accum_steps == 1:
@@ -78,7 +78,7 @@ def _step_options(s: Settings) -> list[Option]:
                           "no full gradient set resident (and no clipping)",
                           {"in_backward": True, "clipping": False}, CHANGES_TRAINING))
     if not s.cpu_offload and s.device == "cuda":
-        keys = {"optimizer.cpu_offload": True}
+        keys: dict[str, object] = {"optimizer.cpu_offload": True}
         fields = {"cpu_offload": True, "in_backward": False, "clipping": s.clipping or s.in_backward}
         if s.in_backward:
             keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
@@ -102,7 +102,7 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
     if s.optimizer != "paged_adamw_8bit" and s.device == "cuda" and not s.fsdp:
         groups.append([Option({"optimizer.name": "paged_adamw_8bit"}, "2 B/param of moments, paged on pressure",
                               {"optimizer": "paged_adamw_8bit"}, SLOWER)])
-    elif s.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
+    elif not optimizer_kind(s.optimizer).eight_bit:
         groups.append([Option({"optimizer.name": "adamw_8bit"}, "2 B/param of moments",
                               {"optimizer": "adamw_8bit"}, SLOWER)])
     groups.append(_lisa_options(s, layer_count))
@@ -199,10 +199,11 @@ RANKS = (2, 4, 8, 16, 32, 64)
 def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
     """`s` as training.fsdp runs it, and the recipe keys that says: paged optimizers become their
     unpaged kind, the step in backward or on the CPU goes back to the optimizer step (each refused
-    under FSDP, lisaft/distributed/fsdp.py)."""
-    keys, fields = {"training.fsdp": True}, {"fsdp": True}
-    if s.optimizer.startswith("paged_"):
-        keys["optimizer.name"] = fields["optimizer"] = s.optimizer.removeprefix("paged_")
+    under FSDP, lisaft/config/compat.py)."""
+    keys: dict[str, object] = {"training.fsdp": True}
+    fields: dict[str, object] = {"fsdp": True}
+    if optimizer_kind(s.optimizer).paged:
+        keys["optimizer.name"] = fields["optimizer"] = optimizer_kind(s.optimizer).unpaged
     if s.in_backward:
         keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
         fields.update(in_backward=False, clipping=True)
@@ -261,9 +262,9 @@ def largest_fitting(s: Settings, field: str, limit: int | None = None) -> int | 
 def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     """The four optimizers x (full fine-tuning, LISA γ), everything else as in `s`. Columns are
     keyed "full" and "lisa_<γ>". Under training.fsdp the paged ones, which it refuses, are left out."""
-    grid = {}
+    grid: dict[tuple[str, str], Estimate] = {}
     for opt in OPTIMIZERS:
-        if s.fsdp and opt.startswith("paged_"):
+        if s.fsdp and optimizer_kind(opt).paged:
             continue
         grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False))
         grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma))

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
 from lisaft.config.schema import Recipe, load_recipe
 from lisaft.env.allocator import expandable_segments
 from lisaft.errors import LisaftError
@@ -25,7 +26,6 @@ from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
-from lisaft.memory.optimizer_state import OPTIMIZERS
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
 DEFAULT_BUDGET = "24GiB"
@@ -71,6 +71,7 @@ def _attention_for(choice: str, device: str, dtype: str) -> str:
 def _model_ref(recipe: Recipe) -> tuple[str, str]:
     if recipe.model.config is not None:
         return recipe.model.config, "model.config"
+    assert recipe.model.name_or_path is not None  # the schema asks for exactly one of the two
     return recipe.model.name_or_path, "model.name_or_path"
 
 
@@ -150,68 +151,98 @@ def _check_choice(key: str, value: str | None, allowed) -> None:
         raise LisaftError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
 
 
-def build_settings(recipe: Path | None, model: str | None, optimizer: str | None,
-                   lisa_layers: int | None, no_lisa: bool, batch_size: int | None,
-                   seq_len: int | None, gradient_checkpointing: bool | None,
-                   attention: str | None, dtype: str | None, in_backward: bool | None,
-                   budget_bytes: int, device: str | None, overrides: list[str] | None = None,
-                   cpu_offload: bool | None = None, host_ram: str | None = None,
-                   fsdp: bool | None = None, ranks: int | None = None) -> Settings:
+@dataclass(frozen=True)
+class EstimateFlags:
+    """What `lisaft estimate-memory` was given: the recipe, --set, and each flag (None: not given,
+    so the recipe's value or the default holds)."""
+
+    recipe: Path | None = None
+    model: str | None = None
+    optimizer: str | None = None
+    lisa_layers: int | None = None
+    no_lisa: bool = False
+    batch_size: int | None = None
+    seq_len: int | None = None
+    gradient_checkpointing: bool | None = None
+    attention: str | None = None
+    dtype: str | None = None
+    in_backward: bool | None = None
+    cpu_offload: bool | None = None
+    host_ram: str | None = None
+    budget: str | None = None
+    gpu: str | None = None
+    device: str | None = None
+    fsdp: bool | None = None
+    ranks: int | None = None
+    overrides: tuple[str, ...] = ()
+    json_out: bool = False
+    explain: bool = False
+
+
+def build_settings(f: EstimateFlags, budget_bytes: int) -> Settings:
     """Recipe values (after --set) first, each flag given on the command line overriding its key."""
-    _check_choice("--device", device, ("cuda", "cpu"))
-    _check_choice("--optimizer", optimizer, OPTIMIZERS)
-    _check_choice("--attention", attention, _ATTENTION)
-    _check_choice("--dtype", dtype, tuple(DTYPE_BYTES))
-    if lisa_layers is not None and no_lisa:
-        raise LisaftError("--lisa-layers and --no-lisa contradict each other; give one")
-    for key, v in (("--lisa-layers", lisa_layers), ("--batch-size", batch_size), ("--seq-len", seq_len),
-                   ("--ranks", ranks)):
-        if v is not None and v < 1:
-            raise LisaftError(f"{key}: must be at least 1, got {v}")
-    if overrides and recipe is None:
-        raise LisaftError("--set changes a recipe's keys: give a RECIPE, or use the flags with --model")
-
-    if recipe is not None:
-        r = load_recipe(recipe, overrides or [])
-        device = _recipe_device(r, device)
-        s = settings_from_recipe(r, device, budget_bytes, model)
-    elif model is not None:
-        device = device or "cuda"
-        config, label = resolve_model(model)
-        s = Settings(model_label=label, config=config, device=device, budget_bytes=budget_bytes,
-                     host_budget_bytes=host_ram_bytes(),
-                     expandable_segments=expandable_segments(),
-                     attention=_attention_for("auto", device, dtype or "bfloat16"))
-    else:
-        raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")
-
-    # Flags that set one field each, when given.
-    plain = {"optimizer": optimizer, "batch_size": batch_size, "seq_len": seq_len, "dtype": dtype,
-             "gradient_checkpointing": gradient_checkpointing, "in_backward": in_backward,
-             "cpu_offload": cpu_offload, "fsdp": fsdp}
-    changes: dict = {k: v for k, v in plain.items() if v is not None}
-    if no_lisa:
-        changes["lisa"] = False
-    if lisa_layers is not None:
-        changes.update(lisa=True, active_layers=lisa_layers, active_layers_auto=False)
-    if attention is not None:
-        changes["attention"] = _attention_for(attention, device, dtype or s.dtype)
-    if in_backward:
-        changes["clipping"] = False  # in-backward steps cannot clip by the total norm
-    if host_ram is not None:
-        changes["host_budget_bytes"] = parse_bytes(host_ram, "--host-ram")
-    changes["ranks"] = ranks or 1
-    s = s.with_(**changes)
-    check_ranks(s, ranks)
-    _check_step_place(s, cpu_offload, in_backward)
+    _check_flags(f)
+    s = _base_settings(f, budget_bytes)
+    s = s.with_(**_flag_changes(f, s))
+    check_ranks(s, f.ranks)
+    _check_step_place(s, f.cpu_offload, f.in_backward)
     layers = param_counts(s.config, s.layers_path).layer_count
     if s.lisa and s.active_layers_auto:
         chosen = largest_fitting_layers(s, layers, AUTO_MARGIN)
         s = s.with_(active_layers=chosen.settings.active_layers if chosen else 1)
     if s.lisa and s.active_layers > layers:
-        key = "--lisa-layers" if lisa_layers is not None else "lisa.active_layers"
+        key = "--lisa-layers" if f.lisa_layers is not None else "lisa.active_layers"
         raise LisaftError(f"{key}: {s.active_layers} is more than the model's {layers} layers")
     return s
+
+
+def _check_flags(f: EstimateFlags) -> None:
+    _check_choice("--device", f.device, ("cuda", "cpu"))
+    _check_choice("--optimizer", f.optimizer, OPTIMIZERS)
+    _check_choice("--attention", f.attention, _ATTENTION)
+    _check_choice("--dtype", f.dtype, tuple(DTYPE_BYTES))
+    if f.lisa_layers is not None and f.no_lisa:
+        raise LisaftError("--lisa-layers and --no-lisa contradict each other; give one")
+    for key, v in (("--lisa-layers", f.lisa_layers), ("--batch-size", f.batch_size), ("--seq-len", f.seq_len),
+                   ("--ranks", f.ranks)):
+        if v is not None and v < 1:
+            raise LisaftError(f"{key}: must be at least 1, got {v}")
+    if f.overrides and f.recipe is None:
+        raise LisaftError("--set changes a recipe's keys: give a RECIPE, or use the flags with --model")
+
+
+def _base_settings(f: EstimateFlags, budget_bytes: int) -> Settings:
+    """The recipe's settings (after --set), or the defaults for --model alone."""
+    if f.recipe is not None:
+        r = load_recipe(f.recipe, list(f.overrides))
+        return settings_from_recipe(r, _recipe_device(r, f.device), budget_bytes, f.model)
+    if f.model is None:
+        raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")
+    device = f.device or "cuda"
+    config, label = resolve_model(f.model)
+    return Settings(model_label=label, config=config, device=device, budget_bytes=budget_bytes,
+                    host_budget_bytes=host_ram_bytes(), expandable_segments=expandable_segments(),
+                    attention=_attention_for("auto", device, f.dtype or "bfloat16"))
+
+
+def _flag_changes(f: EstimateFlags, s: Settings) -> dict:
+    """The fields the flags given on the command line change."""
+    plain = {"optimizer": f.optimizer, "batch_size": f.batch_size, "seq_len": f.seq_len, "dtype": f.dtype,
+             "gradient_checkpointing": f.gradient_checkpointing, "in_backward": f.in_backward,
+             "cpu_offload": f.cpu_offload, "fsdp": f.fsdp}
+    changes: dict = {k: v for k, v in plain.items() if v is not None}
+    if f.no_lisa:
+        changes["lisa"] = False
+    if f.lisa_layers is not None:
+        changes.update(lisa=True, active_layers=f.lisa_layers, active_layers_auto=False)
+    if f.attention is not None:
+        changes["attention"] = _attention_for(f.attention, s.device, f.dtype or s.dtype)
+    if f.in_backward:
+        changes["clipping"] = False  # in-backward steps cannot clip by the total norm
+    if f.host_ram is not None:
+        changes["host_budget_bytes"] = parse_bytes(f.host_ram, "--host-ram")
+    changes["ranks"] = f.ranks or 1
+    return changes
 
 
 def _check_step_place(s: Settings, cpu_offload: bool | None, in_backward: bool | None) -> None:
@@ -231,8 +262,8 @@ def _check_step_place(s: Settings, cpu_offload: bool | None, in_backward: bool |
 
 
 def check_ranks(s: Settings, ranks: int | None) -> None:
-    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (lisaft/distributed/fsdp.py
-    refuses the same combinations), each refusal one line."""
+    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (the recipe
+    refuses the same combinations, lisaft/config/compat.py), each refusal one line."""
     if not s.fsdp:
         if s.ranks > 1:
             raise LisaftError(f"--ranks {s.ranks}: without training.fsdp every rank holds the whole model (data "
@@ -242,9 +273,9 @@ def check_ranks(s: Settings, ranks: int | None) -> None:
     if ranks is None:
         raise LisaftError("training.fsdp: give --ranks N, the number of processes (torchrun --nproc-per-node N): "
                           "the estimate is one rank's")
-    if s.optimizer.startswith("paged_"):
+    if optimizer_kind(s.optimizer).paged:
         raise LisaftError(f"optimizer.name {s.optimizer} is not supported with training.fsdp; use "
-                          f"--optimizer {s.optimizer.removeprefix('paged_')} (or adamw_32bit)")
+                          f"--optimizer {optimizer_kind(s.optimizer).unpaged} (or adamw_32bit)")
     for on, key in ((s.in_backward, "optimizer.in_backward"), (s.cpu_offload, "optimizer.cpu_offload")):
         if on:
             raise LisaftError(f"{key} cannot be combined with training.fsdp (docs/distributed.md); set it false")
@@ -312,27 +343,16 @@ def build_report(s: Settings, budget: Budget) -> Report:
                   fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None)
 
 
-def estimate_memory_command(recipe: Path | None = None, model: str | None = None,
-                            optimizer: str | None = None, lisa_layers: int | None = None,
-                            no_lisa: bool = False, batch_size: int | None = None,
-                            seq_len: int | None = None, gradient_checkpointing: bool | None = None,
-                            attention: str | None = None, dtype: str | None = None,
-                            in_backward: bool | None = None, cpu_offload: bool | None = None,
-                            host_ram: str | None = None, budget: str | None = None,
-                            gpu: str | None = None, device: str | None = None,
-                            overrides: list[str] | None = None, json_out: bool = False,
-                            explain: bool = False, fsdp: bool | None = None, ranks: int | None = None) -> int:
-    b = parse_budget(budget, gpu)
-    s = build_settings(recipe, model, optimizer, lisa_layers, no_lisa, batch_size, seq_len,
-                       gradient_checkpointing, attention, dtype, in_backward, b.bytes, device, overrides,
-                       cpu_offload=cpu_offload, host_ram=host_ram, fsdp=fsdp, ranks=ranks)
+def estimate_memory_command(flags: EstimateFlags) -> int:
+    b = parse_budget(flags.budget, flags.gpu)
+    s = build_settings(flags, b.bytes)
     report = build_report(s, b)
-    if json_out:
+    if flags.json_out:
         print(json.dumps(report.to_json(), indent=2))
         return 0
     from rich.console import Console
 
     from lisaft.memory.render import render
 
-    Console().print(render(report, explain))
+    Console().print(render(report, flags.explain))
     return 0

@@ -13,14 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lisaft.memory.activations import (
-    Shape,
-    activations,
-    loss_buffers_peak,
-    mlp_chunked,
-    offloaded_host_bytes,
-    shape_from_config,
-)
+from lisaft.config.optimizers import optimizer_kind
+from lisaft.memory.activations import Shape, offloaded_host_bytes, shape_from_config
 from lisaft.memory.counts import ParamCounts, param_counts
 from lisaft.memory.cuda_process import (
     CUDA_CONTEXT_BYTES,
@@ -29,9 +23,9 @@ from lisaft.memory.cuda_process import (
     cublas_workspace_bytes,
 )
 from lisaft.memory.host import offload_host_bytes
-from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
-from lisaft.memory.sharded import clip_temporaries, fsdp_phases, fsdp_units
-from lisaft.memory.trainable import sparse_embedding_saving, state_numels, trainable_numels
+from lisaft.memory.sharded import fsdp_phases, fsdp_units
+from lisaft.memory.step_terms import Backward, Resident, backward, resident, weight_bytes
+from lisaft.memory.trainable import state_numels
 
 GiB = 1024**3
 MiB = 1024**2
@@ -209,88 +203,46 @@ class Estimate:
         }
 
 
-def _weight_bytes(counts: ParamCounts, dt: int) -> int:
-    return counts.total * dt + counts.buffer_bytes_fp32 + \
-        (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
-
-
 def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None = None) -> Estimate:
     counts = counts or param_counts(s.config, s.layers_path)
     shape = shape or shape_from_config(s.config)
     dt = DTYPE_BYTES[s.dtype]
-    notes: list[str] = []
-
-    # Under FSDP a rank holds its slice of every tensor: weights, gradients and moments follow.
-    local = counts.sharded(s.ranks) if s.fsdp else counts
-    trainable, trainable_layers = trainable_numels(local, s)
-    trainable_params = sum(trainable_numels(counts, s)[0])
-    weights = _weight_bytes(local, dt)
-    sparse_saving = sparse_embedding_saving(local, shape, s, dt)
-    grads_full = sum(trainable) * dt - sparse_saving
-    moment_bytes = 2 if s.moments_dtype == "bfloat16" else 4
-    state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device, moment_bytes)
-    largest = max(trainable) if trainable else 0
-    # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
-    offload = s.cpu_offload and s.device == "cuda"
-    if offload:
-        state = StateBytes(0, 0)
-
-    head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
-    # On CPU the host is the device: offloading moves nothing out of the memory that counts.
-    offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
-    act = activations(
-        shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
-        trainable_layers=trainable_layers,
-        train_embeddings=not s.lisa or s.train_embeddings,
-        head_weight_trains=head_weight_trains,
-        final_norm_trains=not s.lisa or s.train_head,
-        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
-        padded_rows=s.padded_rows and s.batch_size > 1,
+    r = resident(s, counts, shape, dt)
+    b = backward(s, counts, shape, dt, r)
+    phases = _phases(s, counts, dt, r, b)
+    fixed = _Fixed.of(s, counts, r.state.paged)
+    totals = {name: fixed.total(m, True)[0] for name, m in phases.items()}
+    peak_phase = max(totals, key=lambda name: totals[name])
+    # With a paged optimizer the driver evicts paged state to host when the device is short, so
+    # the device must hold at least everything else; what is left over keeps paged state.
+    without_paged = max(fixed.total(parts, False)[0] for parts in phases.values())
+    paged_gpu = max(0, min(r.state.paged, s.budget_bytes - without_paged))
+    activation_host = offloaded_host_bytes(shape, dt, s.batch_size, s.seq_len) if b.offload_act else 0
+    return Estimate(
+        settings=s, total_params=counts.total, trainable_params=r.trainable_params,
+        components=fixed.with_fixed(phases[peak_phase]),
+        phase_components={name: fixed.with_fixed(m) for name, m in phases.items()},
+        sizes={"weights": r.weights, "gradients": b.grads_in_layers if r.offload else r.grads_full,
+               "optimizer_states": r.state.total,
+               "activations": b.saved_no_logp, "logits_loss": b.loss_peak,
+               "transient": max(b.step_temp, b.layer_transient),
+               **{k: max(m[k] for m in phases.values()) for k in FSDP_COMPONENTS if s.fsdp}},
+        phases=totals, peak_phase=peak_phase, total_bytes=totals[peak_phase],
+        paged_state_bytes=r.state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=r.state.paged - paged_gpu,
+        resident_without_paged_bytes=without_paged, saved_activation_bytes=b.act.saved,
+        activation_host_bytes=activation_host, host_components=_host(s, counts, dt, r, activation_host),
+        notes=_notes(s, r, b, peak_phase),
     )
-    saved_no_logp = act.layers + act.outside_layers + act.packed_mask
-    loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
-    if shape.final_softcap and act.log_probs:
-        loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
-    tokens = s.batch_size * s.seq_len
-    # Gradient of the hidden states flowing down, and of one layer's largest intermediates.
-    # A chunked MLP's intermediate gradients are one chunk's, counted in act.mlp_chunk.
-    chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
-    backward_temp = tokens * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
-    head_grad = sum(local.head) * dt if (not s.lisa or s.train_head) else 0
-    if counts.tied and head_weight_trains and not s.fsdp:  # FSDP: in the root's gradient_reduce
-        head_grad += sum(counts.embeddings[:1]) * dt
 
-    if s.in_backward:
-        # Each gradient is applied and freed as soon as it is complete: at most the largest
-        # tensor's gradient exists at a time, and there is no separate optimizer step.
-        grads_at_loss = 0
-        grads_in_layers = largest * dt
-        step_phase = None
-        notes.append("in_backward: no full gradient set is ever resident; clipping is off")
-    elif offload:
-        # Each gradient leaves for host memory as it is completed: the one being copied out and
-        # the next one being produced; the step runs on the CPU.
-        grads_at_loss, grads_in_layers, step_phase = 0, 2 * largest * dt, None
-    else:
-        grads_at_loss = grads_full if s.grad_accum_steps > 1 else 0
-        grads_in_layers = max(grads_at_loss, head_grad)
-        step_phase = grads_full
-    recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
-    sparse_numel = counts.embeddings[0] if sparse_saving else 0
-    step_temp = 0 if offload else step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
-    in_bwd_step = step_temp if s.in_backward else 0
-    if s.fsdp:
-        # The norm of the slices comes before the update: the larger of the two.
-        step_temp = max(step_temp, clip_temporaries(largest, dt))
-    elif s.clipping and not s.in_backward and not offload:
-        step_temp += 8 * len(trainable)  # one float32 norm per tensor, and their stack
 
+def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward) -> dict[str, dict[str, int]]:
+    """The components at each moment of the step that may be its peak."""
     extra = fsdp_phases(fsdp_units(counts, s), dt, s.ranks) if s.fsdp else {}
 
     def moment(grads: int, acts: int, loss: int, transient: int, name: str) -> dict[str, int]:
         """The components at one moment of the step; weights and (after the first step) the
         optimizer state are resident throughout."""
-        m = {"weights": weights, "gradients": grads, "optimizer_states": state.total, "activations": acts,
+        m = {"weights": r.weights, "gradients": grads, "optimizer_states": r.state.total, "activations": acts,
              "logits_loss": loss, "transient": transient}
         if s.fsdp:
             m["gathered_units"], m["gradient_reduce"] = extra.get(name, (0, 0))
@@ -298,76 +250,90 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         return m
 
     phases = {
-        "loss_backward": moment(grads_at_loss, saved_no_logp, loss_peak, 0, "loss_backward"),
-        "layer_backward": moment(grads_in_layers, saved_no_logp, 0, recompute + backward_temp + in_bwd_step,
-                                 "layer_backward"),
+        "loss_backward": moment(b.grads_at_loss, b.saved_no_logp, b.loss_peak, 0, "loss_backward"),
+        "layer_backward": moment(b.grads_in_layers, b.saved_no_logp, 0, b.layer_transient, "layer_backward"),
     }
-    if step_phase is not None:
-        phases["optimizer_step"] = moment(step_phase, 0, 0, step_temp, "optimizer_step")
+    if b.step_phase is not None:
+        phases["optimizer_step"] = moment(b.step_phase, 0, 0, b.step_temp, "optimizer_step")
     if "root_backward" in extra:  # the embeddings' backward ends it: every other slice's gradient is kept
-        phases["root_backward"] = moment(grads_full, 0, 0, 0, "root_backward")
+        phases["root_backward"] = moment(r.grads_full, 0, 0, 0, "root_backward")
     if s.fsdp and s.model_from_config:  # set-up: the whole model on the device before fully_shard splits it
         phases["model_load"] = {**moment(0, 0, 0, 0, "model_load"), "optimizer_states": 0,
-                                "unsharded_load": _weight_bytes(counts, dt) - weights}
+                                "unsharded_load": weight_bytes(counts, dt) - r.weights}
+    return phases
 
-    cuda = s.device == "cuda"
-    if cuda:
-        outside = {"cuda_context": CUDA_CONTEXT_BYTES, "cuda_kernels": CUDA_KERNELS_BYTES}
-    else:
-        baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0)
-        outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
-        if s.cpu_offload:
-            # The host is the device: the step's weight copies are in the memory that counts.
-            outside["host_weight_copies"] = counts.total * dt
-    fixed = sum(outside.values())
-    workspace = cublas_workspace_bytes() if cuda else 0
 
-    def phase_bytes(m: dict[str, int], with_paged: bool) -> tuple[int, int]:
+@dataclass(frozen=True)
+class _Fixed:
+    """What every moment adds to its components: memory outside PyTorch's allocator, the cuBLAS
+    workspaces and the caching allocator's reserve."""
+
+    outside: dict[str, int]
+    workspace: int
+    paged: int  # optimizer state in unified memory: outside the allocator
+    cuda: bool
+    expandable_segments: bool
+
+    @classmethod
+    def of(cls, s: Settings, counts: ParamCounts, paged: int) -> _Fixed:
+        cuda = s.device == "cuda"
+        if cuda:
+            outside = {"cuda_context": CUDA_CONTEXT_BYTES, "cuda_kernels": CUDA_KERNELS_BYTES}
+        else:
+            baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0)
+            outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
+            if s.cpu_offload:
+                # The host is the device: the step's weight copies are in the memory that counts.
+                outside["host_weight_copies"] = counts.total * DTYPE_BYTES[s.dtype]
+        return cls(outside, cublas_workspace_bytes() if cuda else 0, paged, cuda, s.expandable_segments)
+
+    def total(self, m: dict[str, int], with_paged: bool) -> tuple[int, int]:
+        """The moment's total, and the allocator's reserve within it."""
         # The caching allocator's reserve applies to what it hands out (the cuBLAS workspaces
         # among it); paged state is unified memory outside it, the context outside both.
-        paged = state.paged if m["optimizer_states"] else 0
-        allocated = sum(m.values()) - paged + workspace
-        overhead = allocator_overhead(allocated, s.expandable_segments) if cuda else 0
-        return allocated + overhead + (paged if with_paged else 0) + fixed, overhead
+        paged = self.paged if m["optimizer_states"] else 0
+        allocated = sum(m.values()) - paged + self.workspace
+        overhead = allocator_overhead(allocated, self.expandable_segments) if self.cuda else 0
+        return allocated + overhead + (paged if with_paged else 0) + sum(self.outside.values()), overhead
 
-    def with_fixed(m: dict[str, int]) -> dict[str, int]:
-        cuda_terms = {"cublas_workspace": workspace, "allocator_overhead": phase_bytes(m, True)[1]} if cuda else {}
-        return {**m, **cuda_terms, **outside}
+    def with_fixed(self, m: dict[str, int]) -> dict[str, int]:
+        cuda_terms = {"cublas_workspace": self.workspace, "allocator_overhead": self.total(m, True)[1]} \
+            if self.cuda else {}
+        return {**m, **cuda_terms, **self.outside}
 
-    totals = {name: phase_bytes(m, True)[0] for name, m in phases.items()}
-    peak_phase = max(totals, key=totals.get)
-    total = totals[peak_phase]
-    components = with_fixed(phases[peak_phase])
 
-    # With a paged optimizer the driver evicts paged state to host when the device is short, so
-    # the device must hold at least everything else; what is left over keeps paged state.
-    without_paged = max(phase_bytes(parts, False)[0] for parts in phases.values())
-    paged_gpu = max(0, min(state.paged, s.budget_bytes - without_paged))
-    paged_host = state.paged - paged_gpu
-    if s.device != "cuda" and s.optimizer.startswith("paged_"):
+def _host(s: Settings, counts: ParamCounts, dt: int, r: Resident, activation_host: int) -> dict[str, int]:
+    """optimizer.cpu_offload on CUDA: the host memory of moments, accumulators and copies."""
+    if not r.offload:
+        return {}
+    all_numels = list(counts.embeddings) + [n for layer in counts.layers for n in layer] + list(counts.head)
+    sparse = counts.embeddings[0] if r.sparse_saving else 0
+    # LISA's offload_cpu keeps frozen units' moments in host memory, beside the trained ones.
+    host_state = state_numels(counts, s.with_(device="cpu"), r.trainable)
+    return offload_host_bytes(s.optimizer, host_state, all_numels, r.trainable, dt, s.bf16_update,
+                              activation_host, CPU_PROCESS_BASELINE_BYTES
+                              + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0),
+                              sparse_numel=sparse, sparse_bytes=sparse * dt - r.sparse_saving if sparse else 0,
+                              moment_bytes=2 if s.moments_dtype == "bfloat16" else 4)
+
+
+def _notes(s: Settings, r: Resident, b: Backward, peak_phase: str) -> list[str]:
+    notes = []
+    if s.in_backward:
+        notes.append("in_backward: no full gradient set is ever resident; clipping is off")
+    if s.device != "cuda" and optimizer_kind(s.optimizer).paged:
         notes.append("paged optimizers run unpaged on CPU: their state is ordinary memory")
     if s.offload_activations and not s.gradient_checkpointing:
         notes.append("offload_activations needs gradient_checkpointing: nothing is offloaded")
-    activation_host = offloaded_host_bytes(shape, dt, s.batch_size, s.seq_len) if offload_act else 0
-    host = {}
-    if offload:
-        all_numels = list(counts.embeddings) + [n for layer in counts.layers for n in layer] + list(counts.head)
-        sparse = counts.embeddings[0] if sparse_saving else 0
-        # LISA's offload_cpu keeps frozen units' moments in host memory, beside the trained ones.
-        host_state = state_numels(counts, s.with_(device="cpu"), trainable)
-        host = offload_host_bytes(s.optimizer, host_state, all_numels, trainable, dt, s.bf16_update,
-                                  activation_host, CPU_PROCESS_BASELINE_BYTES
-                                  + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0),
-                                  sparse_numel=sparse, sparse_bytes=sparse * dt - sparse_saving if sparse else 0,
-                                  moment_bytes=moment_bytes)
+    if r.offload:
         notes.append("cpu_offload: moments, gradient accumulators and the step live in host memory "
                      "(the host table)")
-    if act.packed_mask:
+    if b.act.packed_mask:
         # The same mask serves packed rows (documents kept apart) and padded rows (padding hidden).
         what = ("data.packing under {a}: each row's documents are kept apart by" if s.packing else
                 "rows padded to the longest in the batch under {a}: the padding is hidden by")
         notes.append(f"{what.format(a=s.attention)} a {s.seq_len} x {s.seq_len} mask "
-                     f"({act.packed_mask / 2**20:,.0f} MiB for the micro-batch); flash_attention_2 needs none")
+                     f"({b.act.packed_mask / 2**20:,.0f} MiB for the micro-batch); flash_attention_2 needs none")
     if s.fsdp:
         notes.append(f"training.fsdp over {s.ranks} ranks: one rank's memory (rank 0 holds the largest slices); NCCL's "
                      "buffers are not modelled" + ("; the peak is the set-up, where each rank holds the whole "
@@ -375,16 +341,4 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     if s.lisa and s.state_policy == "keep":
         notes.append("lisa.state_policy keep: moments of every layer ever sampled stay resident "
                      "(counted as all layers)")
-    return Estimate(
-        settings=s, total_params=counts.total, trainable_params=trainable_params,
-        components=components, phase_components={name: with_fixed(m) for name, m in phases.items()},
-        sizes={"weights": weights, "gradients": grads_in_layers if offload else grads_full,
-               "optimizer_states": state.total,
-               "activations": saved_no_logp, "logits_loss": loss_peak,
-               "transient": max(step_temp, recompute + backward_temp + in_bwd_step),
-               **{k: max(m[k] for m in phases.values()) for k in FSDP_COMPONENTS if s.fsdp}},
-        phases=totals, peak_phase=peak_phase, total_bytes=total,
-        paged_state_bytes=state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=paged_host,
-        resident_without_paged_bytes=without_paged, saved_activation_bytes=act.saved,
-        activation_host_bytes=activation_host, host_components=host, notes=notes,
-    )
+    return notes

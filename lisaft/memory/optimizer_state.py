@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.optim.adamw import (
     BLOCKSIZE,
     CHUNK,
@@ -32,17 +33,7 @@ from lisaft.optim.adamw import (
 )
 from lisaft.optim.adamw import QUANTIZATION_MAP_BYTES as QMAP_BYTES
 
-OPTIMIZERS = ("adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
 BF16_UPDATES = ("stochastic", "nearest")
-
-
-
-def is_paged(optimizer: str) -> bool:
-    return optimizer.startswith("paged_")
-
-
-def is_8bit(optimizer: str) -> bool:
-    return optimizer.endswith("_8bit")
 
 
 @dataclass(frozen=True)
@@ -54,10 +45,10 @@ class StateBytes:
 def tensor_state(optimizer: str, numel: int, dt: int, device: str, moment_bytes: int = 4) -> StateBytes:
     """State bytes for one parameter tensor of `numel` elements and dtype size `dt`;
     `moment_bytes` 2 for adamw_32bit's optimizer.moments_dtype bfloat16 (on the CPU only)."""
-    paging = is_paged(optimizer) and device == "cuda" and numel >= PAGED_MIN_NUMEL
+    paging = optimizer_kind(optimizer).paged and device == "cuda" and numel >= PAGED_MIN_NUMEL
     if optimizer == "adamw_32bit":
         return StateBytes(2 * numel * moment_bytes, 0)
-    if is_8bit(optimizer) and numel >= MIN_8BIT_NUMEL:
+    if optimizer_kind(optimizer).eight_bit and numel >= MIN_8BIT_NUMEL:
         blocks = -(-numel // BLOCKSIZE)
         moments = 2 * numel
         return StateBytes(moments + 2 * 4 * blocks, moments if paging else 0)
@@ -73,7 +64,7 @@ def state_bytes(optimizer: str, numels, dt: int, device: str, moment_bytes: int 
         s = tensor_state(optimizer, n, dt, device, moment_bytes)
         total += s.total
         paged += s.paged
-        quantized |= is_8bit(optimizer) and n >= MIN_8BIT_NUMEL
+        quantized |= optimizer_kind(optimizer).eight_bit and n >= MIN_8BIT_NUMEL
     if quantized:
         total += QMAP_BYTES
     return StateBytes(total, paged)
@@ -103,7 +94,7 @@ def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str,
         chunk = min(sparse_numel, UPDATE_CHUNK_ELEMENTS) * 4  # one float32 chunk of the densified rows
     if device == "cuda" or optimizer == "adamw_32bit":
         return chunk
-    per_elem = 20 if is_8bit(optimizer) else 12
+    per_elem = 20 if optimizer_kind(optimizer).eight_bit else 12
     if dt != 4:
         per_elem += 4
     return max(chunk, largest_numel * per_elem)

@@ -98,7 +98,7 @@ def components_table(est: Estimate, phase: str | None = None) -> Table:
 
 def step_peak_phase(est: Estimate) -> str:
     """The training step's own peak moment, apart from loading the model (training.fsdp)."""
-    return max((p for p in est.phases if p != "model_load"), key=est.phases.get)
+    return max((p for p in est.phases if p != "model_load"), key=lambda p: est.phases[p])
 
 
 def host_table(est: Estimate) -> Table:

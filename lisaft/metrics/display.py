@@ -4,8 +4,12 @@ themselves go to the run log, lisaft/metrics/log.py.)"""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 from lisaft.distributed import dist
 
@@ -58,19 +62,20 @@ class Display:
         self.total = total_steps
         self.start_step = start_step
         self.t0 = time.perf_counter()
-        self._progress = None
-        self._task = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
 
     def __enter__(self) -> Display:
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._progress = Progress(
+            progress = Progress(
                 TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=None),
                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=True,
             )
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total, completed=self.start_step)
+            progress.start()
+            self._task = progress.add_task("train", total=self.total, completed=self.start_step)
+            self._progress = progress
         return self
 
     def __exit__(self, *exc) -> None:
@@ -100,6 +105,7 @@ class Display:
             self.print(f"{train_line(rec, self.total, width=200)}  eta {self._eta(rec['step'])}")
             return
         self.print(train_line(rec, self.total, width=self.console.width))
+        assert self._task is not None  # added with the bar
         self._progress.update(self._task, completed=rec["step"])
         if rec["step"] >= self.total:
             self._stop_bar()  # what follows (final save, memory table) prints below a still screen

@@ -116,8 +116,10 @@ class _TensorBoard:
                 for k, v in flatten(recipe.model_dump(mode="json")).items()}
         # Written into this run's own event file (SummaryWriter.add_hparams would open a
         # separate run folder), so the HPARAMS tab links the recipe to these curves.
+        events = self.writer.file_writer
+        assert events is not None  # opened by SummaryWriter's constructor
         for summary in hparams(flat, {"eval/loss": 0.0, "eval/token_accuracy": 0.0}):
-            self.writer.file_writer.add_summary(summary)
+            events.add_summary(summary)
 
     def log(self, step: int, prefix: str, values: dict[str, float]) -> None:
         for name, value in values.items():

@@ -36,7 +36,7 @@ class SavedTensorMeter:
     def bytes(self) -> int:
         return sum(nbytes for (_, nbytes, _) in self.storages)
 
-    def _add(self, t: torch.Tensor) -> None:
+    def add(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         try:
@@ -76,11 +76,11 @@ def saved_activations(model: nn.Module | None = None) -> Iterator[SavedTensorMet
                     hidden = args[0] if args else kwargs.get("hidden_states")
                     if isinstance(hidden, torch.Tensor) and torch.is_grad_enabled() and (
                             hidden.requires_grad or any(p.requires_grad for p in mod.parameters())):
-                        meter._add(hidden)
+                        meter.add(hidden)
                 handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        meter._add(t)
+        meter.add(t)
         return t
 
     try:
@@ -111,7 +111,7 @@ def grad_bytes(model: nn.Module) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Tensor bytes of every optimizer state entry (moments, 8-bit state, absmax, qmaps, step).
     bitsandbytes shares its quantization maps between parameters; storages count once."""
-    tensors = []
+    tensors: list[torch.Tensor] = []
     for state in optimizer.state.values():
         tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return tensor_bytes(tensors)

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lisaft import internals
+
 
 @dataclass
 class _Slot:
@@ -48,6 +50,7 @@ class HostActivationStore:
             slot = _Slot(host=t.detach().clone(), prev=self._last)
         else:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            assert self.stream is not None
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 host.copy_(t.detach(), non_blocking=True)
@@ -61,6 +64,7 @@ class HostActivationStore:
     def prefetch(self, slot: _Slot | None) -> None:
         if slot is None or slot.host is None or slot.device_copy is not None or not self.cuda:
             return
+        assert self.stream is not None
         with torch.cuda.stream(self.stream):
             slot.device_copy = slot.host.to(self.device, non_blocking=True)
             slot.ready = torch.cuda.Event()
@@ -69,15 +73,17 @@ class HostActivationStore:
     def take(self, slot: _Slot) -> torch.Tensor:
         """The layer input back on the device; the host copy is released."""
         if not self.cuda:
-            t, slot.host = slot.host, None
-            return t
+            host, slot.host = slot.host, None
+            assert host is not None, "each layer input is taken back once"
+            return host
         self.prefetch(slot)
         compute = torch.cuda.current_stream(self.device)
+        assert slot.ready is not None and slot.device_copy is not None  # prefetch queued both
         compute.wait_event(slot.ready)
-        t = slot.device_copy
-        t.record_stream(compute)  # allocated on the side stream, used on the compute stream
+        copy = slot.device_copy
+        copy.record_stream(compute)  # allocated on the side stream, used on the compute stream
         slot.host = slot.device_copy = None
-        return t
+        return copy
 
 
 class _OffloadedLayer(torch.autograd.Function):
@@ -145,7 +151,7 @@ def enable_offloaded_checkpoints(layers: nn.ModuleList, device: torch.device) ->
     for layer in layers:
         if not getattr(layer, "gradient_checkpointing", False):
             raise RuntimeError(f"{type(layer).__name__} does not checkpoint: offloading needs gradient checkpointing")
-        layer._gradient_checkpointing_func = lambda run, *a, _l=layer: offloaded_checkpoint(store, _l, run, *a)
+        internals.set_checkpointing_func(layer, lambda run, *a, _l=layer: offloaded_checkpoint(store, _l, run, *a))
     return store
 
 

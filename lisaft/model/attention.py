@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from lisaft import internals
+
 # What a collated batch hands the model: a padded batch's attention_mask, or a packed one's
 # position ids and, flattened for the varlen kernels, its cumulative document lengths.
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids",
@@ -42,14 +44,17 @@ def _additive(build):
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(dtype).min)
 
-    sdpa_additive_mask.lisaft_shared = True
     return sdpa_additive_mask
+
+
+_installed: list = []  # the wrapper share_sdpa_mask registered last, if any
 
 
 def share_sdpa_mask() -> None:
     """Make transformers hand sdpa one additive mask per forward (idempotent)."""
     from transformers.masking_utils import AttentionMaskInterface
 
-    current = AttentionMaskInterface._global_mapping["sdpa"]
-    if not getattr(current, "lisaft_shared", False):
-        AttentionMaskInterface.register("sdpa", _additive(current))
+    current = internals.registered_mask_builder("sdpa")
+    if current not in _installed:
+        _installed[:] = [_additive(current)]
+        AttentionMaskInterface.register("sdpa", _installed[0])

@@ -7,9 +7,13 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from lisaft.config.hub import hub_error, hub_offline, is_local
 from lisaft.config.schema import ModelSection
@@ -68,13 +72,36 @@ def decoder_layers_path(model: nn.Module, layers_path: str | None = None) -> str
     )
 
 
+def pretrained(model: nn.Module) -> PreTrainedModel:
+    """`model` as the transformers model it is (loaded or built by this module)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"{type(model).__name__} is not a transformers model")
+    return model
+
+
+def input_embeddings(model: nn.Module) -> nn.Module:
+    """A transformers model's input embedding module (nn.Module does not declare the method)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if get is None:
+        raise TypeError(f"{type(model).__name__} is not a transformers model (no get_input_embeddings)")
+    return get()
+
+
+def output_embeddings(model: nn.Module) -> nn.Module | None:
+    """Its output projection (the head), or None for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if get is not None else None
+
+
 def model_parts(model: nn.Module, layers_path: str | None = None) -> ModelParts:
     path = decoder_layers_path(model, layers_path)
     layers = _get_attr_path(model, path)
     parent = _get_attr_path(model, path.rsplit(".", 1)[0]) if "." in path else model
     in_layers = {id(p) for p in layers.parameters()}
     head_modules: list[nn.Module] = []
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_emb = output_embeddings(model)
     if out_emb is not None:
         head_modules.append(out_emb)
     for name in _FINAL_NORM_NAMES:
@@ -82,7 +109,7 @@ def model_parts(model: nn.Module, layers_path: str | None = None) -> ModelParts:
         if isinstance(mod, nn.Module):
             head_modules.append(mod)
             break
-    in_emb = model.get_input_embeddings()
+    in_emb = input_embeddings(model)
     emb_ids = {id(p) for p in in_emb.parameters()}
     head, head_ids = [], set()
     for mod in head_modules:
@@ -196,6 +223,7 @@ def load_tokenizer(section: ModelSection):
     from transformers import AutoTokenizer
 
     ref = section.tokenizer or section.name_or_path
+    assert ref is not None  # the schema asks for model.tokenizer when model.config is used
     key = "model.tokenizer" if section.tokenizer else "model.name_or_path"
     if is_local(ref):
         if key == "model.name_or_path":  # an empty or wrong folder is a model problem first
@@ -225,6 +253,7 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
         model = _from_config(config, dtype, attn, device)
     else:
         ref = section.name_or_path
+        assert ref is not None  # the schema asks for exactly one of model.config and model.name_or_path
         if is_local(ref):
             _check_folder(Path(ref), "model.name_or_path", "model")
         try:
@@ -246,6 +275,7 @@ def build_on_meta(section: ModelSection, device: torch.device) -> tuple[nn.Modul
     from transformers import AutoConfig
 
     ref = section.name_or_path
+    assert ref is not None  # training.fsdp reads from a saved model (fsdp.py's loader)
     folder = Path(ref) if is_local(ref) else _hub_folder(ref)
     _check_folder(folder, "model.name_or_path", "model")
     if not any(folder.glob("*.safetensors")):
@@ -286,10 +316,11 @@ def apply_model_settings(model: nn.Module, section: ModelSection, device: torch.
     if section.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs, so no enable_input_require_grads
         # hack is needed and backward can stop at the lowest trainable layer.
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if section.offload_activations or section.mlp_chunk_tokens:
         long_context_memory(model, section, device)
     if hasattr(model.config, "use_cache"):
@@ -307,8 +338,8 @@ def use_sparse_embedding_grad(model: nn.Module, enabled: bool, trains: bool, tok
                               world_size: int) -> bool:
     """Switch the input embedding to sparse gradients when that is exact and smaller: one
     process (the gradient all-reduce is dense), an untied nn.Embedding that trains."""
-    emb = model.get_input_embeddings()
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb = input_embeddings(model)
+    out = output_embeddings(model)
     tied = out is not None and out.weight is emb.weight
     on = (enabled and trains and world_size == 1 and isinstance(emb, nn.Embedding) and not tied
           and sparse_grad_is_smaller(emb.num_embeddings, tokens_per_step))

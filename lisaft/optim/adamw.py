@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
 from lisaft import internals
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.console import warn
 from lisaft.errors import LisaftError
@@ -81,7 +83,7 @@ class PagedPool:
         return buf
 
     def give(self, t: torch.Tensor) -> None:
-        self._free[(t.numel(), t.dtype, t.page_deviceid)].append(t)
+        self._free[(t.numel(), t.dtype, internals.page_device(t))].append(t)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
@@ -117,7 +119,7 @@ def _bnb_update(w, g, st: dict, lo: int, hi: int, step: int, group: dict) -> Non
 
 def _slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     view = t.view(-1)[lo:hi]
-    return internals.mark_paged(view, t.page_deviceid) if is_paged(t) else view
+    return internals.mark_paged(view, internals.page_device(t)) if is_paged(t) else view
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ class _GradChunks:
         return dense.view(-1)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> float:
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
     """The total L2 norm of the gradients before clipping; with max_norm, the gradients are
     scaled by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. A sparse
     gradient (coalesced) counts by its values."""
@@ -221,6 +223,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.paged and p.device.type == "cuda" and p.numel() >= PAGED_MIN_NUMEL:
+            assert self.pool is not None, "paged state on CUDA comes from the unit optimizers' pool"
             return self.pool.take(p.numel(), dtype, p.device)
         return torch.zeros(p.numel(), dtype=dtype, device=p.device)
 
@@ -240,7 +243,9 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         stepped = False
         for group in self.param_groups:
-            fused, chunked, host = [], [], []
+            fused: list[torch.Tensor] = []
+            chunked: list[torch.Tensor] = []
+            host: list[torch.Tensor] = []
             for p in group["params"]:
                 if p.grad is not None:
                     (host if self._on_host(p) else fused if self._fusable(p) else chunked).append(p)
@@ -281,6 +286,7 @@ class AdamW(torch.optim.Optimizer):
         key = self.rounding.key(self.unit_index, self._index[p])
         stochastic = self.rounding.mode == "stochastic"
         maps = _quantization_maps(p.device) if st["exp_avg"].dtype == torch.uint8 else None
+        assert p.grad is not None  # step() passes only parameters with a gradient
         flat_p, g = p.detach().view(-1), p.grad.detach()
         if not g.is_sparse:
             host_step.step_chunk(flat_p, g.reshape(-1), st, 0, flat_p.numel(), s, key, stochastic, maps)
@@ -322,6 +328,7 @@ class AdamW(torch.optim.Optimizer):
         st = self._next_step(p)
         kernel = _bnb_update if (self.eight_bit or self.bnb_32bit) else _fused_chunk
         flat_p = p.detach().view(-1)
+        assert p.grad is not None
         grad = _GradChunks(p.grad.detach())
         low = p.dtype != torch.float32  # holds_chunk_buffers: a float32 copy per chunk
         for c, lo in enumerate(range(0, flat_p.numel(), grad.chunk)):
@@ -404,7 +411,8 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
     """The unit's optimizer; weight decay on matrices and embeddings (>= 2-D) only."""
     decay, no_decay = _decay_split(params)
     groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    paged = section.name.startswith("paged_")
+    kind = optimizer_kind(section.name)
+    paged = kind.paged
     moments = torch.bfloat16 if section.moments_dtype == "bfloat16" else torch.float32
     if moments == torch.bfloat16 and device.type != "cpu":
         raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
@@ -414,8 +422,8 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
         warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "
              f"{device.type} the optimizer runs unpaged (same updates, ordinary memory)")
     return AdamW(groups, lr=section.lr, betas=section.betas, eps=section.eps,
-                 weight_decay=section.weight_decay, eight_bit=section.name.endswith("_8bit"),
-                 paged=paged, bnb_32bit=section.name == "paged_adamw_32bit", rounding=rounding,
+                 weight_decay=section.weight_decay, eight_bit=kind.eight_bit,
+                 paged=paged, bnb_32bit=kind.bnb and not kind.eight_bit, rounding=rounding,
                  unit_index=unit_index, pool=pool, moments_dtype=moments)
 
 

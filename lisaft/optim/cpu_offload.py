@@ -42,15 +42,15 @@ from __future__ import annotations
 import math
 import queue
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lisaft.config.schema import OptimizerSection
-from lisaft.distributed import dist
-from lisaft.errors import LisaftError
 from lisaft.model.units import Unit
 from lisaft.optim import host_step
 from lisaft.optim.adamw import clip_grad_norm
@@ -124,7 +124,7 @@ class _Transfers:
         self.pending.clear()
         self.stream.synchronize()
 
-    def send(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+    def send(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         """Queue the weights' copies; returns the event that marks them done."""
         # Weights are overwritten only after every kernel queued so far (the backward) is done.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -140,8 +140,10 @@ class _Transfers:
 
 
 # Offloaded optimizers with steps in flight, for the one forward pre-hook that waits for them.
+# The hook is process-wide (every module's forward), so it is installed only while some step is
+# in flight and removed when the last one is claimed.
 _IN_FLIGHT: weakref.WeakSet[OffloadedOptimizers] = weakref.WeakSet()
-_forward_hook = None
+_forward_hook: RemovableHandle | None = None
 
 
 def _wait_before_forward(module: nn.Module, args) -> None:
@@ -156,6 +158,14 @@ def _watch(opts: OffloadedOptimizers) -> None:
     _IN_FLIGHT.add(opts)
 
 
+def _unwatch(opts: OffloadedOptimizers) -> None:
+    global _forward_hook
+    _IN_FLIGHT.discard(opts)
+    if not _IN_FLIGHT and _forward_hook is not None:
+        _forward_hook.remove()
+        _forward_hook = None
+
+
 class OffloadedOptimizers(UnitOptimizers):
     """UnitOptimizers over host copies of the units, fed by gradients streamed out in backward.
 
@@ -164,9 +174,6 @@ class OffloadedOptimizers(UnitOptimizers):
 
     def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
                  offload_dir: Path, seed: int) -> None:
-        if dist.world_size() > 1:
-            raise LisaftError("optimizer.cpu_offload runs on one device; for data parallel set it false "
-                              "(training.shard_optimizer_state divides the moments between ranks)")
         self.train_device = torch.device(device)
         cuda = self.train_device.type == "cuda"
         sizes = [p.numel() * p.element_size() for u in units for p in u.params]
@@ -178,7 +185,8 @@ class OffloadedOptimizers(UnitOptimizers):
         super().__init__(host_units, section, torch.device("cpu"), offload_dir, seed)
         self._weights_arena = weights_arena
         self._device_units = {u.name: u for u in units}
-        self._host_of = {p: h for u, hu in zip(units, host_units) for p, h in zip(u.params, hu.params)}
+        self._host_of: dict[torch.Tensor, nn.Parameter] = {
+            p: h for u, hu in zip(units, host_units) for p, h in zip(u.params, hu.params)}
         self._acc: dict[nn.Parameter, torch.Tensor] = {}
         # Accumulators of units LISA froze, by (shape, dtype), for the next unit that trains.
         self._spare: dict[tuple, list[torch.Tensor]] = {}
@@ -187,7 +195,7 @@ class OffloadedOptimizers(UnitOptimizers):
         # lowest first, which is the order the next forward needs them in.
         self.step_threads = 1 if host_step.available() else torch.get_num_threads()
         self.overlap = True
-        self._unit_name = {p: u.name for u in units for p in u.params}
+        self._unit_name: dict[torch.Tensor, str] = {p: u.name for u in units for p in u.params}
         self._in_flight: dict[str, Future] = {}
         self._first_steps: set[str] = set()  # units whose moments the steps in flight create
         self._step_index = 0
@@ -205,6 +213,7 @@ class OffloadedOptimizers(UnitOptimizers):
     def _gradient_ready(self, p: torch.Tensor) -> None:
         self._wait_unit(self._unit_name[p])  # its accumulators are the step's gradients until then
         g, p.grad = p.grad, None
+        assert g is not None, "called by the post-accumulate-grad hook"
         host = self._host_of[p]
         if g.is_sparse:
             g = g.cpu()
@@ -254,7 +263,7 @@ class OffloadedOptimizers(UnitOptimizers):
                 h.grad = h.grad.coalesce()  # sum repeated tokens' rows once, as the device path
         measure = max_norm is not None or measure_norm or skip_nonfinite
         norm = clip_grad_norm(hosts, max_norm) if measure else None
-        if skip_nonfinite and not math.isfinite(norm):
+        if skip_nonfinite and norm is not None and not math.isfinite(norm):
             for h in hosts:
                 h.grad = None
             return norm
@@ -306,6 +315,8 @@ class OffloadedOptimizers(UnitOptimizers):
         job = self._in_flight.pop(name, None)
         if job is None:
             return
+        if not self._in_flight:
+            _unwatch(self)
         copied = job.result()
         if copied is not None:
             torch.cuda.current_stream(self.train_device).wait_event(copied)

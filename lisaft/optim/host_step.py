@@ -62,6 +62,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def _codes(code1: torch.Tensor, code2: torch.Tensor) -> tuple:
     if "maps" not in _code_books:
+        assert _kernel is not None  # only the kernel's path reads the tables
         c1, c2 = code1.numpy(), code2.numpy()
         _code_books["maps"] = (c1, _kernel.nearest_table(c1), c2, _kernel.nearest_table(c2))
     return _code_books["maps"]
@@ -80,7 +81,8 @@ def step_chunk(w: torch.Tensor, g: torch.Tensor, st: dict, lo: int, hi: int, s: 
     if _kernel is None:
         sl = [float(x) for x in s]
         if eight:
-            host_reference.step_8bit(w, g, m, v, am, av, *maps, sl, lo, k1, k2, stochastic)
+            assert maps is not None  # an 8-bit state always comes with its code books
+            host_reference.step_8bit(w, g, m, v, am, av, maps[0], maps[1], sl, lo, k1, k2, stochastic)
         else:
             host_reference.step_dense(w, g, m, v, sl, lo, k1, k2, stochastic)
         return
@@ -88,6 +90,7 @@ def step_chunk(w: torch.Tensor, g: torch.Tensor, st: dict, lo: int, hi: int, s: 
         # numba's thread count is per calling thread: follow torch's (training.threads).
         _kernel.numba.set_num_threads(max(1, min(torch.get_num_threads(), _kernel.numba.config.NUMBA_NUM_THREADS)))
         if eight:
+            assert maps is not None
             _kernel.step_8bit(_np(w), _np(g), m.numpy(), v.numpy(), am.numpy(), av.numpy(), *_codes(*maps), s,
                               lo, np.uint32(k1), np.uint32(k2), stochastic)
         else:

@@ -27,7 +27,7 @@ class GradNorm:
 class StepInBackward:
     def __init__(self, units: list[Unit], optimizers: UnitOptimizers) -> None:
         self.optimizers = optimizers
-        self._unit_of = {p: u for u in units for p in u.params}
+        self._unit_of: dict[torch.Tensor, Unit] = {p: u for u in units for p in u.params}
         self._norm: GradNorm | None = None
         self._hooks = []
         for p in self._unit_of:
@@ -51,6 +51,7 @@ class StepInBackward:
 
     def _step(self, p: torch.Tensor) -> None:
         unit = self._unit_of[p]
+        assert p.grad is not None, "called by the post-accumulate-grad hook"
         if p.grad.is_sparse:
             p.grad = p.grad.coalesce()
         if self._norm is not None and self._norm.sq is not None:

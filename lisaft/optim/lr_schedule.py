@@ -63,6 +63,7 @@ def lr_for(step: int, plan: Plan, *, peak_lr: float, name: str, warmup_steps: in
     if plan.start_step is None:
         return lr_at(step, peak_lr=peak_lr, max_steps=plan.horizon, name=name,
                      warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio)
+    assert plan.start_lr is not None, "a re-planned curve has both its start step and LR"
     return replanned_lr_at(step, start_step=plan.start_step, start_lr=plan.start_lr,
                            end_step=plan.horizon, floor_lr=peak_lr * min_lr_ratio, name=name)
 

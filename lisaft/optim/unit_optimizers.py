@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.distributed import dist
 from lisaft.model.units import Unit, UnitChanges
@@ -40,7 +41,9 @@ class Slices(Protocol):
     """The parameters an optimizer steps: this rank's slices under training.fsdp
     (distributed/fsdp.py LocalShards), the parameters themselves otherwise (WholeParams)."""
 
-    rank: int | None  # which slice: part of the rounding noise's key (None: whole tensors)
+    @property
+    def rank(self) -> int | None:
+        """Which slice: part of the rounding noise's key (None: whole tensors)."""
 
     def local(self, params: list[nn.Parameter]) -> list[nn.Parameter]: ...
 
@@ -70,7 +73,7 @@ class UnitOptimizers:
         self.device = torch.device(device)
         self.offload_dir = Path(offload_dir)
         self.rounding = Rounding(section.bf16_update, seed, shard=self.slices.rank)
-        self.pool = PagedPool() if section.name.startswith("paged_") and self.device.type == "cuda" else None
+        self.pool = PagedPool() if optimizer_kind(section.name).paged and self.device.type == "cuda" else None
         # training.shard_optimizer_state: one owner rank per unit keeps its moments and steps it.
         self.owner_per_unit = owner_per_unit and dist.world_size() > 1
         self.lr = section.lr

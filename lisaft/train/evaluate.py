@@ -32,5 +32,5 @@ def evaluate(session: Session) -> dict:
             totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
     model.train()
     totals = dist.all_reduce_sum(totals.to(session.device)).cpu()
-    n = max(totals[1].item(), 1.0)
-    return {"eval_loss": totals[0].item() / n, "eval_token_accuracy": totals[2].item() / n}
+    tokens = max(totals[1].item(), 1.0)
+    return {"eval_loss": totals[0].item() / tokens, "eval_token_accuracy": totals[2].item() / tokens}

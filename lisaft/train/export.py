@@ -25,7 +25,9 @@ def save_final(session: Session) -> None:
     if not dist.is_main():
         dist.barrier()
         return
-    session.tokenizer.save_pretrained(tmp)
+    save_tokenizer = getattr(session.tokenizer, "save_pretrained", None)
+    assert save_tokenizer is not None, "a run that exports loaded a transformers tokenizer"
+    save_tokenizer(tmp)
     runfiles.give_files_the_usual_mode(tmp)
     if final.exists():
         shutil.rmtree(final)

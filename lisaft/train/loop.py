@@ -76,6 +76,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
     checkpoint the run continues from (None for a new run); `stop_at` (tests) stops as a signal
     would after that many optimizer steps."""
     t = session.recipe.training
+    assert t.max_steps is not None  # build_session resolves training.epochs into it
     progress = session.progress
     checkpointer = session.checkpointer()
     if dist.is_main():
@@ -116,6 +117,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 progress.window = window
                 base = _save(session, checkpointer, base)
             if stopping and progress.step < t.max_steps:
+                assert base is not None  # saved just above: a stop always checkpoints
                 display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 

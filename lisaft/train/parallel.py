@@ -22,11 +22,12 @@ from torch import nn
 
 from lisaft.checkpoint.checkpointer import UnitWeights
 from lisaft.checkpoint.components import FolderComponent
+from lisaft.config.compat import check_world
 from lisaft.config.schema import Recipe
 from lisaft.distributed import dist
 from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
-from lisaft.model.load import ModelParts, load_model, model_parts
+from lisaft.model.load import ModelParts, load_model, model_parts, pretrained
 from lisaft.model.units import Unit
 from lisaft.optim.adamw import clip_grad_norm
 from lisaft.optim.cpu_offload import OffloadedOptimizers
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
 
 def choose(recipe: Recipe) -> SingleProcess:
     """The strategy the recipe and the process group ask for; refuses what it cannot run, before
-    anything is loaded."""
+    anything is loaded (the rules that depend on the launch: config/compat.py check_world)."""
+    check_world(recipe, dist.world_size(), dist.is_initialized())
     if recipe.training.fsdp:
         return Fsdp(recipe)
     if recipe.optimizer.cpu_offload:
@@ -132,7 +134,7 @@ class SingleProcess:
     def export(self, model: nn.Module, folder: Path) -> None:
         """The model's weights and config as a Hugging Face folder (collective)."""
         if dist.is_main():
-            model.save_pretrained(folder, safe_serialization=True)
+            pretrained(model).save_pretrained(folder, safe_serialization=True)
 
     def weights_component(self, model: nn.Module, units: list[Unit],
                           optimizers: UnitOptimizers) -> dict[str, FolderComponent]:
@@ -189,9 +191,6 @@ class Fsdp(SingleProcess):
     optimizer_files_per_rank = True
 
     def __init__(self, recipe: Recipe) -> None:
-        from lisaft.distributed.fsdp import check_supported
-
-        check_supported(recipe)
         super().__init__(recipe)
         self.shards: LocalShards | None = None
 

@@ -62,6 +62,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     if session.device.type == "cuda":
         # Paged optimizer state lives in unified memory, outside the allocator's counters.
         paged = peaks.state_bytes if "paged" in session.recipe.optimizer.name else 0
+        assert peak.cuda_reserved_bytes is not None  # measured on CUDA
         peak_bytes = peak.cuda_reserved_bytes + paged
     else:
         peak_bytes = peak.rss_bytes

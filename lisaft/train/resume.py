@@ -87,8 +87,8 @@ def check_extension(run_dir: Path, ckpt: Path, recipe: Recipe, recipe_file: Path
     end of a saved curve whose floor is 0, or re-planned from a run that already reached it."""
     components = read_components(ckpt)
     max_steps = recipe.training.max_steps
-    if "schedule" not in components or recipe.scheduler.name == "constant":
-        return
+    if max_steps is None or "schedule" not in components or recipe.scheduler.name == "constant":
+        return  # a run's length in epochs is known only after set-up
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=max_steps)
     schedule.load_state_dict(components["schedule"])
     horizon, step = schedule.plan.horizon, int(components.get("progress", {}).get("step", 0))
@@ -143,7 +143,9 @@ def _names_a_file_in(e: BaseException, folder: Path) -> bool:
     # Reading a checkpoint can fail with an errno that also fails writes (EACCES, EIO); that
     # error names the checkpoint's file, and the checkpoint is the one to skip.
     filename = getattr(e, "filename", None)
-    return bool(filename) and Path(folder) in Path(filename).parents
+    if not filename:
+        return False
+    return Path(folder) in Path(filename).parents
 
 
 def continue_schedule(session: Session, reschedule: bool) -> str:
@@ -153,6 +155,7 @@ def continue_schedule(session: Session, reschedule: bool) -> str:
     saved = schedule.plan
     step = session.progress.step
     max_steps = session.recipe.training.max_steps
+    assert max_steps is not None  # build_session resolves training.epochs into it
     if reschedule:
         lr_now = schedule.lr(step, saved)
         schedule.plan = Plan(horizon=max_steps, start_step=step, start_lr=lr_now)

@@ -154,6 +154,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
                       accept_change=t.accept_data_change)
     if packing is not None:
         packing.accept_change = t.accept_data_change
+    assert t.max_steps is not None  # training.epochs was resolved into it above
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
@@ -174,6 +175,7 @@ def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
     if packing is not None:
         train_examples = packing.rows
     if t.max_steps is None:  # training.epochs: the run's length follows from the train set
+        assert t.epochs is not None  # the schema asks for one of the two
         t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
     return train_examples, eval_examples, packing

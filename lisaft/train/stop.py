@@ -15,7 +15,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signal._HANDLER] = {}
 
     def __enter__(self) -> StopRequest:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -83,7 +83,7 @@ def test_recipe_with_local_config_and_flag_overrides(tmp_path):
 
 def test_benchmark_quick_mode(tmp_path):
     out = tmp_path / "accuracy.json"
-    proc = subprocess.run([sys.executable, "benchmarks/memory_accuracy.py", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory_accuracy", "--quick", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -251,7 +251,7 @@ def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
     import torch.distributed.checkpoint as dcp
     from test_distributed import torchrun
 
-    from lisaft.memory.command import build_settings
+    from lisaft.memory.command import EstimateFlags, build_settings
     from lisaft.memory.counts import param_counts
     from lisaft.memory.estimate import compute
     from lisaft.metrics.log import read_metrics
@@ -268,8 +268,7 @@ def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
              for name, m in meta.state_dict_metadata.items() if hasattr(m, "chunks")}
     assert first["model.embed_tokens.weight"][0] == 56  # ceil(111 / 2) rows
     record = [r for r in read_metrics(tiny_run.dir / "fsdp" / "metrics.jsonl") if "loss" in r][-1]
-    est = compute(build_settings(path, None, None, None, False, None, None, None, None, None, None,
-                                 2**34, "cpu", ranks=2))
+    est = compute(build_settings(EstimateFlags(recipe=path, device="cpu", ranks=2), 2**34))
     assert est.settings.fsdp and est.settings.ranks == 2
     counts = param_counts(est.settings.config)
     buffers = counts.buffer_bytes_fp32  # rotary inv_freq: float32, not in the state dict
@@ -285,11 +284,8 @@ def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
 
 def test_the_fsdp_table_in_the_docs_is_what_the_estimator_says_now(tmp_path):
     """docs/distributed.md quotes benchmarks/fsdp_fit.py: rerun it and compare."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import fsdp_fit
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    from benchmarks import fsdp_fit
+
     sys.argv, argv = ["fsdp_fit.py", "--out", str(tmp_path)], sys.argv
     try:
         fsdp_fit.main()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_distributed import torchrun, train_losses, weights
+from test_distributed import assert_same_grad_norms, torchrun, train_losses, weights
 
 from lisaft.metrics.log import read_metrics
 from lisaft.train import train
@@ -30,7 +30,7 @@ def fsdp_run(tiny_run, name: str, sections: dict | None = None, compare: bool = 
     result = torchrun("train", str(recipe(tiny_run, name, sections, batch_size=2, fsdp=True)), cwd=tiny_run.dir)
     assert result.returncode == 0, result.stdout + result.stderr
     run, single = tiny_run.dir / name, tiny_run.dir / f"{name}-single"
-    out = SimpleNamespace(run=run, losses=train_losses(run), weights=weights(run))
+    out = SimpleNamespace(run=run, single=single, losses=train_losses(run), weights=weights(run))
     if compare:
         assert train(recipe(tiny_run, f"{name}-single", sections, batch_size=4), show=False) == 0
         out.single_losses, out.single_weights = train_losses(single), weights(single)
@@ -65,6 +65,7 @@ def close_to_one_process(r, rtol=1e-5, wtol=1e-4):
     assert r.weights.keys() == r.single_weights.keys()
     for k, w in r.single_weights.items():
         assert torch.allclose(r.weights[k].float(), w.float(), rtol=wtol, atol=wtol), k
+    assert_same_grad_norms(r.run, r.single, rtol=rtol)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,7 @@ def test_bf16_lisa_with_8bit_moments_offloaded_trains_like_one_process(bf16):
     # first forward and trains after the switch (the bf16 unfreeze path FSDP once broke on).
     assert bf16.losses[-1] < bf16.losses[0]
     assert torch.allclose(torch.tensor(bf16.losses), torch.tensor(bf16.single_losses), rtol=2e-2, atol=0)
+    assert_same_grad_norms(bf16.run, bf16.single, rtol=2e-2)
     moments = torch.load(bf16.run / "checkpoints" / "step-000004" / "optimizer" / "rank-0" / "layer-00001.pt",
                          weights_only=True)
     assert any(st["exp_avg"].dtype == torch.uint8 for st in moments["state"].values())

@@ -49,16 +49,13 @@ def test_gpu_suite_tiny_mode_end_to_end(tmp_path):
 
 def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_8b_24gb.py"), "--tiny", "--budget-s", "0",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_8b_24gb", "--tiny", "--budget-s", "0",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_8b_24gb", REPO / "benchmarks" / "gpu_8b_24gb.py")
-    suite = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = suite  # its dataclasses look their module up
-    spec.loader.exec_module(suite)
+    suite = importlib.import_module("benchmarks.gpu_8b_24gb")
     assert summary["complete"] and [r["run"] for r in summary["runs"]] == [c.name for c in suite.CONFIGS]
     assert [r["run"] for r in summary["runs"][:3]] == ["headroom", "table-g2-s2048", "long-16k"]
     assert all(r["skipped"].startswith("budget") for r in summary["runs"])

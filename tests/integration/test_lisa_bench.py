@@ -15,8 +15,8 @@ HF_RUNS = {"hf_full", "hf_lisa_lmflow"}
 
 def test_lisa_bench_quick(tmp_path):
     out = tmp_path / "lisa_bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lisa_bench.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lisa_bench", "--quick", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     s = summary["settings"]
@@ -68,9 +68,7 @@ def test_lisa_bench_quick(tmp_path):
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("lisa_bench", REPO / "benchmarks" / "lisa_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("benchmarks.lisa_bench")
     return mod
 
 
@@ -98,9 +96,9 @@ def test_flops_per_token_counts_what_lisa_skips():
 
 def test_whole_process_timing_runs_each_contender_at_n_and_2n_steps(tmp_path):
     out = tmp_path / "lisa_bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lisa_bench.py"), "--quick", "--only",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lisa_bench", "--quick", "--only",
                            "lisaft_lisa_discard", "--processes", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(out.read_text())
     run = summary["runs"][0]

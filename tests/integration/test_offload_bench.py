@@ -10,8 +10,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_offload_bench_quick(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "offload_bench.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.offload_bench", "--quick",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((tmp_path / "offload.json").read_text())
     assert s["mode"] == "quick" and s["results"]

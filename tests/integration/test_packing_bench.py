@@ -12,8 +12,8 @@ CONTENDERS = {"batch1", "padded8", "concat", "packed", "padding_free"}
 
 
 def test_packing_bench_quick(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "packing_bench.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.packing_bench", "--quick",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((tmp_path / "packing.json").read_text())
     assert s["mode"] == "quick" and set(s["runs"]) == CONTENDERS

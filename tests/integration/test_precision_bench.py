@@ -13,8 +13,8 @@ KINDS = {"layer_matrices", "norms", "embeddings_head"}
 
 
 def test_precision_bench_quick(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "precision_bench.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.precision_bench", "--quick",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((tmp_path / "precision.json").read_text())
     assert s["mode"] == "quick" and s["lr"] == 1e-5

@@ -342,6 +342,38 @@ def test_the_flat_state_format_of_the_previous_version_resumes_exactly(tiny_run)
     assert_same_run(tiny_run.dir / "cut", tiny_run.dir / "ref")
 
 
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-94a5cae"
+
+
+def _fixture_run(folder: Path) -> None:
+    """tests/fixtures/checkpoint-94a5cae in `folder`, its recorded paths made real (and the sizes
+    the completion marker records for those files updated)."""
+    import json
+    import shutil
+
+    shutil.copytree(FIXTURE, folder, ignore=shutil.ignore_patterns("make.py", "__pycache__"))
+    shutil.copytree(FIXTURE.parents[2] / "recipes" / "quickstart" / "tokenizer", folder / "tokenizer")
+    for ckpt in (folder / "run" / "checkpoints").iterdir():
+        marker = json.loads((ckpt / "COMPLETE").read_text())
+        for f in (ckpt / "recipe.json", folder / "run" / "recipe.yaml"):
+            f.write_text(f.read_text().replace("@FIXTURE@", str(folder)))
+        marker["files"]["recipe.json"] = (ckpt / "recipe.json").stat().st_size
+        (ckpt / "COMPLETE").write_text(json.dumps(marker))
+
+
+def test_a_checkpoint_written_by_commit_94a5cae_resumes_exactly(tmp_path, monkeypatch):
+    # A real checkpoint of the format before issue 29 (tests/fixtures/checkpoint-94a5cae/make.py
+    # wrote it with that commit's lisaft), stopped at step 4 of 6: today's lisaft resumes it, and
+    # the run ends where one trained from scratch today does.
+    folder = tmp_path / "fixture"
+    _fixture_run(folder)
+    monkeypatch.chdir(folder)
+    assert train(folder / "recipe.yaml", overrides=["training.output_dir=ref"], show=False) == 0
+    assert resume(folder / "run", show=False) == 0
+    assert sorted(losses(folder / "run")) == list(range(1, 7))
+    assert_same_run(folder / "run", folder / "ref")
+
+
 def test_a_checkpoint_without_a_component_is_refused_in_one_line(tiny_run):
     import json
 

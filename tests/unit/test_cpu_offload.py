@@ -228,11 +228,29 @@ def test_overlapped_steps_give_the_same_run(tmp_path, monkeypatch, name, lisa):
     assert_same(dev, off)
 
 
-def test_data_parallel_is_refused_in_one_line(tmp_path, monkeypatch):
-    from lisaft.distributed import dist
-    from lisaft.errors import LisaftError
+def test_the_global_forward_hook_lives_only_while_a_step_is_in_flight(tmp_path, monkeypatch):
+    # Every module's forward in the process runs a global pre-hook: it is there from an
+    # overlapped step until that step's last unit is claimed, and gone after.
+    import threading
 
-    monkeypatch.setattr(dist, "world_size", lambda: 2)
-    with pytest.raises(LisaftError, match="optimizer.cpu_offload runs on one device") as e:
-        setup(tmp_path, True)
-    assert "\n" not in str(e.value)
+    from torch.nn.modules import module as torch_module
+
+    from lisaft.optim import adamw as optim
+    from lisaft.optim import cpu_offload
+
+    release = threading.Event()
+    step = optim.AdamW.step
+
+    def held_step(self, *args, **kwargs):
+        release.wait(10)  # in flight until the test lets it finish
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(optim.AdamW, "step", held_step)
+    off = setup(tmp_path, True)
+    hooks = set(torch_module._global_forward_pre_hooks)
+    run(off, 0, 1)
+    assert off.opts._in_flight and cpu_offload._forward_hook is not None
+    assert set(torch_module._global_forward_pre_hooks) - hooks == {cpu_offload._forward_hook.id}
+    release.set()
+    off.opts.wait()
+    assert cpu_offload._forward_hook is None and set(torch_module._global_forward_pre_hooks) == hooks

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lisaft.config.schema import Recipe
+from lisaft.config.compat import check_world
+from lisaft.config.schema import Recipe, recipe_from_dict
 from lisaft.distributed import dist, fsdp
 from lisaft.errors import LisaftError
 from lisaft.optim.rounding import Rounding
@@ -19,7 +20,7 @@ def recipe(**sections) -> Recipe:
     data = {k: dict(v) for k, v in BASE.items()}
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
-    return Recipe.model_validate(data)
+    return recipe_from_dict(data)
 
 
 @pytest.mark.parametrize("sections, words", [
@@ -28,12 +29,32 @@ def recipe(**sections) -> Recipe:
     ({"optimizer": {"cpu_offload": True}}, "optimizer.cpu_offload"),
     ({"training": {"shard_optimizer_state": True}}, "training.shard_optimizer_state"),
     ({"training": {"compile": True}}, "training.compile"),
-    ({}, "torchrun --nproc-per-node"),  # one process: nothing to shard over
 ])
-def test_what_fsdp_cannot_run_is_refused_in_one_line(sections, words):
+def test_what_fsdp_cannot_run_is_refused_by_the_recipe_in_one_line(sections, words):
     with pytest.raises(LisaftError) as e:
-        fsdp.check_supported(recipe(**sections))
+        recipe(**sections)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fsdp_without_torchrun_is_refused_in_one_line():
+    with pytest.raises(LisaftError, match="torchrun --nproc-per-node") as e:
+        check_world(recipe(), world_size=1, launched=False)  # one process: nothing to shard over
+    assert "\n" not in str(e.value)
+    check_world(recipe(), world_size=1, launched=True)  # one rank under torchrun: allowed
+
+
+@pytest.mark.parametrize("optimizer, words", [
+    ({"in_backward": True}, "optimizer.in_backward cannot run data parallel"),
+    ({"cpu_offload": True}, "optimizer.cpu_offload runs on one device"),
+])
+def test_what_data_parallel_cannot_run_is_refused_at_set_up(optimizer, words):
+    data = {k: dict(v) for k, v in BASE.items()}
+    data["training"].update(fsdp=False, max_grad_norm=None)
+    data["optimizer"] = optimizer
+    r = recipe_from_dict(data)
+    check_world(r, world_size=1, launched=False)  # one process: fine
+    with pytest.raises(LisaftError, match=words):
+        check_world(r, world_size=2, launched=True)
 
 
 def test_slices_of_different_ranks_round_with_different_noise_and_each_is_repeatable():

@@ -1,0 +1,83 @@
+"""Which features run together: one table of the recipe's impossible combinations, and one check
+of the rules that depend on how many processes were launched.
+
+The recipe's schema refuses a row of `EXCLUSIONS` when it validates (so `lisaft train` writes
+nothing for it); `check_world` runs once at set-up, when the number of ranks is known.
+docs/distributed.md says why each FSDP row exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lisaft.config.optimizers import optimizer_kind
+from lisaft.errors import LisaftError
+
+if TYPE_CHECKING:
+    from lisaft.config.schema import Recipe
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    when: Callable[[Recipe], bool]
+    message: Callable[[Recipe], str]
+
+
+def _fixed(text: str) -> Callable[[Recipe], str]:
+    return lambda r: text
+
+
+EXCLUSIONS: tuple[Exclusion, ...] = (
+    Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
+        "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
+        "gradient stays on the device anyway; set in_backward false")),
+    Exclusion(lambda r: r.optimizer.moments_dtype == "bfloat16" and r.optimizer.name != "adamw_32bit", lambda r: (
+        f"optimizer.moments_dtype bfloat16 is for adamw_32bit; {r.optimizer.name} keeps its own moments (8-bit "
+        "ones: adamw_8bit); set moments_dtype float32")),
+    Exclusion(lambda r: r.training.on_nonfinite == "skip" and r.optimizer.in_backward, _fixed(
+        "training.on_nonfinite: skip cannot be combined with optimizer.in_backward: each update runs in "
+        "backward, before the norm is known; use stop")),
+    Exclusion(lambda r: r.optimizer.in_backward and r.training.grad_accum_steps > 1, _fixed(
+        "optimizer.in_backward cannot be combined with training.grad_accum_steps > 1: the update runs before "
+        "the next micro-batch could add its gradient")),
+    Exclusion(lambda r: r.optimizer.in_backward and r.training.max_grad_norm is not None, _fixed(
+        "optimizer.in_backward cannot be combined with training.max_grad_norm: the total norm is known only "
+        "after every parameter was already updated; set training.max_grad_norm: null")),
+    Exclusion(lambda r: r.training.fsdp and optimizer_kind(r.optimizer.name).paged, lambda r: (
+        f"optimizer.name {r.optimizer.name} is not supported with training.fsdp (paging of one rank's slices "
+        f"is untested on CUDA); use {optimizer_kind(r.optimizer.name).unpaged}")),
+    Exclusion(lambda r: r.training.fsdp and r.optimizer.in_backward, _fixed(
+        "optimizer.in_backward cannot run with training.fsdp: the update would run before the gradient "
+        "reduce-scatter; set it false")),
+    Exclusion(lambda r: r.training.fsdp and r.optimizer.cpu_offload, _fixed(
+        "optimizer.cpu_offload runs on one device and cannot be combined with training.fsdp; set one of them "
+        "false")),
+    Exclusion(lambda r: r.training.fsdp and r.training.shard_optimizer_state, _fixed(
+        "training.shard_optimizer_state is data parallel's sharding; training.fsdp already shards the "
+        "optimizer state: set one of them false")),
+    Exclusion(lambda r: r.training.fsdp and r.training.compile, _fixed(
+        "training.compile is not supported with training.fsdp yet; set it false")),
+)
+
+
+def first_exclusion(recipe: Recipe) -> str | None:
+    """The message of the first row of `EXCLUSIONS` that `recipe` hits, or None."""
+    return next((x.message(recipe) for x in EXCLUSIONS if x.when(recipe)), None)
+
+
+def check_world(recipe: Recipe, world_size: int, launched: bool) -> None:
+    """The rules that depend on the launch: `world_size` ranks, `launched` under torchrun."""
+    if recipe.training.fsdp and not launched:
+        # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU).
+        raise LisaftError("training.fsdp needs torchrun: launch with torchrun --nproc-per-node N, "
+                          "or set training.fsdp false")
+    if recipe.training.fsdp or world_size == 1:
+        return
+    if recipe.optimizer.in_backward:
+        raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
+                          "before the gradient all-reduce; set it false")
+    if recipe.optimizer.cpu_offload:
+        raise LisaftError("optimizer.cpu_offload runs on one device; for data parallel set it false "
+                          "(training.shard_optimizer_state divides the moments between ranks)")

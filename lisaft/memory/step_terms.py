@@ -1,0 +1,132 @@
+"""The sizes a training step's moments are built from (lisaft/memory/estimate.py sums them):
+what stays resident (weights, moments), what the forward saves, and what each part of backward
+and of the optimizer step holds. Under training.fsdp every size is one rank's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lisaft.memory.activations import ActivationBreakdown, Shape, activations, loss_buffers_peak, mlp_chunked
+from lisaft.memory.counts import ParamCounts
+from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
+from lisaft.memory.sharded import clip_temporaries
+from lisaft.memory.trainable import sparse_embedding_saving, state_numels, trainable_numels
+
+if TYPE_CHECKING:
+    from lisaft.memory.estimate import Settings
+
+
+@dataclass(frozen=True)
+class Resident:
+    """Weights, gradients and moments: their sizes, whatever moment of the step."""
+
+    weights: int
+    state: StateBytes
+    trainable: list[int]  # numel of each trainable tensor (this rank's slice under FSDP)
+    trainable_layers: int  # decoder layers that train
+    trainable_params: int  # of the whole model, not a slice
+    grads_full: int  # every trainable tensor's gradient
+    sparse_saving: int  # what sparse embedding gradients save against dense ones
+    largest: int  # the largest trainable tensor's numel
+    offload: bool  # optimizer.cpu_offload on CUDA: moments and gradients in host memory
+
+
+@dataclass(frozen=True)
+class Backward:
+    """What the forward saves and what backward and the optimizer step hold on top."""
+
+    act: ActivationBreakdown
+    offload_act: bool  # activation offload really runs (checkpointing, on CUDA)
+    saved_no_logp: int  # saved activations at the start of backward
+    loss_peak: int
+    grads_at_loss: int
+    grads_in_layers: int
+    step_phase: int | None  # the gradients at the optimizer step; None when there is none
+    layer_transient: int  # recompute, backward's temporaries and a step inside backward
+    step_temp: int
+
+
+def weight_bytes(counts: ParamCounts, dt: int) -> int:
+    return counts.total * dt + counts.buffer_bytes_fp32 + \
+        (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
+
+
+def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Resident:
+    # Under FSDP a rank holds its slice of every tensor: weights, gradients and moments follow.
+    local = counts.sharded(s.ranks) if s.fsdp else counts
+    trainable, trainable_layers = trainable_numels(local, s)
+    sparse_saving = sparse_embedding_saving(local, shape, s, dt)
+    # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
+    offload = s.cpu_offload and s.device == "cuda"
+    moment_bytes = 2 if s.moments_dtype == "bfloat16" else 4
+    state = StateBytes(0, 0) if offload else state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device,
+                                                           moment_bytes)
+    return Resident(weights=weight_bytes(local, dt), state=state, trainable=trainable,
+                    trainable_layers=trainable_layers, trainable_params=sum(trainable_numels(counts, s)[0]),
+                    grads_full=sum(trainable) * dt - sparse_saving, sparse_saving=sparse_saving,
+                    largest=max(trainable) if trainable else 0, offload=offload)
+
+
+def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Resident) -> Backward:
+    head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
+    # On CPU the host is the device: offloading moves nothing out of the memory that counts.
+    offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
+    act = activations(
+        shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
+        trainable_layers=r.trainable_layers,
+        train_embeddings=not s.lisa or s.train_embeddings,
+        head_weight_trains=head_weight_trains,
+        final_norm_trains=not s.lisa or s.train_head,
+        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
+        padded_rows=s.padded_rows and s.batch_size > 1,
+    )
+    loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
+    if shape.final_softcap and act.log_probs:
+        loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
+    # Gradient of the hidden states flowing down, and of one layer's largest intermediates.
+    # A chunked MLP's intermediate gradients are one chunk's, counted in act.mlp_chunk.
+    chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
+    backward_temp = s.batch_size * s.seq_len * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
+    grads_at_loss, grads_in_layers, step_phase = _gradients(s, counts, dt, r, head_weight_trains)
+    recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
+    step_temp, in_bwd_step = _step_temporaries(s, counts, dt, r)
+    return Backward(act=act, offload_act=offload_act, saved_no_logp=act.layers + act.outside_layers + act.packed_mask,
+                    loss_peak=loss_peak, grads_at_loss=grads_at_loss, grads_in_layers=grads_in_layers,
+                    step_phase=step_phase, layer_transient=recompute + backward_temp + in_bwd_step,
+                    step_temp=step_temp)
+
+
+def _gradients(s: Settings, counts: ParamCounts, dt: int, r: Resident,
+               head_weight_trains: bool) -> tuple[int, int, int | None]:
+    """Gradient bytes at the loss's backward, in the layers' backward, and at the optimizer step
+    (None: no separate step)."""
+    if s.in_backward:
+        # Each gradient is applied and freed as soon as it is complete: at most the largest
+        # tensor's gradient exists at a time, and there is no separate optimizer step.
+        return 0, r.largest * dt, None
+    if r.offload:
+        # Each gradient leaves for host memory as it is completed: the one being copied out and
+        # the next one being produced; the step runs on the CPU.
+        return 0, 2 * r.largest * dt, None
+    local = counts.sharded(s.ranks) if s.fsdp else counts
+    head_grad = sum(local.head) * dt if (not s.lisa or s.train_head) else 0
+    if counts.tied and head_weight_trains and not s.fsdp:  # FSDP: in the root's gradient_reduce
+        head_grad += sum(counts.embeddings[:1]) * dt
+    grads_at_loss = r.grads_full if s.grad_accum_steps > 1 else 0
+    return grads_at_loss, max(grads_at_loss, head_grad), r.grads_full
+
+
+def _step_temporaries(s: Settings, counts: ParamCounts, dt: int, r: Resident) -> tuple[int, int]:
+    """The optimizer step's temporaries, and the part of them that runs inside backward."""
+    sparse_numel = counts.embeddings[0] if r.sparse_saving else 0
+    step_temp = 0 if r.offload else step_temporaries(s.optimizer, r.largest, dt, s.device, s.bf16_update,
+                                                     sparse_numel)
+    in_bwd_step = step_temp if s.in_backward else 0
+    if s.fsdp:
+        # The norm of the slices comes before the update: the larger of the two.
+        step_temp = max(step_temp, clip_temporaries(r.largest, dt))
+    elif s.clipping and not s.in_backward and not r.offload:
+        step_temp += 8 * len(r.trainable)  # one float32 norm per tensor, and their stack
+    return step_temp, in_bwd_step
