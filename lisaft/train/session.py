@@ -136,6 +136,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")
     device = resolve_device(t.device)
+    dist.init_from_env(device)  # a torchrun launch: the backend of the training device
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)
     if tokenizer is None:
@@ -182,6 +183,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     optimizers = optimizers_class(units, recipe.optimizer, device,
                                   offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed,
                                   shard=t.shard_optimizer_state, **on_slices)
+    if isinstance(optimizers, OffloadedOptimizers):
+        optimizers.wait_in_forward(model, parts.layers)  # before the first forward traces a layer
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed)
     if shards is not None:
         controller.check_agreement = shards.check_same_layers
