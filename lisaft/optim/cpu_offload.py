@@ -41,8 +41,8 @@ step, as the device path does); their copy is synchronous, and small.
 from __future__ import annotations
 
 import queue
-from collections import deque
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
