@@ -295,7 +295,10 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         return m
 
     phases = {
-        "loss_backward": moment(grads_at_loss, saved_no_logp, loss_peak, 0, "loss_backward"),
+        # The head's weight gradient is formed in the loss's backward, beside the loss buffers
+        # and every saved activation: one head-sized buffer (lisaft/model/loss.py adds each
+        # chunk's part into it in place), on top of the gradients resident from earlier micro-batches.
+        "loss_backward": moment(grads_at_loss + head_grad, saved_no_logp, loss_peak, 0, "loss_backward"),
         "layer_backward": moment(grads_in_layers, saved_no_logp, 0, recompute + backward_temp + in_bwd_step,
                                  "layer_backward"),
     }

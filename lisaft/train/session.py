@@ -127,6 +127,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     from lisaft.model.units import model_units
 
     t = recipe.training
+    device = resolve_device(t.device)
+    dist.init_from_env(device)  # a torchrun launch: the backend of the training device
     if t.fsdp:
         from lisaft.distributed.fsdp import check_supported
 
@@ -135,8 +137,6 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if recipe.optimizer.in_backward and dist.world_size() > 1:
         raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
                           "before the gradient all-reduce; set it false")
-    device = resolve_device(t.device)
-    dist.init_from_env(device)  # a torchrun launch: the backend of the training device
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)
     if tokenizer is None:
