@@ -21,11 +21,13 @@ dry=""
 out="${OUT:-benchmarks/results/gpu}"
 wheels="${WHEELS:-wheels}"
 mkdir -p "$out"
-if compgen -G "$wheels/*.whl" > /dev/null; then
+py=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+mapfile -t carried < <(compgen -G "$wheels/any/*.whl"; compgen -G "$wheels/py$py/*.whl")
+if [[ ${#carried[@]} -gt 0 ]]; then
     # Into a folder of its own, put first on the path: the machine's packages stay untouched.
     site="${TMPDIR:-/tmp}/lisaft-site"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" "$wheels"/*.whl || { echo "error: installing the wheels in $wheels/ failed" >&2; exit 2; }
+        --target "$site" "${carried[@]}" || { echo "error: installing the wheels in $wheels/ failed" >&2; exit 2; }
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -2,16 +2,16 @@
 # Gathers, on a machine with network, every wheel the GPU suite needs beyond what a bare CUDA
 # machine has (torch, transformers, nvidia-ml-py) into wheels/ (git-ignored, never committed),
 # which travels with the tree; benchmarks/gpu_run.sh installs them there without a network.
-# PY_VERSION (default: this python3's, e.g. 3.11) and PLATFORM (default manylinux2014_x86_64)
-# must match the GPU machine's python. flash-attn has no binary wheel on the index: its varlen
+# For each of PY_VERSIONS (default "3.12 3.11": the lent H200 runs 3.12), on PLATFORM (default
+# manylinux2014_x86_64): wheels that fit any python go to wheels/any/, the others to
+# wheels/py3.12/ and so on; gpu_run.sh installs any/ and its own python's folder. flash-attn has no binary wheel on the index: its varlen
 # check runs where the machine has it, and is reported skipped otherwise.
 #   bash benchmarks/gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest="${WHEELS:-wheels}"
-py="${PY_VERSION:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
 platform="${PLATFORM:-manylinux2014_x86_64}"
-mkdir -p "$dest"
+mkdir -p "$dest/any"
 # lisaft's own dependencies (pyproject.toml) and theirs, minus what the machine brings. Pure
 # Python ones come as py3-none-any wheels; the others for $py on $platform.
 packages=(
@@ -29,9 +29,13 @@ for name in sys.argv[1:]:
         print(name)
 PY
 )
-python3 -m pip download --quiet --only-binary=:all: --no-deps --dest "$dest" \
-    --python-version "$py" --platform "$platform" --platform manylinux_2_28_x86_64 \
-    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform any "${pinned[@]}"
+for py in ${PY_VERSIONS:-3.12 3.11}; do
+    mkdir -p "$dest/py$py"
+    python3 -m pip download --quiet --only-binary=:all: --no-deps --dest "$dest/py$py" \
+        --python-version "$py" --platform "$platform" --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform any "${pinned[@]}"
+    for w in "$dest/py$py"/*-none-*.whl; do mv -f "$w" "$dest/any/"; done  # one copy of each pure wheel
+done
 # lisaft itself runs from the tree (gpu_run.sh puts it on PYTHONPATH): no wheel.
-ls -1 "$dest" | sed 's/^/  /'
-echo "$(ls -1 "$dest"/*.whl | wc -l) wheels in $dest/ for python $py on $platform"
+find "$dest" -name '*.whl' | sort | sed 's/^/  /'
+echo "$(find "$dest" -name '*.whl' | wc -l) wheels, $(du -sh "$dest" | cut -f1), in $dest/"

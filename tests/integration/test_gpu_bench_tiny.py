@@ -18,6 +18,7 @@ def _env(tmp_path):
     return {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none")}
 
 
+@pytest.mark.timeout(900)  # ~100 s on a quiet machine; minutes on a loaded shared one
 def test_gpu_suite_dry_run_end_to_end(tmp_path):
     """`bash benchmarks/gpu_run.sh --dry-run`: the GPU plan, in its order, on CPU at tiny size,
     preflight included; each measurement leaves its JSON."""
