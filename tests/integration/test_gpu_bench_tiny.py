@@ -26,7 +26,7 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_run.sh"), "--dry-run"],
-                          capture_output=True, text=True, timeout=600, env=_env(tmp_path))
+                          capture_output=True, text=True, timeout=840, env=_env(tmp_path))
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "out"
