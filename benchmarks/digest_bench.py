@@ -1,5 +1,5 @@
 """What the training data's digest (lisaft/data/digest.py) costs at start-up for a large data set:
-`python benchmarks/digest_bench.py --examples 200000 --tokens 512` (102.4 M tokens) prints the
+`python -m benchmarks.digest_bench --examples 200000 --tokens 512` (102.4 M tokens) prints the
 seconds and the tokens hashed per second. The examples are synthetic lists of ints, as tokenizing
 leaves them; the digest's time grows with the token count only."""
 

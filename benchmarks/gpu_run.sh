@@ -1,33 +1,91 @@
 #!/usr/bin/env bash
-# The GPU suite in one command, for a CUDA machine with torch, transformers and nvidia-ml-py but
-# no network: installs the wheels carried in $WHEELS (default wheels/, see docs/memory.md for
-# which), then runs benchmarks/gpu_8b_24gb.py within $BUDGET_S seconds (default 420), writing
-# gpu_8b_24gb.json, gpu_8b_24gb.md and the log into $OUT (default benchmarks/results).
-# Extra arguments go to the suite, e.g. `benchmarks/gpu_run.sh --tiny` on a CPU.
-set -euo pipefail
+# The GPU suite in one command, on a bare CUDA machine (torch, transformers, nvidia-ml-py; no
+# network): installs the wheels benchmarks/gpu_wheels.sh gathered into $WHEELS (default wheels/,
+# carried with the tree), checks that everything imports and that NVML answers, then runs the
+# plan, most valuable first, each measurement time-boxed and its JSON written when it ends, into
+# $OUT (default benchmarks/results/gpu). The plan fits 9 minutes on one H200:
+#   1 lisa-8b        recipes/llama3.1-8b-lisa-24gb.yaml: NVML peak against the estimate  (80 s)
+#   2 offload-full   recipes/llama3.1-8b-full-24gb.yaml, optimizer on the CPU            (150 s)
+#   3 paged-full     full fine-tuning, paged AdamW 8-bit stepped in backward             (60 s)
+#   4 equality       CUDA equality checks (benchmarks/gpu_equality.py)                   (60 s)
+#   5 packing        packing with FlashAttention varlen where flash-attn is installed    (80 s)
+#   6 fsdp           training.fsdp on one rank against the same run without it           (100 s)
+# Every 8B run is capped at 24 GiB of allocations, and flags an NVML peak over 24 GiB (the
+# context, kernel images and paged state sit outside the cap): nvml_over_24gib in its JSON.
+#   bash benchmarks/gpu_run.sh             # on the GPU machine
+#   bash benchmarks/gpu_run.sh --dry-run   # the same plan on CPU at tiny size (CI)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results}"
+dry=""
+[[ "${1:-}" == "--dry-run" ]] && dry=1
+out="${OUT:-benchmarks/results/gpu}"
 wheels="${WHEELS:-wheels}"
 mkdir -p "$out"
-if compgen -G "$wheels/*.whl" > /dev/null; then
+py=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+mapfile -t carried < <(compgen -G "$wheels/any/*.whl"; compgen -G "$wheels/py$py/*.whl")
+if [[ ${#carried[@]} -gt 0 ]]; then
     # Into a folder of its own, put first on the path: the machine's packages stay untouched.
     site="${TMPDIR:-/tmp}/lisaft-site"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" "$wheels"/*.whl
+        --target "$site" "${carried[@]}" || { echo "error: installing the wheels in $wheels/ failed" >&2; exit 2; }
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import bitsandbytes, pydantic, yaml, rich" || {
-    echo "error: bitsandbytes, pydantic, pyyaml and rich must be importable: carry their wheels in $wheels/" >&2
-    exit 2
+
+# Preflight: nothing is measured unless everything imports and, on the GPU, NVML answers.
+python3 - "$dry" <<'PY' 2>&1 | tee "$out/preflight.log"
+import importlib, sys
+dry = bool(sys.argv[1])
+missing = []
+for name in ("torch", "transformers", "bitsandbytes", "pydantic", "yaml", "rich", "typer", "safetensors",
+             "xxhash", "numpy", "lisaft.train", "lisaft.memory.command"):
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        missing.append(f"{name} ({type(e).__name__}: {e})")
+if not dry:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() < 1:
+            missing.append("NVML sees no GPU")
+    except Exception as e:
+        missing.append(f"NVML (nvidia-ml-py: {type(e).__name__}: {e})")
+    import torch
+    if not torch.cuda.is_available():
+        missing.append("CUDA (torch.cuda.is_available() is False)")
+if missing:
+    print("error: preflight: " + "; ".join(missing) + " (gather wheels with benchmarks/gpu_wheels.sh)")
+    sys.exit(2)
+import torch
+print("preflight ok: torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() and not dry else "cpu (dry run)")
+PY
+[[ ${PIPESTATUS[0]} -eq 0 ]] || exit 2
+
+suite=(python3 -m benchmarks.gpu_8b_24gb)
+[[ -n "$dry" ]] && suite+=(--tiny)
+failed=0
+step() {  # NAME SECONDS COMMAND...: one measurement, time-boxed, its log beside its JSON
+    local name=$1 secs=$2; shift 2
+    echo "== $name (at most ${secs} s)"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$secs" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 3 "$out/$name.log"
+    echo "$name: $((SECONDS - t0)) s"
+    [[ $rc -eq 0 ]] || { echo "$name: exit $rc"; failed=1; }
 }
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))"
-python3 -m benchmarks.gpu_8b_24gb --budget-s "${BUDGET_S:-420}" --out "$out/gpu_8b_24gb.json" "$@" 2>&1 \
-    | tee "$out/gpu_8b_24gb.log"
-# Packing (docs/data.md): the CPU benchmark's contenders at a 1B-class size, on the varlen kernel
-# where flash-attn is installed. Not part of --tiny (the CPU test runs packing_bench --quick).
-if [[ " $* " != *" --tiny "* ]]; then
+step lisa-8b 80 "${suite[@]}" --configs headroom --budget-s 70 --out "$out/lisa-8b.json"
+step offload-full 150 "${suite[@]}" --configs offload-full-ga8 --budget-s 140 --out "$out/offload-full.json"
+step paged-full 60 "${suite[@]}" --configs full-in-backward --budget-s 50 --out "$out/paged-full.json"
+step equality 60 python3 -m benchmarks.gpu_equality ${dry:+--dry-run} --out "$out/equality.json"
+if [[ -n "$dry" ]]; then
+    step packing 80 python3 -m benchmarks.packing_bench --quick --device cpu --out "$out/packing"
+else
     attention=$(python3 -c "import importlib.util as u; print('flash_attention_2' if u.find_spec('flash_attn') else 'sdpa')")
-    python3 -m benchmarks.packing_bench --gpu-size --device cuda --attention "$attention" \
-        --out "$out/packing-gpu" 2>&1 | tee "$out/packing_bench.log"
+    step packing 80 python3 -m benchmarks.packing_bench --gpu-size --device cuda --attention "$attention" --out "$out/packing"
 fi
+step fsdp 100 "${suite[@]}" --configs fsdp-ref,fsdp-1rank --budget-s 90 --out "$out/fsdp.json"
+echo "results in $out"
+exit $failed

@@ -7,8 +7,8 @@ CPU kernel, then a rounding pass; what runs where numba cannot load). The floor 
 each parameter moves over the bandwidth of a STREAM-style triad (a = b + s c, float32, torch's
 threads), measured in the same run.
 
-    python benchmarks/host_step_bench.py --json                 # 2^26 parameters
-    python benchmarks/host_step_bench.py --params 1048576 --reps 1   # a few seconds
+    python -m benchmarks.host_step_bench --json                 # 2^26 parameters
+    python -m benchmarks.host_step_bench --params 1048576 --reps 1   # a few seconds
 
 Per moment type: seconds per 10^9 parameters, bytes per parameter, and the share of the triad
 bandwidth reached (bytes x params / seconds / triad). --out writes host_step.json there.
@@ -20,19 +20,17 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from lisaft.config.schema import OptimizerSection
+from lisaft.optim import host_step
+from lisaft.optim.adamw import BLOCKSIZE, Rounding, build_unit_optimizer
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lisaft.config.schema import OptimizerSection  # noqa: E402
-from lisaft.optim import host_step  # noqa: E402
-from lisaft.optim.adamw import BLOCKSIZE, Rounding, build_unit_optimizer  # noqa: E402
 
 # Bytes one parameter moves: the bf16 weight read and written, the bf16 gradient read, each
 # moment read and written (8-bit: plus two float32 absmax per 256-element block, read and written).

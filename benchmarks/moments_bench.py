@@ -11,8 +11,8 @@ three arms advanced in lockstep over the same batches:
 
 Per arm: eval loss before and after, and the share of the float32 arm's eval-loss decrease kept.
 
-    python benchmarks/moments_bench.py                # 4 layers, 50 steps
-    python benchmarks/moments_bench.py --quick        # 2 layers, 25 steps
+    python -m benchmarks.moments_bench                # 4 layers, 50 steps
+    python -m benchmarks.moments_bench --quick        # 2 layers, 25 steps
 
 Writes moments.json into --out (default benchmarks/results/moments, or moments-quick).
 """
@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import precision_bench as pb
+from lisaft.config.schema import recipe_from_dict
+from lisaft.train import build_session, evaluate, train_step
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import precision_bench as pb  # noqa: E402
-
-from lisaft.config.schema import recipe_from_dict  # noqa: E402
-from lisaft.train import build_session, evaluate, train_step  # noqa: E402
 
 LR = 2e-5
 ARMS = {"float32": ("adamw_32bit", "float32"), "bfloat16": ("adamw_32bit", "bfloat16"),

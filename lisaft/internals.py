@@ -11,6 +11,21 @@ import torch
 # -- torch (checked against 2.13) -------------------------------------------------------------
 
 
+# The step count as the fused kernel takes it, by (step, device): a CUDA tensor made from a
+# Python number is a blocking host copy, one per chunk otherwise. The kernel only reads it.
+_STEP_TENSORS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def step_tensor(step: int, dev: torch.device) -> torch.Tensor:
+    key = (step, dev)
+    t = _STEP_TENSORS.get(key)
+    if t is None:  # CPU step threads may race here: at worst a count is made twice
+        if len(_STEP_TENSORS) >= 16:  # the last few steps' counts
+            _STEP_TENSORS.pop(next(iter(_STEP_TENSORS)), None)
+        t = _STEP_TENSORS[key] = torch.tensor(float(step), device=dev)
+    return t
+
+
 def fused_adamw_(weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *, lr: float,
                  beta1: float, beta2: float, weight_decay: float, eps: float) -> None:
     """torch's fused AdamW kernel, the one torch.optim.AdamW(fused=True) runs. The public optimizer

@@ -4,7 +4,7 @@ A checkpoint is a folder RUN/checkpoints/step-NNNNNN/ that is complete or absent
 the run's components (components.py says how each is stored; `checkpoint_components` in
 lisaft/train/session.py says which there are), and one file of its own:
 
-    COMPLETE                    written last: the file list with sizes
+    COMPLETE                    written last: the file list with sizes and xxh3-64 checksums
 
 It is written into a hidden temporary folder, every file fsynced, then renamed into place, so a
 kill leaves either the old set of checkpoints or the new one. Components that write per-unit
@@ -89,6 +89,43 @@ def is_complete(ckpt: Path) -> tuple[bool, str]:
     return True, ""
 
 
+def file_checksum(path: Path) -> str:
+    """xxh3-64 of a file's bytes: it runs at memory speed, far faster than the disk the file was
+    just written to (docs/resume.md gives the cost at 8B)."""
+    import xxhash
+
+    h, buf = xxhash.xxh3_64(), bytearray(1 << 24)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _checksums(tmp: Path, paths: list[Path], base: Path | None) -> dict[str, str]:
+    """{file: checksum} of a checkpoint being written; a file hard-linked from `base` (a frozen
+    LISA layer) keeps base's checksum instead of being read again."""
+    known = {}
+    if base is not None and (base / MARKER).is_file():
+        known = json.loads((base / MARKER).read_text()).get("xxh3_64", {})
+    sums = {}
+    for p in paths:
+        rel = str(p.relative_to(tmp))
+        old = base / rel if base is not None else None
+        same = rel in known and old is not None and old.is_file() and os.path.samefile(old, p)
+        sums[rel] = known[rel] if same else file_checksum(p)
+    return sums
+
+
+def verify_checksums(ckpt: Path) -> None:
+    """Raise naming the first file whose bytes differ from those written (a checkpoint written
+    before checksums has none to compare)."""
+    sums = json.loads((ckpt / MARKER).read_text()).get("xxh3_64", {})
+    for rel, expected in sums.items():
+        if file_checksum(ckpt / rel) != expected:
+            raise LisaftError(f"{rel} does not match the checksum written with it (changed on disk)")
+
+
 def complete_checkpoints(run_dir: Path, warn=print) -> list[Path]:
     """Complete checkpoints, newest first; incomplete or corrupt ones newer than the newest
     complete one are named in a warning."""
@@ -135,9 +172,11 @@ class Checkpointer:
         dist.barrier()
         if dist.is_main():
             _pause_for_tests(tmp)
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in paths}
+            sums = _checksums(tmp, paths, base)
             marker = tmp / MARKER
-            marker.write_text(json.dumps({"step": step, "files": files}, indent=1))
+            marker.write_text(json.dumps({"step": step, "files": files, "xxh3_64": sums}, indent=1))
             _fsync_file(marker)
             for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                 _fsync_dir(sub)
@@ -153,8 +192,10 @@ class Checkpointer:
         return final
 
     def load(self, ckpt: Path) -> None:
-        """Every component's state, in the order given. Raises OlderCheckpoint, before loading
+        """Every component's state, in the order given. Raises first on a file whose bytes are
+        not those written (checksums in the marker), then OlderCheckpoint, before loading
         anything, when the checkpoint lacks a component that is not optional."""
+        verify_checksums(ckpt)
         state = read_components(ckpt)
         for name, component in self.components.items():
             if not component.optional and not component.present(name, ckpt, state):

@@ -4,9 +4,12 @@ write can be guarded by `is_main()` from the start and data-parallel runs need n
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as torch_dist
+
+from lisaft.errors import LisaftError
 
 
 def is_initialized() -> bool:
@@ -39,18 +42,42 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
-def init_from_env() -> bool:
-    """Join the process group torchrun describes in the environment: NCCL on CUDA, gloo on CPU.
-    Returns True when this process is a rank of a torchrun launch, even of one process
-    (training.fsdp on one rank needs the group)."""
+# Rank 0 alone joins the exported model's shards and merges adapters while the other ranks wait
+# at the next collective: NCCL's default 10 minutes is less than that takes for 8B on a slow disk.
+TIMEOUT = timedelta(minutes=60)
+
+
+def local_cuda_index() -> int:
+    """The CUDA device this process drives, as CUDA numbers the devices it sees: LOCAL_RANK when
+    every GPU of the machine is visible, 0 when a launcher shows each process its own one."""
+    count = torch.cuda.device_count()
+    if count == 1 or local_rank() < count:
+        return 0 if count == 1 else local_rank()
+    raise LisaftError(f"training.device: LOCAL_RANK {local_rank()} but this process sees {count} CUDA "
+                      "devices; show each process one GPU (CUDA_VISIBLE_DEVICES) or all of them")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for a CUDA training device, gloo for the CPU, whether or not CUDA is visible."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_from_env(device: torch.device | None = None) -> bool:
+    """Join the process group torchrun describes in the environment, with the backend of the
+    training device (default: the CPU). Returns True when this process is a rank of a torchrun
+    launch, even of one process (training.fsdp on one rank needs the group)."""
     if is_initialized():
         return True
     if int(os.environ.get("WORLD_SIZE", 1)) <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu") if device is None else device
+    backend = backend_for(device)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank())
-    torch_dist.init_process_group(backend=backend)
+        torch.cuda.set_device(device)
+        # device_id binds the group to this GPU at once: no guess from the rank, no lazy init.
+        torch_dist.init_process_group(backend=backend, timeout=TIMEOUT, device_id=device)
+    else:
+        torch_dist.init_process_group(backend=backend, timeout=TIMEOUT)
     return True
 
 

@@ -42,6 +42,7 @@ class Backward:
     saved_no_logp: int  # saved activations at the start of backward
     loss_peak: int
     grads_at_loss: int
+    head_grad: int  # the head's weight gradient, formed in the loss's backward (one buffer)
     grads_in_layers: int
     step_phase: int | None  # the gradients at the optimizer step; None when there is none
     layer_transient: int  # recompute, backward's temporaries and a step inside backward
@@ -90,10 +91,12 @@ def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Residen
     chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
     backward_temp = s.batch_size * s.seq_len * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
     grads_at_loss, grads_in_layers, step_phase = _gradients(s, counts, dt, r, head_weight_trains)
+    head_grad = _head_grad(s, counts, dt, head_weight_trains)
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
     step_temp, in_bwd_step = _step_temporaries(s, counts, dt, r)
     return Backward(act=act, offload_act=offload_act, saved_no_logp=act.layers + act.outside_layers + act.packed_mask,
-                    loss_peak=loss_peak, grads_at_loss=grads_at_loss, grads_in_layers=grads_in_layers,
+                    loss_peak=loss_peak, grads_at_loss=grads_at_loss, head_grad=head_grad,
+                    grads_in_layers=grads_in_layers,
                     step_phase=step_phase, layer_transient=recompute + backward_temp + in_bwd_step,
                     step_temp=step_temp)
 
@@ -110,12 +113,16 @@ def _gradients(s: Settings, counts: ParamCounts, dt: int, r: Resident,
         # Each gradient leaves for host memory as it is completed: the one being copied out and
         # the next one being produced; the step runs on the CPU.
         return 0, 2 * r.largest * dt, None
+    grads_at_loss = r.grads_full if s.grad_accum_steps > 1 else 0
+    return grads_at_loss, max(grads_at_loss, _head_grad(s, counts, dt, head_weight_trains)), r.grads_full
+
+
+def _head_grad(s: Settings, counts: ParamCounts, dt: int, head_weight_trains: bool) -> int:
     local = counts.sharded(s.ranks) if s.fsdp else counts
     head_grad = sum(local.head) * dt if (not s.lisa or s.train_head) else 0
     if counts.tied and head_weight_trains and not s.fsdp:  # FSDP: in the root's gradient_reduce
         head_grad += sum(counts.embeddings[:1]) * dt
-    grads_at_loss = r.grads_full if s.grad_accum_steps > 1 else 0
-    return grads_at_loss, max(grads_at_loss, head_grad), r.grads_full
+    return head_grad
 
 
 def _step_temporaries(s: Settings, counts: ParamCounts, dt: int, r: Resident) -> tuple[int, int]:

@@ -16,6 +16,7 @@ path runs, for tests, but saves nothing.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,7 +32,10 @@ class _Slot:
     """One layer input: its host copy, and the device copy while it is being brought back."""
 
     host: torch.Tensor | None
-    prev: _Slot | None
+    # The layer below's slot, held weakly: each slot lives exactly as long as the autograd graph
+    # that owns it (a strong chain kept every slot, pinned copy and event of the run alive, and
+    # a forward that never ran backward kept its copies).
+    below: weakref.ref[_Slot] | None
     device_copy: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
 
@@ -43,11 +47,11 @@ class HostActivationStore:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._last: _Slot | None = None
+        self._last: weakref.ref[_Slot] | None = None
 
     def put(self, t: torch.Tensor) -> _Slot:
         if not self.cuda:
-            slot = _Slot(host=t.detach().clone(), prev=self._last)
+            slot = _Slot(host=t.detach().clone(), below=self._last)
         else:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             assert self.stream is not None
@@ -57,8 +61,8 @@ class HostActivationStore:
             # The device tensor may be freed by its owner now; its memory is not handed out
             # again until the copy queued on the side stream has read it.
             t.record_stream(self.stream)
-            slot = _Slot(host=host, prev=self._last)
-        self._last = slot
+            slot = _Slot(host=host, below=self._last)
+        self._last = weakref.ref(slot)
         return slot
 
     def prefetch(self, slot: _Slot | None) -> None:
@@ -104,7 +108,7 @@ class _OffloadedLayer(torch.autograd.Function):
     def backward(ctx, grad_out):
         store, slot = ctx.store, ctx.slot
         hidden = store.take(slot)
-        store.prefetch(slot.prev)  # the layer below is recomputed next
+        store.prefetch(slot.below() if slot.below is not None else None)  # recomputed next
         devices = [hidden.device] if hidden.is_cuda else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.cpu_rng)

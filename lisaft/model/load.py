@@ -129,7 +129,7 @@ def resolve_device(choice: str) -> torch.device:
             raise LisaftError("training.device: cuda was asked for but no CUDA device is visible")
         from lisaft.distributed import dist
 
-        return torch.device("cuda", dist.local_rank())
+        return torch.device("cuda", dist.local_cuda_index())
     return torch.device("cpu")
 
 

@@ -91,6 +91,61 @@ def _chunk_loss(hidden, targets, head, softcap):
     return cross_entropy_sum(_head_logits(hidden, head, softcap), targets)
 
 
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Sum of the cross entropy of head(hidden) [N, V] over chunks of `step` positions, with one
+    head-sized gradient buffer. Checkpointed chunks would each produce a head-sized weight
+    gradient that autograd then adds into the one it holds: two head-sized tensors alive in the
+    loss's backward (1.96 GiB for Llama-3.1-8B), and a post-accumulate-grad hook (the optimizer
+    in backward, cpu_offload's copy) fired once per chunk. Here backward recomputes each chunk's
+    logits and adds its weight gradient in place (addmm_); the hook fires once."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for i in range(0, hidden.size(0), step):
+            logits = _capped(hidden[i:i + step] @ weight.t(), softcap)
+            total += _ce_and_grad(logits, targets[i:i + step], None)[0]
+        ctx.save_for_backward(hidden, targets, weight)
+        ctx.step, ctx.softcap = step, softcap
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, targets, weight = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        for i in range(0, hidden.size(0), ctx.step):
+            h = hidden[i:i + ctx.step]
+            raw = h @ weight.t()
+            g = _ce_and_grad(_capped(raw, ctx.softcap), targets[i:i + ctx.step], grad_out)[1]
+            if ctx.softcap:  # d/dz c*tanh(z/c) = 1 - tanh(z/c)^2
+                g = (g.float() * (1 - torch.tanh(raw.float() / ctx.softcap).pow(2))).to(raw.dtype)
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[i:i + ctx.step])
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), h)
+        return grad_h, None, grad_w, None, None
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def _ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor | None):
+    """The chunk's loss sum and, given grad_out, its gradient in the logits' dtype, computed as
+    _CrossEntropySum does (float32 log-probs turned into the gradient in place)."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    valid = targets != IGNORE
+    safe = targets.masked_fill(~valid, 0)
+    if grad_out is None:
+        return -torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum(), None
+    scale = torch.where(valid, grad_out.float(), 0.0)[:, None]
+    grad = logp.exp_().mul_(scale)
+    grad.scatter_add_(1, safe[:, None], -scale)
+    return None, grad.to(logits.dtype)
+
+
 def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of every position that predicts a token, flattened, and the targets."""
     last = _sharded_last_hidden(model, batch) if _is_sharded(model) else \
@@ -128,6 +183,8 @@ def token_loss_sum(model, batch: dict) -> torch.Tensor:
     hidden, targets = _positions(model, batch)
     head, cap = model.get_output_embeddings(), _softcap(model)
     step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
+    if head.bias is None and not _is_sharded(model):  # FSDP's head must run as a module (its hooks)
+        return _ChunkedHeadLoss.apply(hidden, targets, head.weight, step, cap)
     fn = functools.partial(_chunk_loss, head=head, softcap=cap)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, hidden.size(0), step):

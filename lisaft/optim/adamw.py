@@ -132,7 +132,7 @@ def _fused_adamw(weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list, 
     in place: one pass over weight, gradient and moments, and no temporaries."""
     b1, b2 = group["betas"]
     dev = weights[0].device
-    internals.fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [torch.tensor(float(s), device=dev) for s in steps],
+    internals.fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, [internals.step_tensor(s, dev) for s in steps],
                            lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"], eps=group["eps"])
 
 

@@ -13,7 +13,8 @@ A step, for each parameter:
    are added into one host accumulator. On CUDA the copy runs on a side stream into pinned
    memory: the first micro-batch's lands in the accumulator itself, later ones in a small ring of
    pinned staging buffers that a worker thread adds into the accumulator once the copy is done,
-   so the autograd thread never waits for the CPU.
+   so the autograd thread never waits for the CPU. In every micro-batch at most 1 GiB of copies
+   is in flight: past it, backward waits for the link rather than pile up freed gradients.
 2. the step: clipping by the true global norm over the host gradients (the same clip_grad_norm
    as the device path), then the unit optimizers' step on the CPU: torch's fused AdamW kernel
    (or bitsandbytes' CPU kernels for 8-bit moments) over whole tensors or chunks, never a Python
@@ -23,10 +24,10 @@ A step, for each parameter:
    tensors and its own noise key, so the result does not depend on the order.
 3. the new weights go back to the device unit by unit on the side stream while the CPU steps the
    next unit. With `overlap` (the default) the training loop does not wait: the next
-   step's forward starts at once, and a forward pre-hook on every module waits for the unit that
-   owns the module's weights (its CPU step, then its copy's event on the compute stream), so the
-   CPU step of the upper layers runs while the GPU computes the lower ones and no forward reads
-   a half-copied weight. The loop calls `wait()` before it reads weights any other way
+   step's forward starts at once, and a forward pre-hook on each decoder layer (and on each other
+   module with weights) waits for the unit that owns them (its CPU step, then its copy's event on
+   the compute stream), so the CPU step of the upper layers runs while the GPU computes the lower
+   ones and no forward reads a half-copied weight. The loop calls `wait()` before it reads weights any other way
    (checkpoints, the final model).
 
 Accumulators and host weights keep the weight dtype: a bfloat16 gradient accumulates in bf16 on
@@ -42,13 +43,13 @@ from __future__ import annotations
 import math
 import queue
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from lisaft.config.schema import OptimizerSection
 from lisaft.model.units import Unit
@@ -87,29 +88,50 @@ class _Transfers:
         for buf in staging.split(slot_bytes):
             self.slots.put(buf)
         self.staging_bytes = staging.numel()
+        # Device->host copies queued and not yet known done, oldest first, with their bytes.
+        self.limit = STAGING_SLOTS * slot_bytes
+        self.copies: deque[tuple[torch.cuda.Event, int]] = deque()
+        self.in_flight = 0
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="lisaft-grad-add")
         self.pending: list[Future] = []
 
     def gradient(self, g: torch.Tensor, acc: torch.Tensor, add: bool) -> None:
-        """Queue acc <- g (first micro-batch) or acc += g (later ones)."""
+        """Queue acc <- g (first micro-batch) or acc += g (later ones), piece by piece, with at
+        most `limit` bytes of copies in flight in either case: a freed gradient's memory is
+        reused only once the side stream has read it, so when backward outruns the link, copies
+        queued without a bound pile freed blocks up as reserved memory toward the cap."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        if not add:
-            with torch.cuda.stream(self.stream):
-                acc.copy_(g, non_blocking=True)
-        else:
-            # Elementwise additions: piece by piece gives the whole tensor's sum, bit for bit.
-            flat_g, flat_acc = g.reshape(-1), acc.view(-1)
-            piece = self.slot_bytes // g.element_size()
-            for lo in range(0, flat_g.numel(), piece):
-                part = flat_g[lo:lo + piece]
-                buf = self.slots.get()  # blocks only while every slot still waits for its addition
-                staged = buf[: part.numel() * part.element_size()].view(g.dtype)
-                with torch.cuda.stream(self.stream):
-                    staged.copy_(part, non_blocking=True)
-                    copied = torch.cuda.Event()
-                    copied.record(self.stream)
-                self.pending.append(self.worker.submit(self._add, copied, flat_acc[lo:lo + piece], staged, buf))
+        # Elementwise: piece by piece gives the whole tensor's copy or sum, bit for bit.
+        flat_g, flat_acc = g.reshape(-1), acc.view(-1)
+        piece = self.slot_bytes // g.element_size()
+        for lo in range(0, flat_g.numel(), piece):
+            part = flat_g[lo:lo + piece]
+            if not add:
+                self._copy(flat_acc[lo:lo + piece], part)
+                continue
+            buf = self.slots.get()  # blocks only while every slot still waits for its addition
+            staged = buf[: part.numel() * part.element_size()].view(g.dtype)
+            copied = self._copy(staged, part)
+            self.pending.append(self.worker.submit(self._add, copied, flat_acc[lo:lo + piece], staged, buf))
         # The caller drops g now; its memory is reused only after the side stream has read it.
+        self._hold(g)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        """dst <- src on the side stream, once the oldest copies leave room under `limit`."""
+        nbytes = src.numel() * src.element_size()
+        while self.copies and self.in_flight + nbytes > self.limit:
+            event, n = self.copies.popleft()
+            event.synchronize()
+            self.in_flight -= n
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        self.copies.append((copied, nbytes))
+        self.in_flight += nbytes
+        return copied
+
+    def _hold(self, g: torch.Tensor) -> None:
         g.record_stream(self.stream)
 
     def _add(self, copied: torch.cuda.Event, acc: torch.Tensor, staged: torch.Tensor, buf: torch.Tensor) -> None:
@@ -123,6 +145,8 @@ class _Transfers:
             f.result()
         self.pending.clear()
         self.stream.synchronize()
+        self.copies.clear()
+        self.in_flight = 0
 
     def send(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         """Queue the weights' copies; returns the event that marks them done."""
@@ -139,31 +163,19 @@ class _Transfers:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-# Offloaded optimizers with steps in flight, for the one forward pre-hook that waits for them.
-# The hook is process-wide (every module's forward), so it is installed only while some step is
-# in flight and removed when the last one is claimed.
-_IN_FLIGHT: weakref.WeakSet[OffloadedOptimizers] = weakref.WeakSet()
-_forward_hook: RemovableHandle | None = None
+def _waiter(opts: OffloadedOptimizers, names: list[str]):
+    """A forward pre-hook that waits for `names`' steps in flight. Outside any compiled graph:
+    dynamo calls it, eagerly, even inside a layer compiled with training.compile; a hook that
+    dynamo never saw (one added after the layer was traced) would be skipped silently."""
+    ref = weakref.ref(opts)
 
+    @torch.compiler.disable
+    def hook(module: nn.Module, args) -> None:
+        o = ref()
+        if o is not None:
+            o.wait_units(names)
 
-def _wait_before_forward(module: nn.Module, args) -> None:
-    for opts in list(_IN_FLIGHT):
-        opts.wait_for_module(module)
-
-
-def _watch(opts: OffloadedOptimizers) -> None:
-    global _forward_hook
-    if _forward_hook is None:
-        _forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(_wait_before_forward)
-    _IN_FLIGHT.add(opts)
-
-
-def _unwatch(opts: OffloadedOptimizers) -> None:
-    global _forward_hook
-    _IN_FLIGHT.discard(opts)
-    if not _IN_FLIGHT and _forward_hook is not None:
-        _forward_hook.remove()
-        _forward_hook = None
+    return hook
 
 
 class OffloadedOptimizers(UnitOptimizers):
@@ -202,6 +214,7 @@ class OffloadedOptimizers(UnitOptimizers):
         self._step_pool: ThreadPoolExecutor | None = None
         self._step_pool_size = 0
         self._grad_hooks = []
+        self._forward_hooks: list = []  # wait_in_forward's; without them a step waits for itself
         for p in self._host_of:
             trains = p.requires_grad  # torch hooks only tensors that require grad; frozen units too
             p.requires_grad_(True)
@@ -279,8 +292,7 @@ class OffloadedOptimizers(UnitOptimizers):
         else:
             pool = self._pool()
             self._in_flight = {u.name: pool.submit(self._step_unit, u, opt) for u, opt in zip(units, optimizers)}
-            if self.overlap:
-                _watch(self)
+            if self.overlap and self._forward_hooks:
                 return norm
             self.wait()
         if self.transfers is not None:
@@ -315,19 +327,30 @@ class OffloadedOptimizers(UnitOptimizers):
         job = self._in_flight.pop(name, None)
         if job is None:
             return
-        if not self._in_flight:
-            _unwatch(self)
         copied = job.result()
         if copied is not None:
             torch.cuda.current_stream(self.train_device).wait_event(copied)
 
-    def wait_for_module(self, module: nn.Module) -> None:
-        """Before a forward: the units that own the module's own weights are updated and back."""
+    def wait_units(self, names: list[str]) -> None:
+        """Claim the steps in flight of the units `names` (a forward is about to read them)."""
         if self._in_flight:
-            for p in module.parameters(recurse=False):
-                name = self._unit_name.get(p)
-                if name is not None:
-                    self._wait_unit(name)
+            for name in names:
+                self._wait_unit(name)
+
+    def wait_in_forward(self, model: nn.Module, layers: nn.ModuleList) -> None:
+        """Let the next step's forward start before the CPU step ends (`overlap`): a pre-hook on
+        each decoder layer waits for its unit, one on each other module with weights for theirs.
+        Registered before the first forward, on the layer itself, so a layer compiled by
+        training.compile calls it too (tests/unit/test_cpu_offload.py counts the waits)."""
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        for layer in layers:
+            names = sorted({self._unit_name[p] for p in layer.parameters() if p in self._unit_name})
+            if names:
+                self._forward_hooks.append(layer.register_forward_pre_hook(_waiter(self, names)))
+        for module in model.modules():
+            names = sorted({self._unit_name[p] for p in module.parameters(recurse=False) if p in self._unit_name})
+            if names and id(module) not in inside:
+                self._forward_hooks.append(module.register_forward_pre_hook(_waiter(self, names)))
 
     def wait(self) -> None:
         """Every step in flight is done and its weights are back on the device."""

@@ -20,16 +20,15 @@ from lisaft.train.session import build_session
 
 
 def _in_process_group(fn):
-    """Run a command inside the torchrun process group when launched by torchrun."""
+    """Run a command inside the torchrun process group when launched by torchrun: the session
+    joins it once it knows the training device (build_session), this leaves it."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        joined = dist.init_from_env()
         try:
             return fn(*args, **kwargs)
         finally:
-            if joined:
-                dist.shutdown()
+            dist.shutdown()
 
     return wrapper
 

@@ -20,12 +20,31 @@ from lisaft.train.session import Session
 
 
 def checkpoints_to_try(run_dir: Path, recipe_file: Path) -> list[Path]:
-    """Complete checkpoints, newest first; refuses when there is none."""
-    candidates = complete_checkpoints(run_dir, warn=warn)
+    """Complete checkpoints, newest first, whose recipe.json and state.json read (the resume's
+    checks read them before any set-up); one line for each skipped; refuses when none is left."""
+    candidates = []
+    for ckpt in complete_checkpoints(run_dir, warn=warn):
+        bad = _unreadable(ckpt)
+        if bad is None:
+            candidates.append(ckpt)
+        else:
+            warn(f"skipping checkpoint {ckpt.name}: {bad}")
     if not candidates:
         raise LisaftError(f"{run_dir}: no complete checkpoint to resume from; start over with "
                           f"`lisaft train {recipe_file} --overwrite`")
     return candidates
+
+
+def _unreadable(ckpt: Path) -> str | None:
+    """Why the checkpoint's recipe.json or state.json cannot be read (bytes garbled in place keep
+    the size the completeness check compares), or None."""
+    for name, read in (("recipe.json", lambda: saved_recipe(ckpt)),
+                       ("state.json", lambda: (read_components(ckpt), saved_world_size(ckpt)))):
+        try:
+            read()
+        except (OSError, ValueError, LisaftError, KeyError, TypeError, AttributeError) as e:
+            return f"{name} cannot be read ({first_line(e)})"
+    return None
 
 
 # A resume on another number of ranks may change these, as long as the global batch stays.

@@ -136,9 +136,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     from lisaft.model.units import model_units
 
     t = recipe.training
+    device = resolve_device(t.device)
+    dist.init_from_env(device)  # a torchrun launch: the backend of the training device
     parallel = choose(recipe)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
-    device = resolve_device(t.device)
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)
     if tokenizer is None:
@@ -147,6 +148,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     model, parts = _model(recipe, parallel, device)
     units = model_units(parts)
     optimizers = parallel.optimizers(units, device, run_dir)
+    if hasattr(optimizers, "wait_in_forward"):  # cpu_offload, before the first forward traces a layer
+        optimizers.wait_in_forward(model, parts.layers)
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed, check_agreement=parallel.layer_agreement())
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),

@@ -206,7 +206,7 @@ def test_advice_proposes_the_smallest_combination_that_fits_and_lists_all_of_it(
 
 def test_long_context_advice_knows_offloading_before_cutting_the_context():
     recipe = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
-    out = _advice(str(recipe), "--gpu", "rtx-4090", "--seq-len", "8192")
+    out = _advice(str(recipe), "--gpu", "rtx-4090", "--seq-len", "8192", "--set", "model.offload_activations=false")
     keys = [set(a["set"]) for a in out["advice"]]
     first_fit = next(i for i, a in enumerate(out["advice"]) if a["fits"])
     assert "model.offload_activations" in keys[first_fit] and "data.max_seq_len" not in keys[first_fit]

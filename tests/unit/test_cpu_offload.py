@@ -29,13 +29,19 @@ MAX_NORM = 0.5  # small enough that the tiny model's gradients are clipped
 
 
 def setup(tmp_path, offload: bool, name="adamw_32bit", dtype=torch.float32, lisa=False, sparse=False,
-          moments="float32"):
+          moments="float32", compiled=False):
     model = _tiny(0, 4).to(dtype)
     model.get_input_embeddings().sparse = sparse
+    layers = model_parts(model).layers
+    if compiled:  # as training.compile does (lisaft.model.load.compile_layers), with no C++ compiler
+        for layer in layers:
+            layer.compile(backend="eager")
     units = model_units(model_parts(model))
     section = OptimizerSection(name=name, lr=1e-3, weight_decay=0.1, cpu_offload=offload, moments_dtype=moments)
     cls = OffloadedOptimizers if offload else UnitOptimizers
     opts = cls(units, section, CPU, tmp_path / ("off" if offload else "dev"), seed=3)
+    if offload:
+        opts.wait_in_forward(model, layers)  # as the session does, before the first forward
     ctrl = LisaController(units, opts, LisaSection(enabled=lisa, active_layers=2, interval_steps=2), seed=3)
     return SimpleNamespace(model=model, opts=opts, ctrl=ctrl, offload=offload)
 
@@ -228,29 +234,97 @@ def test_overlapped_steps_give_the_same_run(tmp_path, monkeypatch, name, lisa):
     assert_same(dev, off)
 
 
-def test_the_global_forward_hook_lives_only_while_a_step_is_in_flight(tmp_path, monkeypatch):
-    # Every module's forward in the process runs a global pre-hook: it is there from an
-    # overlapped step until that step's last unit is claimed, and gone after.
-    import threading
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_next_forward_waits_for_every_unit_in_flight(tmp_path, compiled):
+    """training.compile with cpu_offload: a wait that dynamo never calls inside a compiled layer
+    lets a forward read weights the copy back is still writing. The forward after an overlapped
+    step must claim every unit's step, compiled layers or not, and give the eager run's losses."""
+    torch._dynamo.reset()
+    dev = setup(tmp_path, False)
+    off = setup(tmp_path, True, compiled=compiled)
+    off.opts.step_threads = 2
+    waited: list[str] = []
+    wait_unit = off.opts._wait_unit
 
-    from torch.nn.modules import module as torch_module
+    def counted(name):
+        if name in off.opts._in_flight:
+            waited.append(name)
+        wait_unit(name)
 
-    from lisaft.optim import adamw as optim
+    off.opts._wait_unit = counted
+    for step in range(3):
+        assert train_step(dev, step) == pytest.approx(train_step(off, step), rel=1e-5)
+        assert set(off.opts._in_flight) == set(off.opts.units)
+        waited.clear()
+        with torch.no_grad():
+            x = torch.arange(12).view(1, 12)
+            assert torch.allclose(off.model(input_ids=x).logits, dev.model(input_ids=x).logits, atol=1e-5)
+        assert sorted(waited) == sorted(off.opts.units) and not off.opts._in_flight
+    torch._dynamo.reset()
+
+
+class _Copy:
+    """A stand-in CUDA event for a copy the link has not finished until someone waits for it:
+    the worst case, a backward that outruns the link."""
+
+    queued: list[_Copy] = []
+
+    def __init__(self):
+        self.done, self.nbytes = False, 0
+        _Copy.queued.append(self)
+
+    def record(self, stream):
+        pass
+
+    def synchronize(self):
+        self.done = True
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_gradient_bytes_in_flight_are_bounded_in_every_micro_batch(monkeypatch, accum):
+    """The copies of a CUDA backward (logic run on CPU with stand-in streams and events): at no
+    time, in the first micro-batch or a later one, do more than `limit` bytes wait for the link,
+    and each accumulator ends as the sum of its gradients."""
+    import contextlib
+
     from lisaft.optim import cpu_offload
 
-    release = threading.Event()
-    step = optim.AdamW.step
+    class Stream:
+        def wait_stream(self, other):
+            pass
 
-    def held_step(self, *args, **kwargs):
-        release.wait(10)  # in flight until the test lets it finish
-        return step(self, *args, **kwargs)
+        def synchronize(self):
+            for c in _Copy.queued:
+                c.synchronize()
 
-    monkeypatch.setattr(optim.AdamW, "step", held_step)
-    off = setup(tmp_path, True)
-    hooks = set(torch_module._global_forward_pre_hooks)
-    run(off, 0, 1)
-    assert off.opts._in_flight and cpu_offload._forward_hook is not None
-    assert set(torch_module._global_forward_pre_hooks) - hooks == {cpu_offload._forward_hook.id}
-    release.set()
-    off.opts.wait()
-    assert cpu_offload._forward_hook is None and set(torch_module._global_forward_pre_hooks) == hooks
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Copy)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(cpu_offload._Transfers, "_hold", lambda self, g: None)
+    monkeypatch.setattr(cpu_offload, "STAGING_SLOTS", 2)
+    _Copy.queued = []
+    t = cpu_offload._Transfers(torch.device("cuda"), slot_bytes=256)
+    copy, peak = t._copy, [0]
+
+    def counted(dst, src):
+        event = copy(dst, src)
+        event.nbytes = src.numel() * src.element_size()
+        peak[0] = max(peak[0], sum(c.nbytes for c in _Copy.queued if not c.done))
+        return event
+
+    monkeypatch.setattr(t, "_copy", counted)
+    grads = [[torch.randn(n) for n in (300, 40, 1000, 64)] for _ in range(accum)]
+    accs = [torch.zeros(n) for n in (300, 40, 1000, 64)]
+    for m, micro in enumerate(grads):
+        for g, acc in zip(micro, accs):
+            t.gradient(g, acc, add=m > 0)
+    t.drain()
+    assert 0 < peak[0] <= t.limit == 512  # 16 KiB of gradients queued, never more than 512 B
+    for i, acc in enumerate(accs):
+        expect = grads[0][i].clone()
+        for micro in grads[1:]:
+            expect += micro[i]
+        assert torch.equal(acc, expect)

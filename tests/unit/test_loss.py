@@ -100,3 +100,61 @@ def test_cross_entropy_sum_refuses_a_second_backward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward"):
         loss.backward()
+
+
+class _LiveOfShape:
+    """Counts the distinct storages of tensors of one shape that ops produce and that are alive
+    at once: the head-sized gradients a backward holds, as measured, not as estimated."""
+
+    def __init__(self, shape):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.saw(out)
+                return out
+
+        self.shape, self.live, self.peak, self.mode = tuple(shape), {}, 0, Mode()
+
+    def saw(self, out):
+        import weakref
+
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and id(t) not in self.live:
+                self.live[id(t)] = t.untyped_storage().data_ptr()
+                weakref.finalize(t, self.live.pop, id(t), None)
+        self.peak = max(self.peak, len(set(self.live.values())))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_chunked_loss_forms_one_head_gradient_as_the_estimator_counts(dtype, monkeypatch):
+    """Checkpointed chunks held two head-sized gradients in the loss's backward (each chunk's,
+    and the sum autograd keeps); lisaft's chunked loss holds one, the estimator's term. The
+    gradients stay the plain loss's, in float32 and bfloat16."""
+    from lisaft.memory.estimate import Settings, compute
+
+    model, batch = _model("llama").to(dtype), _batch()
+    model.model.embed_tokens.weight.requires_grad_(False)  # its gradient has the head's shape
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits_loss_sum(logits, batch["labels"]).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_ELEMENTS", 512 * 5)  # 10 chunks of 5 positions
+    head = model.get_output_embeddings().weight
+    live = _LiveOfShape(head.shape)
+    loss = token_loss_sum(model, batch)
+    with live.mode:
+        loss.backward()
+    assert live.peak == 1
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.05, atol=2e-2)
+    for n, g in plain.items():
+        assert torch.allclose(model.get_parameter(n).grad.float(), g.float(), **tol), n
+    est = compute(Settings(model_label="t", config=model.config, dtype=str(dtype).split(".")[1], lisa=False,
+                           optimizer="adamw_32bit", gradient_checkpointing=False, seq_len=24, batch_size=2,
+                           attention="eager", device="cpu"))
+    final_norm = model.model.norm.weight
+    measured = live.peak * head.numel() * head.element_size() + final_norm.numel() * final_norm.element_size()
+    assert est.phase_components["loss_backward"]["gradients"] == measured

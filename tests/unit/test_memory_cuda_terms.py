@@ -27,11 +27,12 @@ RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
 
 
 def _recipe(*overrides, path=RECIPE):
-    return load_recipe(path, list(overrides))
+    # The measurements below predate the recipe's model.offload_activations: the same process.
+    return load_recipe(path, ["model.offload_activations=false", *overrides])
 
 
 @pytest.mark.parametrize("overrides,nvml_gib", [
-    ((), 23.32),  # the recipe as shipped
+    ((), 23.32),  # the recipe as shipped then
     (("lisa.enabled=false", "optimizer.in_backward=true", "training.max_grad_norm=null"), 35.63),
 ])
 def test_within_3_percent_of_the_measured_nvml_peaks(overrides, nvml_gib):

@@ -67,6 +67,33 @@ def test_layer_inputs_go_through_the_store_and_are_released(monkeypatch):
     assert all(slot.host is None for slot in puts)  # nothing left behind after backward
 
 
+def test_slots_are_freed_with_their_graph(monkeypatch):
+    """Each slot (its host copy, its event) lives as long as the graph that owns it: after a
+    backward, and after a grad-enabled forward whose output is dropped without one."""
+    import gc
+    import weakref
+
+    model = _checkpointed(True)
+    slots: list[weakref.ref] = []
+    orig_put = HostActivationStore.put
+
+    def put(self, t):
+        slot = orig_put(self, t)
+        slots.append(weakref.ref(slot))
+        return slot
+
+    monkeypatch.setattr(HostActivationStore, "put", put)
+    ids = torch.randint(0, 128, (1, 16))
+    for backward in (True, False, True):
+        loss = model(input_ids=ids, labels=ids).loss
+        if backward:
+            loss.backward()
+        del loss
+        gc.collect()
+        assert len(slots) == 4 and all(ref() is None for ref in slots), backward
+        slots.clear()
+
+
 def test_no_offload_without_checkpointing():
     model = tiny()
     with pytest.raises(RuntimeError, match="gradient checkpointing"):

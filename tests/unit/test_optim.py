@@ -298,3 +298,20 @@ def test_the_estimators_chunk_buffer_rule_is_what_the_step_does(monkeypatch, nam
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     train(model, opt, 1)
     assert any(copies) == optim.holds_chunk_buffers(torch.finfo(dtype).bits // 8)
+
+
+def test_the_fused_kernels_step_count_is_made_once_per_step(monkeypatch):
+    """A CUDA step tensor made from a Python number is a blocking host copy: made per chunk it
+    synced the host with the device once per chunk. One per (step, device), reused."""
+    from lisaft import internals
+
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(internals, "_STEP_TENSORS", {})
+    monkeypatch.setattr(internals.torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    cpu = torch.device("cpu")
+    first = [internals.step_tensor(3, cpu) for _ in range(50)]
+    assert len(made) == 1 and all(t is first[0] for t in first) and float(first[0]) == 3.0
+    for step in range(4, 40):
+        assert float(internals.step_tensor(step, cpu)) == step
+    assert len(internals._STEP_TENSORS) <= 16  # the last few steps only

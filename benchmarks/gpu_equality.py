@@ -1,0 +1,198 @@
+"""CUDA equality checks of the GPU suite: the paths no CPU test executes (cpu_offload's side
+stream and pinned staging, activation offload's copies, FlashAttention's varlen kernel, a
+compiled layer waiting for the CPU step) against the path they must equal, on a tiny Llama.
+
+  offload-vs-resident   optimizer.cpu_offload against the optimizer on the device, 3 steps of 2
+                        micro-batches, float32: the CPU's AdamW is not the GPU's, so to 1e-5
+  activation-offload    model.offload_activations against plain checkpointing: bit for bit
+  packed-sdpa / packed-varlen   one step over packed rows against the same examples unpacked,
+                        with sdpa (float32, 1e-4) and FlashAttention 2's varlen path (bf16, 2e-2)
+  compile-offload       training.compile with cpu_offload against eager with cpu_offload (1e-4)
+
+Each check's result goes into --out as soon as it ends. --dry-run: the same checks on CPU (the
+compiled layer with dynamo's eager backend, no C++ compiler needed; varlen is skipped without
+flash-attn).
+
+    python -m benchmarks.gpu_equality --out benchmarks/results/gpu/equality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tiny(device, dtype, seed=0, attention="sdpa", layers=4):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, use_cache=False, attn_implementation=attention)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def _diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _offload_run(device, offload: bool, compiled: bool, tmp: Path) -> tuple[list[float], dict]:
+    """3 steps of 2 micro-batches with clipping, as the trainer's step does them."""
+    import torch
+
+    from lisaft.config.schema import LisaSection, OptimizerSection
+    from lisaft.lisa import LisaController
+    from lisaft.model.load import model_parts
+    from lisaft.model.units import model_units
+    from lisaft.optim.adamw import clip_grad_norm
+    from lisaft.optim.cpu_offload import OffloadedOptimizers
+    from lisaft.optim.unit_optimizers import UnitOptimizers
+
+    model = _tiny(device, torch.float32)
+    layers = model_parts(model).layers
+    if compiled:
+        for layer in layers:
+            layer.compile(**({} if device.type == "cuda" else {"backend": "eager"}))
+    units = model_units(model_parts(model))
+    section = OptimizerSection(name="adamw_32bit", lr=1e-3, weight_decay=0.1, cpu_offload=offload)
+    opts = (OffloadedOptimizers if offload else UnitOptimizers)(units, section, device, tmp / f"{offload}{compiled}",
+                                                                seed=3)
+    if offload:
+        opts.step_threads = 2
+        opts.wait_in_forward(model, layers)
+    ctrl = LisaController(units, opts, LisaSection(enabled=False), seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = []
+    for step in range(3):
+        ctrl.activate_for_step(step)
+        opts.set_lr(1e-3, step)
+        total = 0.0
+        for m in range(2):
+            x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(10 * step + m)).to(device)
+            loss = model(input_ids=x, labels=x).loss / 2
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if offload:
+            opts.clip_and_step(ctrl.trainable_units(), 0.5, measure_norm=True)
+        else:
+            clip_grad_norm([p for u in units for p in u.params], 0.5)
+            opts.step(ctrl.trainable_units())
+    if offload:
+        opts.wait()
+    moved = all(not torch.equal(start[n], p) for n, p in model.named_parameters())
+    assert moved, "a parameter did not move: the check would compare nothing"
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_offload(device, tmp: Path, compiled_vs_eager: bool = False) -> dict:
+    if compiled_vs_eager:
+        ref_l, ref_w = _offload_run(device, True, False, tmp)
+        got_l, got_w = _offload_run(device, True, True, tmp)
+        tol = 1e-4
+    else:
+        ref_l, ref_w = _offload_run(device, False, False, tmp)
+        got_l, got_w = _offload_run(device, True, False, tmp)
+        tol = 1e-5
+    loss_rel = max(abs(a - b) / abs(a) for a, b in zip(ref_l, got_l))
+    weight_diff = max(_diff(ref_w[n], got_w[n]) for n in ref_w)
+    return {"ok": loss_rel <= tol and weight_diff <= tol, "tolerance": tol, "loss_max_rel_diff": loss_rel,
+            "weight_max_abs_diff": weight_diff}
+
+
+def check_activation_offload(device, tmp: Path) -> dict:
+    import torch
+
+    from lisaft.model.activation_offload import enable_offloaded_checkpoints
+
+    results = []
+    for offload in (False, True):
+        model = _tiny(device, torch.bfloat16, seed=1)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if offload:
+            enable_offloaded_checkpoints(model.model.layers, device)
+        ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0)).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    same = bool(torch.equal(l0, l1)) and all(torch.equal(g0[n], g1[n]) for n in g0)
+    return {"ok": same, "tolerance": "bit for bit", "grad_max_abs_diff": max(_diff(g0[n], g1[n]) for n in g0)}
+
+
+def check_packed(device, tmp: Path, attention: str) -> dict:
+    import importlib.util
+
+    import numpy as np
+    import torch
+
+    from lisaft.data.collate import IGNORE_INDEX, collate
+    from lisaft.data.packing import pack_examples
+    from lisaft.model.loss import token_loss_sum
+
+    if attention == "flash_attention_2" and (device.type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+        return {"skipped": "flash-attn not installed or no CUDA device"}
+    dtype, tol = (torch.float32, 1e-4) if attention == "sdpa" else (torch.bfloat16, 2e-2)
+    rng = np.random.default_rng(1)
+    docs = []
+    for n in (9, 5, 12, 7, 3, 10, 14, 6):
+        ids = rng.integers(3, 128, n).tolist()
+        docs.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (n // 4) + ids[n // 4:]})
+    out = []
+    for rows in (docs, pack_examples(docs, 32, seed=0).rows):
+        model = _tiny(device, dtype, attention=attention).train()
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate(rows, pad_id=0).items()}
+        n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        loss = token_loss_sum(model, batch)
+        (loss / n).backward()
+        out.append((loss.item() / n, {k: p.grad for k, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = out
+    rel = abs(l0 - l1) / abs(l0)
+    grad = max(_diff(g0[k], g1[k]) for k in g0)
+    return {"ok": rel <= tol and grad <= tol, "tolerance": tol, "loss_rel_diff": rel, "grad_max_abs_diff": grad}
+
+
+CHECKS = {
+    "offload-vs-resident": lambda d, t: check_offload(d, t),
+    "activation-offload": check_activation_offload,
+    "packed-sdpa": lambda d, t: check_packed(d, t, "sdpa"),
+    "packed-varlen": lambda d, t: check_packed(d, t, "flash_attention_2"),
+    "compile-offload": lambda d, t: check_offload(d, t, compiled_vs_eager=True),
+}
+
+
+def main(argv=None) -> int:
+    import tempfile
+
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="on CPU")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    results: dict = {"device": str(device), "checks": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, check in CHECKS.items():
+            start = time.perf_counter()
+            try:
+                r = check(device, Path(tmp))
+            except Exception as e:  # one failing check must not lose the others' results
+                r = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+            r["seconds"] = round(time.perf_counter() - start, 2)
+            results["checks"][name] = r
+            print(f"{name}: {json.dumps(r)}", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+    return 0 if all(r.get("ok", True) for r in results["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

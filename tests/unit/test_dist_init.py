@@ -1,0 +1,56 @@
+"""Joining torchrun's process group: the backend follows training.device (gloo for the CPU even
+where CUDA is visible), NCCL is bound to the GPU this process sees (device_id), and the group's
+timeout covers rank 0's work alone (the export's join)."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+from lisaft.distributed import dist
+from lisaft.errors import LisaftError
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    calls: list[dict] = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist.torch_dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append({"set_device": d}))
+    return calls
+
+
+def test_a_cpu_run_uses_gloo_even_where_cuda_is_visible(launched):
+    assert dist.init_from_env(torch.device("cpu"))
+    assert launched == [{"backend": "gloo", "timeout": dist.TIMEOUT}]
+    assert dist.TIMEOUT >= timedelta(minutes=30)  # NCCL's default 10 minutes would not cover the join
+
+
+def test_a_cuda_run_binds_nccl_to_its_device(launched):
+    gpu = torch.device("cuda", 1)
+    assert dist.init_from_env(gpu)
+    assert launched == [{"set_device": gpu}, {"backend": "nccl", "timeout": dist.TIMEOUT, "device_id": gpu}]
+
+
+def test_not_launched_joins_nothing(launched, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not dist.init_from_env(torch.device("cpu")) and launched == []
+
+
+@pytest.mark.parametrize("count, local, index", [(8, 3, 3), (1, 3, 0), (2, 1, 1)])
+def test_the_local_index_is_the_one_cuda_sees(monkeypatch, count, local, index):
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert dist.local_cuda_index() == index
+
+
+def test_a_rank_without_its_gpu_is_one_line(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(LisaftError, match="LOCAL_RANK 3") as e:
+        dist.local_cuda_index()
+    assert "\n" not in str(e.value)
