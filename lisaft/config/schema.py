@@ -33,7 +33,8 @@ from lisaft.errors import LisaftError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
-OptimizerName = Literal["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
+OptimizerName = Literal["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "apollo", "apollo_mini"]
+APOLLO_NAMES = ("apollo", "apollo_mini")
 StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -233,6 +234,18 @@ class OptimizerSection(_Section):
         description="How bfloat16 weights take an update: stochastic rounding (updates below half "
         "a bf16 step still land on average) or round-to-nearest (drops them; for comparison).",
     )
+    rank: Int | None = Field(
+        None, ge=1, description="apollo: rank r of the random projection of each decoder matrix's gradient "
+        "(null: 256, the paper's; capped at the matrix's smaller side). apollo_mini is rank 1. docs/optimizers.md")
+    scale: Float | None = Field(
+        None, gt=0.0, description="apollo, apollo_mini: factor α on the scaled gradient (null: 1 for apollo, "
+        "sqrt(128) for apollo_mini, the paper's).")
+    update_proj_gap: Int = Field(
+        200, ge=1, description="apollo, apollo_mini: optimizer steps between refreshes of the random projection "
+        "(T; the paper's 200).")
+    scale_type: Literal["channel", "tensor"] | None = Field(
+        None, description="apollo: channel (one factor per row or column of the gradient) or tensor (one per "
+        "matrix); null: channel. apollo_mini is tensor.")
 
     @field_validator("lr")
     @classmethod
@@ -240,6 +253,16 @@ class OptimizerSection(_Section):
         if v <= 0:
             raise ValueError("must be > 0")
         return v
+
+    @model_validator(mode="after")
+    def _apollo_mini_is_rank_one(self) -> OptimizerSection:
+        if self.name == "apollo_mini" and self.rank not in (None, 1):
+            raise ValueError("optimizer.rank: apollo_mini is rank 1 by definition; for another rank use "
+                             "optimizer.name apollo")
+        if self.name == "apollo_mini" and self.scale_type not in (None, "tensor"):
+            raise ValueError("optimizer.scale_type: apollo_mini scales each matrix by one factor (tensor); "
+                             "for channel scaling use optimizer.name apollo")
+        return self
 
 
 class SchedulerSection(_Section):
@@ -370,6 +393,8 @@ class Recipe(_Section):
                 "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the "
                 "step on the CPU no gradient stays on the device anyway; set in_backward false"
             )
+        if self.optimizer.name in APOLLO_NAMES:
+            self._apollo_combinations()
         if self.optimizer.in_backward:
             if self.training.grad_accum_steps > 1:
                 raise ValueError(
@@ -383,6 +408,15 @@ class Recipe(_Section):
                     "training.max_grad_norm: null"
                 )
         return self
+
+    def _apollo_combinations(self) -> None:
+        name = self.optimizer.name
+        if self.optimizer.cpu_offload:
+            raise ValueError(f"optimizer.name {name} cannot be combined with optimizer.cpu_offload: its state is "
+                             "a few MiB and steps on the GPU; set cpu_offload false")
+        if self.training.fsdp:
+            raise ValueError(f"optimizer.name {name} cannot be combined with training.fsdp: the projection needs "
+                             "each matrix's whole gradient and a rank holds a slice; use data parallel")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
