@@ -15,6 +15,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from lisaft.memory.apollo_state import is_apollo
 from lisaft.memory.estimate import Estimate, Settings, compute
 from lisaft.memory.optimizer_state import OPTIMIZERS
 
@@ -75,7 +76,7 @@ def _step_options(s: Settings) -> list[Option]:
         out.append(Option({"optimizer.in_backward": True, "training.max_grad_norm": None},
                           "no full gradient set resident (and no clipping)",
                           {"in_backward": True, "clipping": False}, CHANGES_TRAINING))
-    if not s.cpu_offload and s.device == "cuda":
+    if not s.cpu_offload and s.device == "cuda" and not is_apollo(s.optimizer):
         keys = {"optimizer.cpu_offload": True}
         fields = {"cpu_offload": True, "in_backward": False, "clipping": s.clipping or s.in_backward}
         if s.in_backward:
@@ -162,11 +163,34 @@ def advice(est: Estimate, layer_count: int) -> list[Change]:
         fitting = [c for c in every if c.estimate.fits]
         if fitting:
             changes.append(_smallest(fitting))
+    every_weight = _every_weight(s)
+    if not est.fits and every_weight is not None and every_weight.estimate.fits:
+        changes.append(every_weight)
     seq = largest_fitting(s, "seq_len")
     if not est.fits and seq and seq < s.seq_len:
         changes.append(Change({"data.max_seq_len": seq}, "largest sequence length that fits",
                               compute(s.with_(seq_len=seq))))
     return changes
+
+
+def _every_weight(s: Settings) -> Change | None:
+    """Full fine-tuning that does not fit as asked: every weight still trains, on the device, with
+    APOLLO-Mini's rank-1 moments and the step in backward (recipes/llama3.1-8b-apollo-24gb.yaml's
+    way). Not under LISA (the user chose to train some layers), nor under training.fsdp."""
+    if s.lisa or s.fsdp or is_apollo(s.optimizer):
+        return None
+    keys = {"optimizer.name": "apollo_mini", "optimizer.in_backward": True, "training.max_grad_norm": None}
+    fields = {"optimizer": "apollo_mini", "in_backward": True, "clipping": False, "cpu_offload": False,
+              "grad_accum_steps": 1}
+    if s.cpu_offload:
+        keys["optimizer.cpu_offload"] = False
+    if s.grad_accum_steps > 1:  # in backward, each micro-batch is a step
+        keys["training.grad_accum_steps"] = 1
+    if not s.gradient_checkpointing:
+        keys["model.gradient_checkpointing"] = fields["gradient_checkpointing"] = True
+    why = ("every weight trains, on the GPU: APOLLO-Mini's rank-1 moments, the step in backward "
+           "(recipes/llama3.1-8b-apollo-24gb.yaml; docs/optimizers.md)")
+    return Change(keys, why, compute(s.with_(**fields)), CHANGES_TRAINING)
 
 
 # Process counts offered for training.fsdp, fewest first.

@@ -20,11 +20,13 @@ from lisaft.memory.advice import (
     leanest,
     optimizer_grid,
 )
+from lisaft.memory.apollo_state import APOLLO_OPTIMIZERS, is_apollo
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
 from lisaft.memory.optimizer_state import OPTIMIZERS
+from lisaft.optim.apollo import ApolloSettings
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
 DEFAULT_BUDGET = "24GiB"
@@ -92,7 +94,8 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         gradient_checkpointing=recipe.model.gradient_checkpointing,
         offload_activations=recipe.model.offload_activations,
         mlp_chunk_tokens=recipe.model.mlp_chunk_tokens,
-        optimizer=recipe.optimizer.name, in_backward=recipe.optimizer.in_backward,
+        optimizer=recipe.optimizer.name, apollo_rank=ApolloSettings.of(recipe.optimizer).rank,
+        in_backward=recipe.optimizer.in_backward,
         cpu_offload=recipe.optimizer.cpu_offload, host_budget_bytes=host_ram_bytes(),
         bf16_update=recipe.optimizer.bf16_update,
         sparse_embedding_grad=recipe.model.sparse_embedding_grad,
@@ -158,7 +161,7 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
                    fsdp: bool | None = None, ranks: int | None = None) -> Settings:
     """Recipe values (after --set) first, each flag given on the command line overriding its key."""
     _check_choice("--device", device, ("cuda", "cpu"))
-    _check_choice("--optimizer", optimizer, OPTIMIZERS)
+    _check_choice("--optimizer", optimizer, OPTIMIZERS + APOLLO_OPTIMIZERS)
     _check_choice("--attention", attention, _ATTENTION)
     _check_choice("--dtype", dtype, tuple(DTYPE_BYTES))
     if lisa_layers is not None and no_lisa:
@@ -207,6 +210,9 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
                           "no gradient stays on the device anyway")
     if s.in_backward and s.grad_accum_steps > 1:
         raise LisaftError("--in-backward cannot be combined with training.grad_accum_steps > 1")
+    if s.cpu_offload and is_apollo(s.optimizer):
+        raise LisaftError(f"--cpu-offload cannot be combined with optimizer.name {s.optimizer}: its state is a few "
+                          "MiB and steps on the GPU")
     layers = param_counts(s.config, s.layers_path).layer_count
     if s.lisa and s.active_layers_auto:
         chosen = largest_fitting_layers(s, layers)
@@ -229,6 +235,9 @@ def check_ranks(s: Settings, ranks: int | None) -> None:
     if ranks is None:
         raise LisaftError("training.fsdp: give --ranks N, the number of processes (torchrun --nproc-per-node N): "
                           "the estimate is one rank's")
+    if is_apollo(s.optimizer):
+        raise LisaftError(f"optimizer.name {s.optimizer} cannot be combined with training.fsdp: the projection "
+                          "needs each matrix's whole gradient and a rank holds a slice")
     if s.optimizer.startswith("paged_"):
         raise LisaftError(f"optimizer.name {s.optimizer} is not supported with training.fsdp; use "
                           f"--optimizer {s.optimizer.removeprefix('paged_')} (or adamw_32bit)")

@@ -21,6 +21,7 @@ from lisaft.memory.activations import (
     offloaded_host_bytes,
     shape_from_config,
 )
+from lisaft.memory.apollo_state import apollo_state, apollo_step_temporaries, is_apollo
 from lisaft.memory.counts import ParamCounts, param_counts
 from lisaft.memory.cuda_process import (
     CUDA_CONTEXT_BYTES,
@@ -70,6 +71,7 @@ class Settings:
     offload_activations: bool = False  # checkpointed layer inputs kept in pinned host memory
     mlp_chunk_tokens: int | None = None  # MLP run in checkpointed chunks of this many positions
     optimizer: str = "adamw_32bit"
+    apollo_rank: int = 256  # optimizer.rank for apollo (apollo_mini is rank 1)
     bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
     sparse_embedding_grad: bool = True  # model.sparse_embedding_grad (single process)
     in_backward: bool = False
@@ -225,7 +227,10 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     weights = _weight_bytes(local, dt)
     sparse_saving = sparse_embedding_saving(local, shape, s, dt)
     grads_full = sum(trainable) * dt - sparse_saving
-    state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device)
+    if is_apollo(s.optimizer):
+        state = apollo_state(local, s, dt)
+    else:
+        state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device)
     largest = max(trainable) if trainable else 0
     # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
     offload = s.cpu_offload and s.device == "cuda"
@@ -274,7 +279,12 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         step_phase = grads_full
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
     sparse_numel = counts.embeddings[0] if sparse_saving else 0
-    step_temp = 0 if offload else step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
+    if offload:
+        step_temp = 0
+    elif is_apollo(s.optimizer):
+        step_temp = apollo_step_temporaries(local, s, dt, sparse_numel)
+    else:
+        step_temp = step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
     in_bwd_step = step_temp if s.in_backward else 0
     if s.fsdp:
         # The norm of the slices comes before the update: the larger of the two.

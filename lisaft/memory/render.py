@@ -174,7 +174,7 @@ def explain_lines(est: Estimate) -> Text:
 def advice_table(changes: list[Change]) -> Table:
     t = Table(title="What brings it under", title_justify="left")
     t.add_column("change (recipe keys; --set key=value)")
-    t.add_column("why", style="dim")
+    t.add_column("why", style="dim", overflow="fold")  # a recipe path stays readable
     t.add_column("total", justify="right")
     t.add_column("fits")
     for c in changes:
