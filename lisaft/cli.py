@@ -106,7 +106,7 @@ def estimate_memory(
                                         help="Catalogue name (llama-3.1-8b), folder or hub id."),
     optimizer: Optional[str] = typer.Option(
         None, "--optimizer", metavar="NAME",
-        help="adamw_32bit, adamw_8bit, paged_adamw_32bit or paged_adamw_8bit."),
+        help="adamw_32bit, adamw_8bit, paged_adamw_32bit, paged_adamw_8bit, apollo or apollo_mini."),
     lisa_layers: Optional[int] = typer.Option(None, "--lisa-layers", metavar="N",
                                               help="LISA with N active layers (γ)."),
     no_lisa: bool = typer.Option(False, "--no-lisa", help="Full fine-tuning.", **FLAG),
