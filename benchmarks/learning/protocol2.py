@@ -3,7 +3,7 @@
     python benchmarks/learning_bench.py --protocol 2             # the designed protocol (hours)
     python benchmarks/learning_bench.py --protocol 2 --reduced   # what fits in about an hour here
     python benchmarks/learning_bench.py --protocol 2 --quick     # tiny: the tests run this
-    python benchmarks/learning_bench.py --protocol 2 --apollo    # APOLLO's arms at depth 24, 20 minutes here
+    python benchmarks/learning_bench.py --protocol 2 --apollo    # APOLLO's arms and baselines, depth 24, cut
 
 Per depth (6, 12, 24 decoder layers at equal parameter count, narrower as deeper) a model is
 pre-trained on task family A; then each arm fine-tunes it on each kind of task
@@ -79,11 +79,14 @@ SETTINGS = {
         ("depth 6, lr edge", 6, ["new_skill"], REDUCED_DEPTH_ARMS, [1e-2], [0], [], 1),
         ("depth 12", 12, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
     ], extend_edges=False),
-    # APOLLO's arms at depth 24 where they fit in 20 minutes here, with LISA γ=2 (seed 0) as the control
-    # that shows the pre-trained model is the reduced run's, so its baselines compare (docs/learning.md).
-    "apollo": dict(_BASE, pretrain_steps=500, stages=[
-        ("depth 24, APOLLO", 24, ["new_skill"], [*APOLLO_ARMS, "lisa_g2_uniform"], [3e-3], [0], [], 1),
-    ], extend_edges=False),
+    # APOLLO's arms with their baselines at depth 24, cut to what finished in 20 minutes on the shared
+    # 2-core machine: a shorter pre-training, half the fine-tuning steps, fewer rows, one lr, one seed
+    # (docs/learning.md says what this cuts). Not comparable with the reduced run's numbers.
+    "apollo": dict(_BASE, pretrain_steps=150, pretrain_warmup_steps=15, new_train_rows=1600, eval_rows=100,
+                   steps=100, eval_every=50, curve_examples=30, stages=[
+                       ("depth 24, APOLLO", 24, ["new_skill"],
+                        ["full", "lisa_g2_uniform", "lora_eq_g2", *APOLLO_ARMS], [3e-3], [0], [], 1),
+                   ], extend_edges=False),
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,
                   interval_steps=5, warmup_steps=2, eval_every=10, curve_examples=24, stages=[
                       ("depth 4", 4, ["new_skill", "new_format"],
