@@ -3,7 +3,7 @@
     python benchmarks/learning_bench.py --protocol 2             # the designed protocol (hours)
     python benchmarks/learning_bench.py --protocol 2 --reduced   # what fits in about an hour here
     python benchmarks/learning_bench.py --protocol 2 --quick     # tiny: the tests run this
-    python benchmarks/learning_bench.py --protocol 2 --apollo    # APOLLO's arms and baselines, depth 24, cut
+    python benchmarks/learning_bench.py --protocol 2 --apollo    # APOLLO's arms and baselines, tiny, cut
 
 Per depth (6, 12, 24 decoder layers at equal parameter count, narrower as deeper) a model is
 pre-trained on task family A; then each arm fine-tunes it on each kind of task
@@ -49,9 +49,9 @@ ARMS = {
     "apollo_eq_g2": {"kind": "lisaft", "lisa": None, "optimizer": {"name": "apollo", "rank": "equal_state_lisa_g2"}},
 }
 APOLLO_ARMS = ["apollo_mini", "apollo_eq_g2"]
-DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_g2"]
+DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_g2", *APOLLO_ARMS]
 MAIN_ARMS = ["full", *(f"lisa_g{g}_{m}" for g in (1, 2, 3) for m in ("uniform", "cyclic")), "lora_r16",
-             "lora_eq_g2", "badam", "emb_head"]
+             "lora_eq_g2", "badam", "emb_head", *APOLLO_ARMS]
 REDUCED_DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_eq_g2"]
 DEEP_EXTRAS = ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5", "lisa_g4_cyclic", "lisa_g6_cyclic"]
 
@@ -79,12 +79,12 @@ SETTINGS = {
         ("depth 6, lr edge", 6, ["new_skill"], REDUCED_DEPTH_ARMS, [1e-2], [0], [], 1),
         ("depth 12", 12, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
     ], extend_edges=False),
-    # APOLLO's arms with their baselines at depth 24, cut to what finished in 20 minutes on the shared
-    # 2-core machine: a shorter pre-training, half the fine-tuning steps, fewer rows, one lr, one seed
-    # (docs/learning.md says what this cuts). Not comparable with the reduced run's numbers.
-    "apollo": dict(_BASE, pretrain_steps=150, pretrain_warmup_steps=15, new_train_rows=1600, eval_rows=100,
-                   steps=100, eval_every=50, curve_examples=30, stages=[
-                       ("depth 24, APOLLO", 24, ["new_skill"],
+    # APOLLO's arms with their baselines, cut to what could finish in about 20 minutes on the shared
+    # 2-core machine: the quick protocol's 8-layer model and 60-step pre-training, 50 fine-tuning steps,
+    # one lr, one seed (docs/learning.md says what this cuts). Not comparable with the reduced run.
+    "apollo": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=800, eval_rows=50, steps=50,
+                   interval_steps=5, warmup_steps=5, eval_every=25, curve_examples=24, stages=[
+                       ("depth 8, APOLLO", 8, ["new_skill"],
                         ["full", "lisa_g2_uniform", "lora_eq_g2", *APOLLO_ARMS], [3e-3], [0], [], 1),
                    ], extend_edges=False),
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,
