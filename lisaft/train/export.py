@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 
@@ -22,12 +21,7 @@ def save_final(session: Session) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if session.shards is not None:
-        session.shards.write_hf_weights(tmp)
-        if dist.is_main():
-            _write_config(session.model, tmp)
-    elif dist.is_main():
-        session.model.save_pretrained(tmp, safe_serialization=True)
+    session.parallel.export(session.model, tmp)
     if not dist.is_main():
         dist.barrier()
         return
@@ -38,15 +32,3 @@ def save_final(session: Session) -> None:
     os.replace(tmp, final)
     dist.barrier()
 
-
-def _write_config(model, folder) -> None:
-    """config.json (and generation_config.json) as save_pretrained writes them beside weights."""
-    config = copy.deepcopy(model.config)
-    from torch.distributed.fsdp import FSDPModule
-
-    # fully_shard swapped the model's class for a subclass named FSDP<class>: name the model's own.
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    config.architectures = [cls.__name__]
-    config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(folder)
