@@ -79,6 +79,7 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
     optimizer = {"name": "adamw_32bit", "lr": lr, "weight_decay": 0.0, "betas": list(BETAS), "eps": EPS}
     if "bf16_update" in spec:
         optimizer["bf16_update"] = spec["bf16_update"]
+    optimizer.update(spec.get("optimizer", {}))  # apollo arms: optimizer.name, optimizer.rank
     return recipe_from_dict({
         "model": {**model_ref, "tokenizer": job["tokenizer"], "dtype": spec.get("dtype", "float32"),
                   "attention": "sdpa"},

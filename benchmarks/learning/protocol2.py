@@ -3,6 +3,7 @@
     python -m benchmarks.learning_bench --protocol 2             # the designed protocol (hours)
     python -m benchmarks.learning_bench --protocol 2 --reduced   # what fits in about an hour here
     python -m benchmarks.learning_bench --protocol 2 --quick     # tiny: the tests run this
+    python -m benchmarks.learning_bench --protocol 2 --apollo    # APOLLO's arms and baselines, tiny, cut
 
 Per depth (6, 12, 24 decoder layers at equal parameter count, narrower as deeper) a model is
 pre-trained on task family A; then each arm fine-tunes it on each kind of task
@@ -42,10 +43,15 @@ ARMS = {
     # Deep-model questions: more intervals (K=5) or more layers per interval (γ=4, 6).
     **{f"lisa_g2_{m}_k5": lisa(2, m, interval_steps=5) for m in ("uniform", "cyclic")},
     **{f"lisa_g{g}_cyclic": lisa(g, "cyclic") for g in (4, 6)},
+    # Every weight trains, AdamW's moments on a random projection (lisaft/optim/apollo.py): rank 1
+    # (APOLLO-Mini), and APOLLO at the rank whose optimizer state is LISA γ=2's (worked out per depth).
+    "apollo_mini": {"kind": "lisaft", "lisa": None, "optimizer": {"name": "apollo_mini"}},
+    "apollo_eq_g2": {"kind": "lisaft", "lisa": None, "optimizer": {"name": "apollo", "rank": "equal_state_lisa_g2"}},
 }
-DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_g2"]
+APOLLO_ARMS = ["apollo_mini", "apollo_eq_g2"]
+DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_g2", *APOLLO_ARMS]
 MAIN_ARMS = ["full", *(f"lisa_g{g}_{m}" for g in (1, 2, 3) for m in ("uniform", "cyclic")), "lora_r16",
-             "lora_eq_g2", "badam", "emb_head"]
+             "lora_eq_g2", "badam", "emb_head", *APOLLO_ARMS]
 REDUCED_DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_eq_g2"]
 DEEP_EXTRAS = ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5", "lisa_g4_cyclic", "lisa_g6_cyclic"]
 
@@ -73,6 +79,14 @@ SETTINGS = {
         ("depth 6, lr edge", 6, ["new_skill"], REDUCED_DEPTH_ARMS, [1e-2], [0], [], 1),
         ("depth 12", 12, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
     ], extend_edges=False),
+    # APOLLO's arms with their baselines, cut to what could finish in about 20 minutes on the shared
+    # 2-core machine: the quick protocol's 8-layer model and 60-step pre-training, 50 fine-tuning steps,
+    # one lr, one seed (docs/learning.md says what this cuts). Not comparable with the reduced run.
+    "apollo": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=800, eval_rows=50, steps=50,
+                   interval_steps=5, warmup_steps=5, eval_every=25, curve_examples=24, stages=[
+                       ("depth 8, APOLLO", 8, ["new_skill"],
+                        ["full", "lisa_g2_uniform", "lora_eq_g2", *APOLLO_ARMS], [3e-3], [0], [], 1),
+                   ], extend_edges=False),
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,
                   interval_steps=5, warmup_steps=2, eval_every=10, curve_examples=24, stages=[
                       ("depth 4", 4, ["new_skill", "new_format"],
@@ -101,11 +115,24 @@ def lora_params_per_rank(cfg: dict) -> int:
     return cfg["num_hidden_layers"] * (4 * 2 * h + 3 * (h + i))
 
 
+def apollo_rank_equal_state(cfg: dict) -> int:
+    """APOLLO's rank whose state is LISA γ=2's (8 B per trainable parameter): 8 B per rank per
+    channel of each decoder matrix (its larger side), plus the other tensors' adamw_8bit moments
+    (embeddings and head 2 B per parameter, norms under 4096 elements 8 B)."""
+    h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    rest = 2 * 2 * v * h + 8 * (2 * n + 1) * h
+    per_rank = 8 * n * (4 * h + 3 * i)
+    return max(1, round((8 * lisa_trainable_params(cfg, 2) - rest) / per_rank))
+
+
 def arm_spec(arm: str, cfg: dict) -> dict:
     spec = dict(ARMS[arm])
     if spec.get("rank") == "equal_state_lisa_g2":
         # Both keep two float32 moments per trainable parameter: equal parameters, equal bytes.
         spec["rank"] = max(1, round(lisa_trainable_params(cfg, 2) / lora_params_per_rank(cfg)))
+    if spec.get("optimizer", {}).get("rank") == "equal_state_lisa_g2":
+        spec["optimizer"] = {**spec["optimizer"], "rank": apollo_rank_equal_state(cfg)}
+        spec["rank"] = spec["optimizer"]["rank"]  # reported as the run's rank
     return spec
 
 

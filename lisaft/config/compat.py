@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lisaft.config.optimizers import optimizer_kind
+from lisaft.config.optimizers import APOLLO_NAMES, optimizer_kind
 from lisaft.errors import LisaftError
 
 if TYPE_CHECKING:
@@ -36,6 +36,12 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.optimizer.moments_dtype == "bfloat16" and r.optimizer.name != "adamw_32bit", lambda r: (
         f"optimizer.moments_dtype bfloat16 is for adamw_32bit; {r.optimizer.name} keeps its own moments (8-bit "
         "ones: adamw_8bit); set moments_dtype float32")),
+    Exclusion(lambda r: r.optimizer.name in APOLLO_NAMES and r.optimizer.cpu_offload, lambda r: (
+        f"optimizer.name {r.optimizer.name} cannot be combined with optimizer.cpu_offload: its state is a few MiB "
+        "and steps on the GPU; set cpu_offload false")),
+    Exclusion(lambda r: r.optimizer.name in APOLLO_NAMES and r.training.fsdp, lambda r: (
+        f"optimizer.name {r.optimizer.name} cannot be combined with training.fsdp: the projection needs each "
+        "matrix's whole gradient and a rank holds a slice; use data parallel")),
     Exclusion(lambda r: r.training.on_nonfinite == "skip" and r.optimizer.in_backward, _fixed(
         "training.on_nonfinite: skip cannot be combined with optimizer.in_backward: each update runs in "
         "backward, before the norm is known; use stop")),

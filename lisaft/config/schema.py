@@ -240,6 +240,18 @@ class OptimizerSection(_Section):
         description="How bfloat16 weights take an update: stochastic rounding (updates below half "
         "a bf16 step still land on average) or round-to-nearest (drops them; for comparison).",
     )
+    rank: Int | None = Field(
+        None, ge=1, description="apollo: rank r of the random projection of each decoder matrix's gradient "
+        "(null: 256, the paper's; capped at the matrix's smaller side). apollo_mini is rank 1. docs/optimizers.md")
+    scale: Float | None = Field(
+        None, gt=0.0, description="apollo, apollo_mini: factor α on the scaled gradient (null: 1 for apollo, "
+        "sqrt(128) for apollo_mini, the paper's).")
+    update_proj_gap: Int = Field(
+        200, ge=1, description="apollo, apollo_mini: optimizer steps between refreshes of the random projection "
+        "(T; the paper's 200).")
+    scale_type: Literal["channel", "tensor"] | None = Field(
+        None, description="apollo: channel (one factor per row or column of the gradient) or tensor (one per "
+        "matrix); null: channel. apollo_mini is tensor.")
 
     @field_validator("lr")
     @classmethod
@@ -247,6 +259,16 @@ class OptimizerSection(_Section):
         if v <= 0:
             raise ValueError("must be > 0")
         return v
+
+    @model_validator(mode="after")
+    def _apollo_mini_is_rank_one(self) -> OptimizerSection:
+        if self.name == "apollo_mini" and self.rank not in (None, 1):
+            raise ValueError("optimizer.rank: apollo_mini is rank 1 by definition; for another rank use "
+                             "optimizer.name apollo")
+        if self.name == "apollo_mini" and self.scale_type not in (None, "tensor"):
+            raise ValueError("optimizer.scale_type: apollo_mini scales each matrix by one factor (tensor); "
+                             "for channel scaling use optimizer.name apollo")
+        return self
 
 
 class SchedulerSection(_Section):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from lisaft.config.optimizers import APOLLO_NAMES
 from lisaft.config.schema import Recipe
 
 
@@ -16,4 +17,12 @@ def unused_keys(recipe: Recipe) -> list[str]:
     if t.eval_every and d.eval is None and not d.eval_fraction:
         notes.append(f"training.eval_every ({t.eval_every}) is ignored: there is no eval set (data.eval is "
                      "null and data.eval_fraction 0), so the run evaluates nothing")
+    o = recipe.optimizer
+    if o.name not in APOLLO_NAMES:
+        keys = [k for k, v in (("rank", o.rank), ("scale", o.scale), ("scale_type", o.scale_type)) if v is not None]
+        keys += ["update_proj_gap"] if o.update_proj_gap != 200 else []
+        if keys:
+            verb = "is" if len(keys) == 1 else "are"
+            notes.append(", ".join(f"optimizer.{k}" for k in keys) + f" {verb} ignored: only apollo and "
+                         f"apollo_mini read them (optimizer.name is {o.name})")
     return notes

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
+from lisaft.memory.apollo_state import is_apollo
 from lisaft.memory.estimate import Estimate, Settings, compute
 
 # The shipped recipe that trains every layer with the optimizer on the CPU.
@@ -77,7 +78,7 @@ def _step_options(s: Settings) -> list[Option]:
         out.append(Option({"optimizer.in_backward": True, "training.max_grad_norm": None},
                           "no full gradient set resident (and no clipping)",
                           {"in_backward": True, "clipping": False}, CHANGES_TRAINING))
-    if not s.cpu_offload and s.device == "cuda":
+    if not s.cpu_offload and s.device == "cuda" and not is_apollo(s.optimizer):
         keys: dict[str, object] = {"optimizer.cpu_offload": True}
         fields = {"cpu_offload": True, "in_backward": False, "clipping": s.clipping or s.in_backward}
         if s.in_backward:
@@ -185,11 +186,34 @@ def advice(est: Estimate, layer_count: int) -> list[Change]:
         fitting = [c for c in every if c.estimate.fits]
         if fitting:
             changes.append(_smallest(fitting))
+    every_weight = _every_weight(s)
+    if not est.fits and every_weight is not None and every_weight.estimate.fits:
+        changes.append(every_weight)
     seq = largest_fitting(s, "seq_len")
     if not est.fits and seq and seq < s.seq_len and not host_is_the_limit(est):
         changes.append(Change({"data.max_seq_len": seq}, "largest sequence length that fits",
                               compute(s.with_(seq_len=seq))))
     return changes
+
+
+def _every_weight(s: Settings) -> Change | None:
+    """Full fine-tuning that does not fit as asked: every weight still trains, on the device, with
+    APOLLO-Mini's rank-1 moments and the step in backward (recipes/llama3.1-8b-apollo-24gb.yaml's
+    way). Not under LISA (the user chose to train some layers), nor under training.fsdp."""
+    if s.lisa or s.fsdp or is_apollo(s.optimizer):
+        return None
+    keys = {"optimizer.name": "apollo_mini", "optimizer.in_backward": True, "training.max_grad_norm": None}
+    fields = {"optimizer": "apollo_mini", "in_backward": True, "clipping": False, "cpu_offload": False,
+              "grad_accum_steps": 1}
+    if s.cpu_offload:
+        keys["optimizer.cpu_offload"] = False
+    if s.grad_accum_steps > 1:  # in backward, each micro-batch is a step
+        keys["training.grad_accum_steps"] = 1
+    if not s.gradient_checkpointing:
+        keys["model.gradient_checkpointing"] = fields["gradient_checkpointing"] = True
+    why = ("every weight trains, on the GPU: APOLLO-Mini's rank-1 moments, the step in backward "
+           "(recipes/llama3.1-8b-apollo-24gb.yaml; docs/optimizers.md)")
+    return Change(keys, why, compute(s.with_(**fields)), CHANGES_TRAINING)
 
 
 # Process counts offered for training.fsdp, fewest first.
@@ -264,8 +288,8 @@ def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     keyed "full" and "lisa_<γ>". Under training.fsdp the paged ones, which it refuses, are left out."""
     grid: dict[tuple[str, str], Estimate] = {}
     for opt in OPTIMIZERS:
-        if s.fsdp and optimizer_kind(opt).paged:
-            continue
+        if optimizer_kind(opt).projected or (s.fsdp and optimizer_kind(opt).paged):
+            continue  # APOLLO's estimate is its own advice row (_apollo_option)
         grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False))
         grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma))
     return grid

@@ -22,10 +22,12 @@ from lisaft.memory.advice import (
     leanest,
     optimizer_grid,
 )
+from lisaft.memory.apollo_state import is_apollo
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
+from lisaft.optim.apollo import ApolloSettings
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
 DEFAULT_BUDGET = "24GiB"
@@ -94,7 +96,8 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         gradient_checkpointing=recipe.model.gradient_checkpointing,
         offload_activations=recipe.model.offload_activations,
         mlp_chunk_tokens=recipe.model.mlp_chunk_tokens,
-        optimizer=recipe.optimizer.name, in_backward=recipe.optimizer.in_backward,
+        optimizer=recipe.optimizer.name, apollo_rank=ApolloSettings.of(recipe.optimizer).rank,
+        in_backward=recipe.optimizer.in_backward,
         cpu_offload=recipe.optimizer.cpu_offload, host_budget_bytes=host_ram_bytes(),
         bf16_update=recipe.optimizer.bf16_update, moments_dtype=recipe.optimizer.moments_dtype,
         sparse_embedding_grad=recipe.model.sparse_embedding_grad,
@@ -259,6 +262,9 @@ def _check_step_place(s: Settings, cpu_offload: bool | None, in_backward: bool |
     if s.in_backward and s.grad_accum_steps > 1:
         inb = "--in-backward" if in_backward else "optimizer.in_backward"
         raise LisaftError(f"{inb} cannot be combined with training.grad_accum_steps > 1")
+    if s.cpu_offload and is_apollo(s.optimizer):
+        raise LisaftError(f"--cpu-offload cannot be combined with optimizer.name {s.optimizer}: its state is a few "
+                          "MiB and steps on the GPU")
 
 
 def check_ranks(s: Settings, ranks: int | None) -> None:
@@ -273,6 +279,9 @@ def check_ranks(s: Settings, ranks: int | None) -> None:
     if ranks is None:
         raise LisaftError("training.fsdp: give --ranks N, the number of processes (torchrun --nproc-per-node N): "
                           "the estimate is one rank's")
+    if is_apollo(s.optimizer):
+        raise LisaftError(f"optimizer.name {s.optimizer} cannot be combined with training.fsdp: the projection "
+                          "needs each matrix's whole gradient and a rank holds a slice")
     if optimizer_kind(s.optimizer).paged:
         raise LisaftError(f"optimizer.name {s.optimizer} is not supported with training.fsdp; use "
                           f"--optimizer {optimizer_kind(s.optimizer).unpaged} (or adamw_32bit)")

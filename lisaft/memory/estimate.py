@@ -64,6 +64,7 @@ class Settings:
     offload_activations: bool = False  # checkpointed layer inputs kept in pinned host memory
     mlp_chunk_tokens: int | None = None  # MLP run in checkpointed chunks of this many positions
     optimizer: str = "adamw_32bit"
+    apollo_rank: int = 256  # optimizer.rank for apollo (apollo_mini is rank 1)
     bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
     moments_dtype: str = "float32"  # float32 | bfloat16 (optimizer.moments_dtype, adamw_32bit on the CPU)
     sparse_embedding_grad: bool = True  # model.sparse_embedding_grad (single process)

@@ -186,7 +186,7 @@ def advice_table(changes: list[Change], host: bool = False) -> Table:
     """host: a column of each row's host RAM, when that RAM is what decides."""
     t = Table(title="What brings it under", title_justify="left")
     t.add_column("change (recipe keys; --set key=value)")
-    t.add_column("why", style="dim")
+    t.add_column("why", style="dim", overflow="fold")  # a recipe path stays readable
     t.add_column("total", justify="right")
     if host:
         t.add_column("host RAM", justify="right")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lisaft.memory.activations import ActivationBreakdown, Shape, activations, loss_buffers_peak, mlp_chunked
+from lisaft.memory.apollo_state import apollo_state, apollo_step_temporaries, is_apollo
 from lisaft.memory.counts import ParamCounts
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
 from lisaft.memory.sharded import clip_temporaries
@@ -62,8 +63,12 @@ def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Residen
     # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
     offload = s.cpu_offload and s.device == "cuda"
     moment_bytes = 2 if s.moments_dtype == "bfloat16" else 4
-    state = StateBytes(0, 0) if offload else state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device,
-                                                           moment_bytes)
+    if offload:
+        state = StateBytes(0, 0)
+    elif is_apollo(s.optimizer):
+        state = apollo_state(local, s, dt)
+    else:
+        state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device, moment_bytes)
     return Resident(weights=weight_bytes(local, dt), state=state, trainable=trainable,
                     trainable_layers=trainable_layers, trainable_params=sum(trainable_numels(counts, s)[0]),
                     grads_full=sum(trainable) * dt - sparse_saving, sparse_saving=sparse_saving,
@@ -128,8 +133,12 @@ def _head_grad(s: Settings, counts: ParamCounts, dt: int, head_weight_trains: bo
 def _step_temporaries(s: Settings, counts: ParamCounts, dt: int, r: Resident) -> tuple[int, int]:
     """The optimizer step's temporaries, and the part of them that runs inside backward."""
     sparse_numel = counts.embeddings[0] if r.sparse_saving else 0
-    step_temp = 0 if r.offload else step_temporaries(s.optimizer, r.largest, dt, s.device, s.bf16_update,
-                                                     sparse_numel)
+    if r.offload:
+        step_temp = 0
+    elif is_apollo(s.optimizer):
+        step_temp = apollo_step_temporaries(counts.sharded(s.ranks) if s.fsdp else counts, s, dt, sparse_numel)
+    else:
+        step_temp = step_temporaries(s.optimizer, r.largest, dt, s.device, s.bf16_update, sparse_numel)
     in_bwd_step = step_temp if s.in_backward else 0
     if s.fsdp:
         # The norm of the slices comes before the update: the larger of the two.

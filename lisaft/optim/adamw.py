@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from lisaft import internals
-from lisaft.config.optimizers import optimizer_kind
+from lisaft.config.optimizers import APOLLO_NAMES, optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.console import warn
 from lisaft.errors import LisaftError
@@ -407,8 +407,13 @@ def state_dict_bytes(sd: dict) -> int:
 
 
 def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSection, device: torch.device,
-                         rounding: Rounding, unit_index: int, pool: PagedPool | None) -> AdamW:
-    """The unit's optimizer; weight decay on matrices and embeddings (>= 2-D) only."""
+                         rounding: Rounding, unit_index: int, pool: PagedPool | None, layer: bool = False) -> AdamW:
+    """The unit's optimizer; weight decay on matrices and embeddings (>= 2-D) only. `layer`: the
+    unit is a decoder layer, whose matrices apollo and apollo_mini project (lisaft/optim/apollo.py)."""
+    if section.name in APOLLO_NAMES:
+        from lisaft.optim.apollo import build_apollo  # it builds on this module
+
+        return build_apollo(params, section, rounding, unit_index, layer)
     decay, no_decay = _decay_split(params)
     groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     kind = optimizer_kind(section.name)

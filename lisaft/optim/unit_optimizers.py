@@ -103,7 +103,7 @@ class UnitOptimizers:
         if opt is None:
             params = self.slices.local(unit.params)
             opt = build_unit_optimizer(params, self.section, self.device, self.rounding,
-                                       unit.index, self.pool)
+                                       unit.index, self.pool, layer=unit.layer is not None)
             self._set_group_lr(opt)
             if unit.name in self.host:
                 opt.load_state_dict(self.host.pop(unit.name))

@@ -1,0 +1,30 @@
+"""apollo under data parallel: two gloo processes on CPU take the update one process takes at
+twice the batch (the replicas draw the same projection), with sharded state too."""
+
+import pytest
+import torch
+from test_distributed import COMMON, torchrun, train_losses, weights
+
+from lisaft.train import train
+
+APOLLO = {"name": "apollo", "lr": 3e-3, "rank": 2, "update_proj_gap": 3}
+
+
+def recipe(tiny_run, name: str, **training):
+    return tiny_run(f"{name}.yaml", **{**COMMON, "optimizer": APOLLO, "lisa": {"enabled": False},
+                                       "training": {**COMMON["training"], "output_dir": name, **training}})
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_two_ranks_match_one_process_at_twice_the_batch(tiny_run, shard):
+    two = recipe(tiny_run, "dp", batch_size=2, shard_optimizer_state=shard)
+    result = torchrun("train", str(two), cwd=tiny_run.dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert train(recipe(tiny_run, "single", batch_size=4), show=False) == 0
+    # Float tolerance: the all-reduced gradient sums in another order (test_distributed.py).
+    a, b = train_losses(tiny_run.dir / "single"), train_losses(tiny_run.dir / "dp")
+    assert len(a) == len(b) == 4
+    assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5), (a, b)
+    wa, wb = weights(tiny_run.dir / "single"), weights(tiny_run.dir / "dp")
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-3, atol=1e-4), k
