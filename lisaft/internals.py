@@ -87,3 +87,17 @@ def adam_update_32bit(g, w, m, v, *, beta1: float, beta2: float, eps: float, ste
     import bitsandbytes.functional as F
 
     F.optimizer_update_32bit("adam", g, w, m, beta1, eps, step, lr, v, beta2, weight_decay=weight_decay)
+
+
+# -- bitsandbytes (checked against 0.50) -------------------------------------------------------
+
+
+def keep_4bit_layout_on_cpu(model: torch.nn.Module) -> None:
+    """bitsandbytes' Linear4bit repacks its weight in place for an AVX512-BF16 CPU kernel on the first
+    forward without grad in eval mode (lisaft's eval), and from then on holds the NF4 data in another
+    layout, for some shapes not at all (out_features not a multiple of 32 fails). Training and merging
+    then depend on whether an eval ran first; turning the fast path off keeps one layout, so a resumed
+    QLoRA run is the same run. No public switch exists; the flag is set per module in __init__."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False

@@ -24,6 +24,7 @@ from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
+from lisaft.memory.lora import lora_settings
 from lisaft.memory.optimizer_state import OPTIMIZERS
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
@@ -106,7 +107,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         grad_accum_steps=recipe.training.grad_accum_steps,
         clipping=recipe.training.max_grad_norm is not None, device=device,
         budget_bytes=budget_bytes, fsdp=recipe.training.fsdp, ranks=_ranks(recipe, ranks),
-        model_from_config=recipe.model.config is not None,
+        model_from_config=recipe.model.config is not None, lora=lora_settings(recipe),
     )
 
 

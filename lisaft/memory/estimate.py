@@ -11,7 +11,7 @@ docs/memory.md gives every formula.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from lisaft.memory.activations import (
     Shape,
@@ -29,6 +29,7 @@ from lisaft.memory.cuda_process import (
     cublas_workspace_bytes,
 )
 from lisaft.memory.host import offload_host_bytes
+from lisaft.memory.lora import LoraSettings, layer_transient, lora_counts
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
 from lisaft.memory.sharded import clip_temporaries, fsdp_phases, fsdp_units
 from lisaft.memory.trainable import sparse_embedding_saving, state_numels, trainable_numels
@@ -96,6 +97,7 @@ class Settings:
     # weights from model.name_or_path are read shard by shard and never whole on a rank.
     model_from_config: bool = False
     ranks: int = 1
+    lora: LoraSettings | None = None  # lora.enabled: adapters on a frozen base (memory/lora.py)
 
     def with_(self, **changes) -> Settings:
         return replace(self, **changes)
@@ -202,6 +204,7 @@ class Estimate:
                 "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
                 "grad_accum_steps": s.grad_accum_steps, "clipping": s.clipping, "device": s.device,
                 "fsdp": s.fsdp, "ranks": s.ranks, "model_from_config": s.model_from_config,
+                "lora": asdict(s.lora) if s.lora is not None else None,
             },
             "notes": list(self.notes),
         }
@@ -220,9 +223,13 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
 
     # Under FSDP a rank holds its slice of every tensor: weights, gradients and moments follow.
     local = counts.sharded(s.ranks) if s.fsdp else counts
+    # LoRA: the adapters (and the ends, when asked) are what trains; the base only weighs.
+    lc = lora_counts(counts, s.config, s.layers_path, s.lora, dt) if s.lora is not None else None
+    if lc is not None:
+        local = lc.trainable
     trainable, trainable_layers = trainable_numels(local, s)
-    trainable_params = sum(trainable_numels(counts, s)[0])
-    weights = _weight_bytes(local, dt)
+    trainable_params = sum(trainable_numels(counts if lc is None else local, s)[0])
+    weights = _weight_bytes(local, dt) if lc is None else lc.weight_bytes
     sparse_saving = sparse_embedding_saving(local, shape, s, dt)
     grads_full = sum(trainable) * dt - sparse_saving
     state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device)
@@ -233,14 +240,17 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         state = StateBytes(0, 0)
 
     head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
+    ends_train = s.lora.train_embeddings if s.lora is not None else None
+    if ends_train is not None:
+        head_weight_trains = ends_train
     # On CPU the host is the device: offloading moves nothing out of the memory that counts.
     offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
     act = activations(
         shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
         trainable_layers=trainable_layers,
-        train_embeddings=not s.lisa or s.train_embeddings,
+        train_embeddings=(not s.lisa or s.train_embeddings) if ends_train is None else ends_train,
         head_weight_trains=head_weight_trains,
-        final_norm_trains=not s.lisa or s.train_head,
+        final_norm_trains=(not s.lisa or s.train_head) if ends_train is None else ends_train,
         offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
         padded_rows=s.padded_rows and s.batch_size > 1,
     )
@@ -273,6 +283,13 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         grads_in_layers = max(grads_at_loss, head_grad)
         step_phase = grads_full
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
+    if lc is not None:  # A's outputs (and dropout's copies): every layer's, or the recomputed one's
+        lora_saved = tokens * lc.saved_per_token_layer
+        if s.gradient_checkpointing:
+            recompute += lora_saved
+        else:
+            saved_no_logp += lora_saved * shape.layers
+        backward_temp += layer_transient(lc, s.lora, dt)
     sparse_numel = counts.embeddings[0] if sparse_saving else 0
     step_temp = 0 if offload else step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
     in_bwd_step = step_temp if s.in_backward else 0

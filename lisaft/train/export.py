@@ -26,6 +26,10 @@ def save_final(session: Session) -> None:
         session.shards.write_hf_weights(tmp)
         if dist.is_main():
             _write_config(session.model, tmp)
+    elif dist.is_main() and session.adapters is not None:
+        from lisaft.model.lora import save_final as save_lora
+
+        save_lora(session.model, session.adapters, session.recipe, tmp)
     elif dist.is_main():
         session.model.save_pretrained(tmp, safe_serialization=True)
     if not dist.is_main():

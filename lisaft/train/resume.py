@@ -12,6 +12,7 @@ from lisaft.config.schema import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
 from lisaft.console import first_line, warn
 from lisaft.distributed import dist
 from lisaft.errors import LisaftError
+from lisaft.model.lora import OtherBase
 from lisaft.optim.lr_schedule import Plan
 from lisaft.run_folder import is_write_failure, write_failed
 from lisaft.train.session import Session
@@ -92,6 +93,8 @@ def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> 
         except Exception as e:
             if is_write_failure(e) and not _names_a_file_in(e, ckpt):
                 raise write_failed(session.run_dir, e) from None
+            if isinstance(e, OtherBase):
+                raise
             if isinstance(e, LisaftError) and "older lisaft" in str(e):
                 raise LisaftError(f"{e}; start over with `lisaft train {recipe_file} --overwrite`") from None
             if i + 1 == len(candidates):

@@ -31,6 +31,7 @@ from lisaft.optim.unit_optimizers import UnitOptimizers
 
 if TYPE_CHECKING:
     from lisaft.distributed.fsdp import LocalShards
+    from lisaft.model.lora import Adapters
 
 
 class Tokenizer(Protocol):
@@ -90,6 +91,7 @@ class Session:
     packing: Packing | None = None  # data.packing: train_examples are its rows
     shards: LocalShards | None = None     # training.fsdp (lisaft/distributed/fsdp.py)
     auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
+    adapters: Adapters | None = None      # lora.enabled (lisaft/model/lora.py): only they train
 
     def checkpointer(self) -> Checkpointer:
         """The checkpointer, handed every stateful component. JSON components load in the order
@@ -104,6 +106,10 @@ class Session:
             components=components,
             folders={"optimizer": OptimizerFiles(self.optimizers, self.controller)},
         )
+        if self.adapters is not None:
+            from lisaft.checkpoint.adapters import with_adapters
+
+            return with_adapters(checkpointer, self.model, self.adapters)
         return checkpointer if self.shards is None else self.shards.checkpointer(checkpointer)
 
 
@@ -158,9 +164,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     else:
         model = load_model(recipe.model, device, seed=t.seed)
     check_context_length(model.config, recipe.data.max_seq_len)
+    adapters = _attach_adapters(model, recipe)
     # Not under FSDP, even on one rank: the embedding is a sharded unit with a dense gradient.
     use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and not t.fsdp,
-                              trains=not recipe.lisa.enabled or recipe.lisa.train_embeddings,
+                              trains=_embeddings_train(recipe),
                               tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
                               world_size=dist.world_size())
     parts = model_parts(model, recipe.model.layers_path)
@@ -172,7 +179,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         if shards is None:
             shards = shard_model(model, parts, device)
         parts = model_parts(model, recipe.model.layers_path)  # sharding replaced every parameter
-    units = model_units(parts)
+    units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
     # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
     # intervals, and embeddings and head land on different ranks.
     # optimizer.cpu_offload: the same unit optimizers over host copies of the weights;
@@ -191,4 +198,19 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   in_backward=in_backward, packing=packing, shards=shards, auto_layers=auto_layers)
+                   in_backward=in_backward, packing=packing, shards=shards, auto_layers=auto_layers,
+                   adapters=adapters)
+
+
+def _attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters | None:
+    if not recipe.lora.enabled:
+        return None
+    from lisaft.model.lora import attach_adapters
+
+    return attach_adapters(model, recipe)
+
+
+def _embeddings_train(recipe: Recipe) -> bool:
+    if recipe.lora.enabled:
+        return recipe.lora.train_embeddings
+    return not recipe.lisa.enabled or recipe.lisa.train_embeddings
