@@ -23,6 +23,9 @@ from lisaft.memory.counts import ParamCounts, build_meta_model
 
 BLOCK = 64           # bitsandbytes' NF4 block size
 NESTED_BLOCK = 256   # double quantization: absmax values per float32 second-level constant
+# Each 4-bit tensor's own quantization state besides its blocks: the 16-value NF4 code, the
+# 256-value 8-bit code of the nested absmax and its offset, all float32 (bitsandbytes 0.50).
+QUANT_STATE_BYTES = 4 * (16 + 256 + 1)
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ def lora_settings(recipe) -> LoraSettings | None:
 
 def nf4_bytes(numel: int) -> int:
     blocks = -(-numel // BLOCK)
-    return numel // 2 + blocks + 4 * -(-blocks // NESTED_BLOCK)
+    return numel // 2 + blocks + 4 * -(-blocks // NESTED_BLOCK) + QUANT_STATE_BYTES
 
 
 @dataclass(frozen=True)
