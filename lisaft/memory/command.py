@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lisaft.config.schema import Recipe, load_recipe
@@ -25,6 +25,7 @@ from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
 from lisaft.memory.lora import lora_settings
+from lisaft.memory.methods import methods
 from lisaft.memory.optimizer_state import OPTIMIZERS
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
@@ -254,6 +255,7 @@ class Report:
     smallest_gpu: str | None  # the smallest catalogue card for the leanest setup
     smallest_gpu_as_is: str | None  # the smallest catalogue card for the settings as given
     ranks: Change | None = None  # when nothing offered fits one card: training.fsdp over the fewest ranks
+    methods: list = field(default_factory=list)  # memory/methods.py: every way to train, learning order
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -271,6 +273,8 @@ class Report:
                                      "paged_host_bytes": e.paged_host_bytes}
                               for (o, mode), e in self.grid.items() if o == opt}
                         for opt in OPTIMIZERS if any(o == opt for o, _ in self.grid)},
+            methods=[{"method": m.name, "set": m.overrides, "learned": m.learned,
+                      "total_bytes": m.estimate.total_bytes, "fits": m.estimate.fits} for m in self.methods],
         )
         return out
 
@@ -297,7 +301,7 @@ def build_report(s: Settings, budget: Budget) -> Report:
     return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "seq_len"),
                   largest_fitting(s, "batch_size"), context_length(s.config), weights_fit, lean,
                   card.name if card else None, as_is.name if as_is else None,
-                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None)
+                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None, methods(s))
 
 
 def estimate_memory_command(recipe: Path | None = None, model: str | None = None,

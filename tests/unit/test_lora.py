@@ -133,3 +133,24 @@ def test_missing_peft_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(LisaftError, match=r"pip install 'lisaft\[lora\]'"):
         require_peft()
+
+
+def test_the_8b_lora_recipe_fits_and_lists_the_methods_in_learning_order():
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from lisaft.cli import app
+
+    recipe = Path(__file__).parents[2] / "recipes" / "llama3.1-8b-lora-24gb.yaml"
+    result = CliRunner().invoke(app, ["estimate-memory", str(recipe), "--budget", "24GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["fits"] and out["settings"]["lora"]["rank"] == 8 and out["trainable_params"] == 20_971_520
+    names = [m["method"] for m in out["methods"]]
+    assert names.index("full fine-tuning, optimizer on the CPU") < names.index("LoRA r8 (bf16 base)") \
+        < names.index("QLoRA r8 (4-bit base)") < names.index("LISA γ=2")
+    fitting = {m["method"] for m in out["methods"] if m["fits"]}
+    assert {"LoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)"} <= fitting
+    assert "lora" in out["optimizers"]["adamw_32bit"]  # the run's adapters beside full and LISA
