@@ -267,6 +267,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reduced", action="store_true", help="protocol 2 only: the cut-down run that fits an hour "
                     "on a shared 2-core machine (docs/learning.md says what it cuts)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 lr, tiny model: about a minute")
+    ap.add_argument("--lora-smoke", action="store_true", help="protocol 2 only: LISA γ=2 and the LoRA, DoRA and "
+                    "QLoRA arms at LISA γ=2's memory, depth 6, one seed and lr, a short pre-training")
     ap.add_argument("--out", type=Path, help="results folder")
     ap.add_argument("--workers", type=int, default=None, help="runs in parallel (default: 1 quick, 2 full)")
     ap.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
@@ -313,7 +315,7 @@ def write(summary: dict, out: Path) -> str:
 def main_protocol2(args: argparse.Namespace) -> None:
     from benchmarks.learning import run2
 
-    mode = "quick" if args.quick else "reduced" if args.reduced else "full"
+    mode = "quick" if args.quick else "reduced" if args.reduced else "lora-smoke" if args.lora_smoke else "full"
     out = args.out or REPO / "benchmarks" / "results" / ("learning2" if mode == "full" else f"learning2-{mode}")
     workers = args.workers or (1 if args.quick else 2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
