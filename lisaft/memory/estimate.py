@@ -241,8 +241,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
 
     head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
     ends_train = s.lora.train_embeddings if s.lora is not None else None
-    if ends_train is not None:
-        head_weight_trains = ends_train
+    head_weight_trains = ends_train if ends_train is not None else head_weight_trains
     # On CPU the host is the device: offloading moves nothing out of the memory that counts.
     offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
     act = activations(
@@ -285,10 +284,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
     if lc is not None:  # A's outputs (and dropout's copies): every layer's, or the recomputed one's
         lora_saved = tokens * lc.saved_per_token_layer
-        if s.gradient_checkpointing:
-            recompute += lora_saved
-        else:
-            saved_no_logp += lora_saved * shape.layers
+        recompute += lora_saved if s.gradient_checkpointing else 0
+        saved_no_logp += 0 if s.gradient_checkpointing else lora_saved * shape.layers
         backward_temp += layer_transient(lc, s.lora, dt)
     sparse_numel = counts.embeddings[0] if sparse_saving else 0
     step_temp = 0 if offload else step_temporaries(s.optimizer, largest, dt, s.device, s.bf16_update, sparse_numel)
