@@ -49,9 +49,15 @@ def _global(
 
 
 def _fail(message: str, code: int = 2) -> None:
+    import os
+
     from rich.console import Console
     from rich.markup import escape
 
+    # Under torchrun every rank refuses the same recipe: rank 0 says it once. A run that failed
+    # (exit 1: a write, memory) may fail on one rank only, so every rank reports that.
+    if code == 2 and int(os.environ.get("RANK", "0") or 0) > 0:
+        raise typer.Exit(code)
     # soft_wrap: the message stays one line however narrow the terminal, so it can be grepped.
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(code)

@@ -24,7 +24,7 @@ import numpy as np
 from torch import nn
 
 from lisaft.config.schema import LisaSection
-from lisaft.errors import LisaftError
+from lisaft.errors import CheckpointMismatch, LisaftError
 from lisaft.model.units import Unit
 from lisaft.optim.adamw import grad_nbytes
 from lisaft.optim.unit_optimizers import UnitOptimizers
@@ -91,7 +91,8 @@ class LisaController:
     Call activate_for_step(step) before each optimizer step's forward. With lisa.enabled false
     every unit trains, nothing switches, and the statistics read the same."""
 
-    def __init__(self, units: list[Unit], optimizers: UnitOptimizers, section: LisaSection, seed: int) -> None:
+    def __init__(self, units: list[Unit], optimizers: UnitOptimizers, section: LisaSection, seed: int,
+                 check_agreement: Callable[[int, list[int]], None] | None = None) -> None:
         self.units = units
         self.optimizers = optimizers
         self.enabled = section.enabled
@@ -120,7 +121,7 @@ class LisaController:
         self._trainable: list[Unit] = []
         self.last_switch_s = 0.0
         # training.fsdp: called with (interval, layers) at each switch; raises if ranks disagree.
-        self.check_agreement: Callable[[int, list[int]], None] | None = None
+        self.check_agreement = check_agreement
 
     # -- switching ------------------------------------------------------------------------------
 
@@ -202,7 +203,7 @@ class LisaController:
             return
         active = self.sampler.active_set(int(interval))
         if list(sd.get("active_layers", active)) != active:
-            raise LisaftError(
+            raise CheckpointMismatch(
                 f"checkpoint trained layers {sd['active_layers']} in interval {interval}, but "
                 f"this recipe samples {active}: training.seed, lisa.active_layers or lisa.sampling "
                 "changed"

@@ -1,6 +1,6 @@
 """A LoRA run's checkpoint weights: the adapters (and whatever else trains), never the frozen base.
 
-A folder component in place of the checkpointer's per-unit weight files: `adapters/` holds one
+A folder component in place of the parallel strategy's weights component: `adapters/` holds one
 safetensors file of every trainable tensor and base.json naming the base they belong to, which a
 load compares with the base the run has now (lisaft/model/lora.py base_fingerprint).
 """
@@ -32,6 +32,7 @@ class AdapterWeights:
     def write(self, folder: Path, base: Path | None) -> list[Path]:
         if not dist.is_main():
             return []
+        folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.adapters.trainable_state(self.model).items()}
         save_file(state, str(folder / WEIGHTS), metadata={"base": json.dumps(self.adapters.base)})
         (folder / BASE).write_text(json.dumps(self.adapters.base))
@@ -64,8 +65,6 @@ def is_adapter_checkpoint(ckpt: Path) -> bool:
     return (Path(ckpt) / FOLDER / BASE).is_file()
 
 
-def with_adapters(checkpointer, model: nn.Module, adapters: Adapters):
-    """The checkpointer writing the adapters instead of the whole model, read before the moments."""
-    checkpointer.unit_weights = False
-    checkpointer.folders = {FOLDER: AdapterWeights(model, adapters), **checkpointer.folders}
-    return checkpointer
+def adapter_component(model: nn.Module, adapters: Adapters) -> dict[str, AdapterWeights]:
+    """The checkpoint's weights component of a LoRA run, in place of the parallel strategy's."""
+    return {FOLDER: AdapterWeights(model, adapters)}

@@ -3,7 +3,8 @@
 A unit whose moments did not change since the previous checkpoint is hard-linked from it, and a
 unit LISA offloaded to disk is linked from its offload file, so each checkpoint holds every file
 while the disk holds each unchanged state once. With sharded data-parallel state each rank writes
-and reads the units it owns.
+and reads the units it owns; under training.fsdp every rank writes its slices of every unit into
+optimizer/rank-R/ (`per_rank`, which the parallel strategy sets).
 """
 
 from __future__ import annotations
@@ -13,24 +14,25 @@ from pathlib import Path
 
 import torch
 
-from lisaft.checkpoint.checkpointer import saved_world_size
 from lisaft.checkpoint.reshard import ReshardNotes, read_resharded
+from lisaft.checkpoint.run_state import saved_world_size
 from lisaft.console import warn
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
+from lisaft.errors import CheckpointError, CheckpointMismatch
 from lisaft.lisa import LisaController
 from lisaft.optim.adamw import state_order
 from lisaft.optim.unit_optimizers import UnitOptimizers
 
 
 class OptimizerFiles:
-    """A checkpoint folder component (checkpoint.FolderComponent) for the unit optimizers."""
+    """A checkpoint folder component (components.FolderComponent) for the unit optimizers."""
 
-    def __init__(self, optimizers: UnitOptimizers, controller: LisaController) -> None:
+    def __init__(self, optimizers: UnitOptimizers, controller: LisaController, per_rank: bool = False) -> None:
         self.optimizers = optimizers
         self.controller = controller
         # training.fsdp: every rank holds state for its slices of every unit, in optimizer/rank-R/.
-        self.per_rank = False
+        self.per_rank = per_rank
+        self.since = optimizers.changes.since()
 
     def _dir(self, folder: Path) -> Path:
         return folder / f"rank-{dist.rank()}" if self.per_rank else folder
@@ -39,7 +41,7 @@ class OptimizerFiles:
         opts = self.optimizers
         if self.per_rank:
             return True
-        return opts.owns(opts.units[name]) if opts.shard else dist.is_main()
+        return opts.owns(opts.units[name]) if opts.owner_per_unit else dist.is_main()
 
     def write(self, folder: Path, base: Path | None) -> list[Path]:
         """optimizer/<unit>.pt for each unit with state that this rank saves; returns the files
@@ -52,8 +54,8 @@ class OptimizerFiles:
             if not self._saves(name):
                 continue
             target = folder / f"{name}.pt"
-            previous = self._dir(base / "optimizer") / f"{name}.pt" if base is not None else None
-            if name not in opts.dirty and previous is not None and opts.has_state(name) and _link(previous, target):
+            linked = self._dir(base) / target.name if base is not None else None
+            if not self.since.changed(name) and linked is not None and opts.has_state(name) and _link(linked, target):
                 continue
             # An offload file is immutable (a restore reads and removes it): link it as it is.
             offload = opts.offload_file(name)
@@ -68,7 +70,7 @@ class OptimizerFiles:
 
     def committed(self) -> None:
         """The checkpoint just written holds every unit's current state."""
-        self.optimizers.dirty.clear()
+        self.since.saved()
 
     def read(self, folder: Path) -> None:
         """Replace all state with the checkpoint's: the units LISA keeps resident (the controller
@@ -86,15 +88,15 @@ class OptimizerFiles:
         resident = self.controller.resident_units()
         for name in sorted(names):
             if opts.owns(opts.units[name]):
-                sd = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=True)
+                sd = read_state_file(folder / f"{name}.pt")
                 opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
-        opts.dirty.clear()
+        self.since.saved()
 
     def _check_known(self, names: set[str], ckpt: Path) -> None:
         unknown = sorted(names - set(self.optimizers.units))
         if unknown:
-            raise LisaftError(f"checkpoint {ckpt.name} holds optimizer state for units this model "
-                              f"does not have: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
+            raise CheckpointMismatch(f"checkpoint {ckpt.name} holds optimizer state for units this model "
+                                     f"does not have: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}")
 
     def _read_resharded(self, folder: Path, old_world: int) -> None:
         """training.fsdp on another number of ranks than wrote the checkpoint: each unit's state
@@ -111,7 +113,7 @@ class OptimizerFiles:
             sd = read_resharded(folder, name, shapes, old_world, dist.world_size(), dist.rank(), eight_bit, notes)
             if sd is not None:
                 opts.restore(name, sd, resident=name in resident, policy=self.controller.policy)
-        opts.dirty.update(names)  # every rank's files are new: none can be linked from this checkpoint
+        self.since.forget()  # every rank's files are new: none can be linked from this checkpoint
         if notes.requantized and dist.is_main():
             warn(f"the 8-bit optimizer moments of {notes.requantized} tensors were dequantized and quantized "
                  "again for the new slices: their blocks do not line up across the change of ranks "
@@ -124,3 +126,15 @@ def _link(source: Path, target: Path) -> bool:
         return True
     except OSError:
         return False  # missing, or a filesystem without hard links: write the file
+
+
+def read_state_file(path: Path) -> dict:
+    """One unit's optimizer state. A damaged file says so: torch's own text for a file it cannot
+    unpickle advises weights_only=False, which is no fix for a truncated or garbled file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise  # a read error names its file; resume tells it from a damaged checkpoint
+    except Exception as e:
+        raise CheckpointError(f"{path}: damaged optimizer state file (torch cannot read it: "
+                          f"{type(e).__name__})") from None

@@ -284,6 +284,15 @@ class TrainingSection(_Section):
         "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts (a "
         "warning says so).")
     max_grad_norm: Float | None = Field(1.0, description="Clip total grad norm; null disables.")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A step whose loss or gradient norm is not finite (NaN, inf). stop: the run "
+        "ends there with one line (exit 1), keeps its checkpoints and writes no final/. skip: the step "
+        "updates nothing and is counted (metrics field skipped_steps); not with optimizer.in_backward. "
+        "May change on resume.")
+    accept_data_change: Bool = Field(
+        False, description="Resume over training data that changed since the checkpoint (its digest of token "
+        "ids and labels, or its count, differs), with a warning; without it such a resume is refused. For "
+        "`lisaft resume RUN --set training.accept_data_change=true`.")
     log_every: Int = Field(1, ge=1, description="Write a train record every N steps.")
     eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); without "
                             "an eval set (data.eval, data.eval_fraction) nothing is evaluated and a warning says so.")
@@ -376,6 +385,9 @@ class Recipe(_Section):
                 "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the "
                 "step on the CPU no gradient stays on the device anyway; set in_backward false"
             )
+        if self.training.on_nonfinite == "skip" and self.optimizer.in_backward:
+            raise ValueError("training.on_nonfinite: skip cannot be combined with optimizer.in_backward: "
+                             "each update runs in backward, before the norm is known; use stop")
         if self.optimizer.in_backward:
             if self.training.grad_accum_steps > 1:
                 raise ValueError(
@@ -400,6 +412,7 @@ class Recipe(_Section):
 CADENCE_KEYS = (
     "training.max_steps", "training.log_every", "training.eval_every", "training.eval_batches",
     "training.save_every", "training.keep_last", "training.device", "training.threads",
+    "training.on_nonfinite", "training.accept_data_change",
     "model.gradient_checkpointing",
     "logging.backends", "logging.wandb_project", "logging.wandb_mode",
 )
@@ -545,6 +558,15 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _choices(field) -> str:
+    """' One of: a, b.' for a key that takes one of a fixed set of words, read from its type."""
+    from typing import get_args, get_origin
+
+    if get_origin(field.annotation) is not Literal:
+        return ""
+    return " One of: " + ", ".join(f"`{v}`" for v in get_args(field.annotation)) + "."
+
+
 def reference_markdown() -> str:
     """docs/recipes.md, generated from the schema so the reference cannot drift from the code
     (tests/unit/test_recipe.py checks it)."""
@@ -561,7 +583,7 @@ def reference_markdown() -> str:
         for key, field in section.model_fields.items():
             default = "required" if field.is_required() else json.dumps(
                 field.default if not isinstance(field.default, tuple) else list(field.default))
-            lines.append(f"| `{name}.{key}` | {default} | {field.description or ''} |")
+            lines.append(f"| `{name}.{key}` | {default} | {field.description or ''}{_choices(field)} |")
         lines.append("")
     lines += ["## Keys a resume may change", "",
               ", ".join(f"`{k}`" for k in CADENCE_KEYS) + ". On another number of ranks than wrote "

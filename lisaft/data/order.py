@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from lisaft.console import warn
+from lisaft.data.digest import DataChanged, changed_message
 from lisaft.errors import LisaftError
 
 # Seeds the data order (and the held-out split) apart from the other consumers of
@@ -30,11 +32,13 @@ class DataOrder:
     """
 
     def __init__(self, n_examples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 unit: str = "examples"):
+                 unit: str = "examples", digest: str | None = None, accept_change: bool = False):
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batch_size={batch_size}, rank={rank}, world_size={world_size}")
         self.n = n_examples
         self.unit = unit  # what an index stands for in messages: examples, or packed rows
+        self.digest = digest  # data/digest.py: the examples' token ids and labels, in order
+        self.accept_change = accept_change  # training.accept_data_change: continue over new data
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
@@ -67,15 +71,21 @@ class DataOrder:
         return [int(i) for i in batch]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "n_examples": self.n}
+        sd = {"epoch": self.epoch, "position": self.position, "n_examples": self.n}
+        return sd if self.digest is None else {**sd, "digest": self.digest}
 
     def load_state_dict(self, d: dict) -> None:
         n = d.get("n_examples", self.n)
+        saved = d.get("digest")  # absent in checkpoints of earlier versions: the count still counts
+        what = ""
         if n != self.n:
-            raise LisaftError(
-                f"data.train: the checkpoint was taken with {n} training {self.unit}, the data now gives "
-                f"{self.n}; the data (or data.max_seq_len / data.packing) changed since the run started"
-            )
+            what = f"{n} training {self.unit} then, {self.n} now"
+        elif saved is not None and self.digest is not None and saved != self.digest:
+            what = f"digest {saved} then, {self.digest} now"
+        if what and not self.accept_change:
+            raise DataChanged(changed_message(what))
+        if what:
+            warn(f"data.train changed since the checkpoint ({what}); continuing over the new data as asked")
         self.epoch = int(d["epoch"])
         self.position = int(d["position"])
 

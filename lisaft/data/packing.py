@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from lisaft.data.collate import Example
+from lisaft.data.digest import DataChanged, changed_message
 from lisaft.data.order import ORDER_SALT
-from lisaft.errors import LisaftError
 
 # Stream of the order salt used for the packing order (0: epochs, 1: held-out split).
 _PACKING_STREAM = 2
@@ -82,6 +82,7 @@ class Packing:
     n_examples: int
     max_seq_len: int
     digest: str
+    accept_change: bool = False  # training.accept_data_change: the data order warns of the change
 
     @property
     def real_tokens(self) -> int:
@@ -100,11 +101,9 @@ class Packing:
         return {"digest": self.digest, "rows": len(self.rows)}
 
     def load_state_dict(self, d: dict) -> None:
-        if d.get("digest") != self.digest:
-            raise LisaftError(
-                f"data.train: the checkpoint's packing ({d.get('rows')} rows, digest {d.get('digest')}) "
-                f"differs from what the data packs into now ({len(self.rows)} rows, digest {self.digest}); "
-                "the data, data.max_seq_len or training.seed changed since the run started")
+        if d.get("digest") != self.digest and not self.accept_change:
+            raise DataChanged(changed_message(f"packed into {d.get('rows')} rows with digest {d.get('digest')} "
+                                              f"then, {len(self.rows)} rows with digest {self.digest} now"))
 
 
 def pack_examples(examples: list[Example], max_seq_len: int, seed: int) -> Packing:

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
+from lisaft.errors import CheckpointMismatch, LisaftError
 from lisaft.model.load import ModelParts
 
 
@@ -203,8 +203,8 @@ class LocalShards:
             raise LisaftError(f"ranks disagree on LISA's layers for interval {interval}: "
                               f"{[o[1:] for o in every]}; every rank must run the same recipe and lisaft")
 
-    def write_hf_weights(self, folder: Path) -> None:
-        """The model's weights as a Hugging Face safetensors folder, without the whole model in
+    def write_hf_model(self, folder: Path) -> None:
+        """The model as a Hugging Face folder (weights and config), without the whole model in
         one rank's memory: every rank writes its slices (DCP's Hugging Face writer), then rank 0
         joins them into whole tensors, one tensor in memory at a time, in files of at most
         EXPORT_FILE_BYTES with the usual index. Collective."""
@@ -218,19 +218,12 @@ class LocalShards:
         dcp.save(state, storage_writer=writer)
         if dist.is_main():
             shutil.rmtree(folder / "sharded")  # the slices, now joined
-
-    def checkpointer(self, checkpointer):
-        """The session's checkpointer with this rank's weight slices instead of unit files and its
-        own optimizer files: a resume on as many ranks restores each rank's slices bit for bit."""
-        checkpointer.unit_weights = False
-        checkpointer.folders = {"shards": ShardFiles(self.model), **checkpointer.folders}
-        if "optimizer" in checkpointer.folders:
-            checkpointer.folders["optimizer"].per_rank = True
-        return checkpointer
+        if dist.is_main():
+            _write_config(self.model, folder)
 
 
 class ShardFiles:
-    """A checkpoint folder component (checkpoint.FolderComponent): shards/, the sharded weights
+    """A checkpoint folder component (checkpoint/components.py FolderComponent): shards/, the sharded weights
     and buffers written through torch.distributed.checkpoint (each rank its slices, rank 0 the
     metadata). DCP reads them back on any number of ranks: each rank loads the rows its slices
     cover now, from whichever files hold them, without gathering a unit."""
@@ -266,7 +259,8 @@ class ShardFiles:
             self._read_rank_files(folder)
             return
         if not (folder / ".metadata").is_file():
-            raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards (written without training.fsdp)")
+            raise CheckpointMismatch(f"checkpoint {folder.parent.name} has no weight shards (written without "
+                                     "training.fsdp)")
         # In place: the state dict's DTensors share storage with the parameters' local slices,
         # which the unit optimizers also hold (LocalShards).
         dcp.load(self.state(), storage_reader=dcp.FileSystemReader(folder))
@@ -276,17 +270,32 @@ class ShardFiles:
         on as many ranks as wrote them."""
         path = folder / f"rank-{dist.rank()}.safetensors"
         if not path.is_file():
-            raise LisaftError(f"checkpoint {folder.parent.name} has no weight shards for rank {dist.rank()} "
-                              "(its shards/rank-R files can only be resumed on as many ranks as wrote them)")
+            raise CheckpointMismatch(f"checkpoint {folder.parent.name} has no weight shards for rank {dist.rank()} "
+                                     "(its shards/rank-R files can only be resumed on as many ranks as wrote them)")
         saved = load_file(str(path), device="cpu")
         for name, t in self.state().items():
             local = local_tensor(t)
             if name not in saved or saved[name].shape != local.shape:
-                raise LisaftError(f"checkpoint {folder.parent.name}: {name} does not match this model's shard")
+                raise CheckpointMismatch(f"checkpoint {folder.parent.name}: {name} does not match this model's shard")
             local.copy_(saved[name])
 
     def committed(self) -> None:
         pass
+
+
+def _write_config(model: nn.Module, folder: Path) -> None:
+    """config.json (and generation_config.json) as save_pretrained writes them beside weights."""
+    import copy
+
+    from torch.distributed.fsdp import FSDPModule
+
+    config = copy.deepcopy(model.config)
+    # fully_shard swapped the model's class for a subclass named FSDP<class>: name the model's own.
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    config.architectures = [cls.__name__]
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
 
 
 # The largest file of an export, as Hugging Face's save_pretrained cuts them by default.

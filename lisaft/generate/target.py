@@ -4,7 +4,6 @@ and loading its model and tokenizer."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +68,10 @@ def _is_checkpoint(path: Path) -> bool:
     """A folder in a run's checkpoints/ (existing or not, so a wrong step gets the list), or a
     checkpoint folder moved elsewhere."""
     in_run = path.parent.name == _CHECKPOINTS and (path.parent.parent / "recipe.yaml").is_file()
-    return in_run or ((path / "state.json").is_file() and (path / "recipe.json").is_file())
+    from lisaft.checkpoint.components import STATE_FILE
+    from lisaft.checkpoint.run_state import recipe_file
+
+    return in_run or ((path / STATE_FILE).is_file() and recipe_file(path).is_file())
 
 
 def _checkpoint_names(run_dir: Path) -> list[str]:
@@ -99,16 +101,14 @@ def _checkpoint_target(ckpt: Path, fmt: str | None) -> Target:
     complete, why = is_complete(ckpt)
     if not complete:
         raise LisaftError(f"{ckpt}: an incomplete checkpoint ({why}); {_checkpoints_there(run_dir)}")
-    from lisaft.config.schema import recipe_from_dict
+    from lisaft.checkpoint.run_state import recipe_file, saved_recipe
 
-    recipe_file = ckpt / "recipe.json"
     try:
-        saved = json.loads(recipe_file.read_text())
+        recipe = saved_recipe(ckpt)
     except (OSError, ValueError) as e:
-        raise LisaftError(f"{recipe_file}: cannot read the recipe the checkpoint was trained with: "
+        raise LisaftError(f"{recipe_file(ckpt)}: cannot read the recipe the checkpoint was trained with: "
                           f"{first_line(e)}") from None
-    recipe = recipe_from_dict(saved, str(recipe_file))
-    return _target(ckpt, fmt, recipe, f"{recipe_file}: data.format", checkpoint=True)
+    return _target(ckpt, fmt, recipe, f"{recipe_file(ckpt)}: data.format", checkpoint=True)
 
 
 def load_tokenizer(target: Target):
@@ -161,6 +161,8 @@ def _checkpoint_model(target: Target, device):
         "attention": "auto" if section.attention == "flash_attention_2" else section.attention})
     recipe = target.checkpoint_recipe
     model = _from_recipe(target, lambda: run_model(section, device, seed=recipe.training.seed))
+    from safetensors import SafetensorError
+
     try:
         if recipe.lora.enabled:  # the base from its recipe, the adapters from the checkpoint
             from lisaft.checkpoint.adapters import read_adapters
@@ -169,7 +171,7 @@ def _checkpoint_model(target: Target, device):
             read_adapters(target.model_dir, model, _from_recipe(target, lambda: attach_adapters(model, recipe)))
         else:
             load_weights(target.model_dir, model)
-    except (OSError, RuntimeError, ValueError, LisaftError) as e:
+    except (OSError, RuntimeError, ValueError, LisaftError, SafetensorError) as e:
         raise LisaftError(f"{target.model_dir}: cannot read its weights into the model its recipe.json "
                           f"builds: {first_line(e)}") from None
     if hasattr(model.config, "use_cache"):

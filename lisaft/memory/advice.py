@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from lisaft.memory.estimate import Estimate, Settings, compute
 from lisaft.memory.optimizer_state import OPTIMIZERS
 
+# The shipped recipe that trains every layer with the optimizer on the CPU.
+OFFLOAD_RECIPE = "recipes/llama3.1-8b-full-24gb.yaml"
 # Positions per MLP chunk offered for long context: the shipped 16k recipe's choice.
 MLP_CHUNK_TOKENS = 2048
 # What a change costs the run, in the order a person would give things up.
@@ -80,9 +82,12 @@ def _step_options(s: Settings) -> list[Option]:
         fields = {"cpu_offload": True, "in_backward": False, "clipping": s.clipping or s.in_backward}
         if s.in_backward:
             keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
-        host = compute(s.with_(**fields)).host_bytes
-        out.append(Option(keys, f"moments, gradients and the step on the CPU (needs {host / 1024**3:.1f} GiB "
-                          "of RAM)", fields, SLOWER_AND_HOST_MEMORY))
+        # {host} is the RAM of the combination this option ends up in (_combine).
+        out.append(Option(keys, "moments, gradients and the step on the CPU (needs {host} of RAM; "
+                          f"{OFFLOAD_RECIPE} does this)", fields, SLOWER_AND_HOST_MEMORY))
+    if s.cpu_offload:
+        out.append(Option({"optimizer.cpu_offload": False}, "moments and the step back on the GPU, no host copies",
+                          {"cpu_offload": False}, FREE))
     return out
 
 
@@ -126,8 +131,16 @@ def _combine(s: Settings, options: tuple[Option, ...]) -> Change:
     for o in options:
         overrides.update(o.overrides)
         fields.update(o.fields)
-    why = "together: " + "; ".join(o.why for o in options) if len(options) > 1 else options[0].why
-    return Change(overrides, why, compute(s.with_(**fields)), sum(o.cost for o in options), len(options))
+    whys = [o.why for o in options]
+    if (fields.get("cpu_offload", s.cpu_offload) and fields.get("optimizer", "").startswith("paged_")):
+        # Paging is CUDA unified memory; with the step on the CPU the 8-bit moments live in host RAM.
+        unpaged = fields["optimizer"].removeprefix("paged_")
+        fields["optimizer"] = overrides["optimizer.name"] = unpaged
+        whys = [w.replace("paged on pressure", "in host memory") for w in whys]
+    est = compute(s.with_(**fields))
+    whys = [w.replace("{host}", f"{est.host_bytes / 1024**3:.1f} GiB") for w in whys]
+    why = "together: " + "; ".join(whys) if len(options) > 1 else whys[0]
+    return Change(overrides, why, est, sum(o.cost for o in options), len(options))
 
 
 def combinations(s: Settings, layer_count: int) -> list[Change]:
@@ -151,20 +164,30 @@ def leanest(s: Settings, layer_count: int) -> Change:
                   lean.options)
 
 
+def host_is_the_limit(est: Estimate) -> bool:
+    """The GPU holds the run, but optimizer.cpu_offload's host memory exceeds the RAM."""
+    return est.total_bytes <= est.budget_bytes and not est.fits_host
+
+
 def advice(est: Estimate, layer_count: int) -> list[Change]:
     """Single changes that each lower the total, smallest total first; when none fits alone,
     the smallest combination that fits (by what it costs the run); then, if the sequence is what
     does not fit, the longest that does."""
     s = est.settings
     every = combinations(s, layer_count)
-    changes = sorted((c for c in every if c.options == 1 and c.estimate.total_bytes < est.total_bytes),
-                     key=lambda c: c.estimate.total_bytes)
+    if host_is_the_limit(est):
+        # The GPU holds it: only what lowers the host memory helps, fitting ones first.
+        changes = sorted((c for c in every if c.options == 1 and c.estimate.host_bytes < est.host_bytes),
+                         key=lambda c: (not c.estimate.fits, c.cost, c.estimate.host_bytes))
+    else:
+        changes = sorted((c for c in every if c.options == 1 and c.estimate.total_bytes < est.total_bytes),
+                         key=lambda c: c.estimate.total_bytes)
     if not any(c.estimate.fits for c in changes):
         fitting = [c for c in every if c.estimate.fits]
         if fitting:
             changes.append(_smallest(fitting))
     seq = largest_fitting(s, "seq_len")
-    if not est.fits and seq and seq < s.seq_len:
+    if not est.fits and seq and seq < s.seq_len and not host_is_the_limit(est):
         changes.append(Change({"data.max_seq_len": seq}, "largest sequence length that fits",
                               compute(s.with_(seq_len=seq))))
     return changes
@@ -250,14 +273,22 @@ def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     return grid
 
 
-def largest_fitting_layers(s: Settings, layer_count: int) -> Estimate | None:
-    """The LISA estimate at the largest γ (1..layer_count) that fits with nothing paged; None if
-    even γ=1 does not. Memory grows with γ, so a binary search is exact."""
+# lisa.active_layers: auto keeps this share of the budget free: the estimate was within 3% of
+# three NVML measurements (docs/memory.md), and a desktop's other processes may grow after start.
+AUTO_MARGIN = 0.05
+
+
+def largest_fitting_layers(s: Settings, layer_count: int, margin: float = 0.0) -> Estimate | None:
+    """The LISA estimate at the largest γ (1..layer_count) that fits with nothing paged, within
+    (1 - margin) of the budget; None if even γ=1 does not. Memory grows with γ, so a binary
+    search is exact. The estimate returned is judged against the whole budget."""
+    limit = s.with_(budget_bytes=int(s.budget_bytes * (1 - margin)))
+
     def estimate(gamma: int) -> Estimate:
-        return compute(s.with_(lisa=True, active_layers=gamma))
+        return compute(limit.with_(lisa=True, active_layers=gamma))
 
     lo, hi = 0, layer_count + 1  # estimate(lo) fits (or lo is 0), estimate(hi) does not (or hi is past the top)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if estimate(mid).fits else (lo, mid)
-    return estimate(lo) if lo else None
+    return compute(s.with_(lisa=True, active_layers=lo)) if lo else None

@@ -1,18 +1,21 @@
-"""`lisa.active_layers: auto`: the largest γ whose estimated peak fits the device's memory.
+"""`lisa.active_layers: auto`: the largest γ whose estimated peak fits the device's memory with
+AUTO_MARGIN (5%) of it left free.
 
-The device's memory is a GPU's total memory (what `estimate-memory` budgets against: the CUDA
-context is one of the estimate's components), and on CPU the host RAM available when the run
-starts (MemAvailable: what the run can take without swapping out other processes), else the
-physical RAM. `lisaft estimate-memory` makes the same choice against its budget (--budget,
---gpu, or its default)."""
+The device's memory is, on a GPU, what is free when the run starts plus this process's own CUDA
+context (the estimate counts the context itself), so another process's memory (a desktop's
+display) is not counted as the run's; where the free memory cannot be read, the GPU's total. On
+CPU it is the host RAM available when the run starts (MemAvailable: what the run can take without
+swapping out other processes), else the physical RAM. `lisaft estimate-memory` makes the same
+choice against its budget (--budget, --gpu, or its default)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from lisaft.errors import LisaftError
-from lisaft.memory.advice import largest_fitting_layers
+from lisaft.memory.advice import AUTO_MARGIN, largest_fitting_layers
 from lisaft.memory.counts import param_counts
+from lisaft.memory.cuda_process import CUDA_CONTEXT_BYTES
 from lisaft.memory.estimate import GiB, Settings, compute
 
 
@@ -21,9 +24,14 @@ class LayerChoice:
     active_layers: int
     total_bytes: int
     budget_bytes: int
+    layer_count: int = 0
 
     def line(self) -> str:
-        return f"γ={self.active_layers}: {self.total_bytes / GiB:.1f} of {self.budget_bytes / GiB:.1f} GiB"
+        line = (f"γ={self.active_layers}: {self.total_bytes / GiB:.1f} of {self.budget_bytes / GiB:.1f} GiB "
+                f"({AUTO_MARGIN:.0%} kept free)")
+        if self.active_layers == self.layer_count:
+            line += "; that is every layer: full fine-tuning, LISA samples nothing"
+        return line
 
 
 def host_memory_available() -> int | None:
@@ -38,11 +46,26 @@ def host_memory_available() -> int | None:
     return None
 
 
+def gpu_memory_free() -> int | None:
+    """Free GPU memory plus this process's CUDA context (which reading it creates, and which the
+    estimate counts itself); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return min(total, free + CUDA_CONTEXT_BYTES)
+
+
 def device_memory_bytes(device: str) -> int:
     if device == "cpu":
         available = host_memory_available()
         if available is not None:
             return available
+    if device == "cuda":
+        free = gpu_memory_free()
+        if free is not None:
+            return free
     from lisaft.memory.command import _device_budget
 
     return _device_budget(device)
@@ -51,14 +74,14 @@ def device_memory_bytes(device: str) -> int:
 def choose_active_layers(s: Settings) -> LayerChoice:
     """The largest fitting γ; LisaftError naming lisa.active_layers when not even γ=1 fits."""
     layers = param_counts(s.config).layer_count
-    est = largest_fitting_layers(s, layers)
+    est = largest_fitting_layers(s, layers, AUTO_MARGIN)
     if est is None:
         one = compute(s.with_(lisa=True, active_layers=1))
         raise LisaftError(
             f"lisa.active_layers: auto: even γ=1 needs an estimated {one.total_bytes / GiB:.1f} GiB, more than "
-            f"the {s.budget_bytes / GiB:.1f} GiB budget; `lisaft estimate-memory RECIPE` shows what brings it "
-            "under, or set lisa.active_layers to a number")
-    return LayerChoice(est.settings.active_layers, est.total_bytes, s.budget_bytes)
+            f"{1 - AUTO_MARGIN:.0%} of the {s.budget_bytes / GiB:.1f} GiB budget; `lisaft estimate-memory RECIPE` "
+            "shows what brings it under, or set lisa.active_layers to a number")
+    return LayerChoice(est.settings.active_layers, est.total_bytes, s.budget_bytes, layers)
 
 
 def resolve_active_layers(recipe, device: str, budget_bytes: int | None = None) -> LayerChoice | None:

@@ -12,6 +12,7 @@ from lisaft.config.schema import Recipe, load_recipe
 from lisaft.env.allocator import expandable_segments
 from lisaft.errors import LisaftError
 from lisaft.memory.advice import (
+    AUTO_MARGIN,
     Change,
     advice,
     fewest_ranks,
@@ -204,19 +205,31 @@ def build_settings(recipe: Path | None, model: str | None, optimizer: str | None
     changes["ranks"] = ranks or 1
     s = s.with_(**changes)
     check_ranks(s, ranks)
-    if s.cpu_offload and s.in_backward:
-        raise LisaftError("--cpu-offload cannot be combined with in_backward: with the step on the CPU "
-                          "no gradient stays on the device anyway")
-    if s.in_backward and s.grad_accum_steps > 1:
-        raise LisaftError("--in-backward cannot be combined with training.grad_accum_steps > 1")
+    _check_step_place(s, cpu_offload, in_backward)
     layers = param_counts(s.config, s.layers_path).layer_count
     if s.lisa and s.active_layers_auto:
-        chosen = largest_fitting_layers(s, layers)
+        chosen = largest_fitting_layers(s, layers, AUTO_MARGIN)
         s = s.with_(active_layers=chosen.settings.active_layers if chosen else 1)
     if s.lisa and s.active_layers > layers:
         key = "--lisa-layers" if lisa_layers is not None else "lisa.active_layers"
         raise LisaftError(f"{key}: {s.active_layers} is more than the model's {layers} layers")
     return s
+
+
+def _check_step_place(s: Settings, cpu_offload: bool | None, in_backward: bool | None) -> None:
+    """Where the step runs, each refusal naming what the user typed: a flag, or the recipe's key."""
+    if s.cpu_offload and s.in_backward:
+        why = "with the step on the CPU no gradient stays on the device anyway"
+        if in_backward and cpu_offload:
+            raise LisaftError(f"--in-backward cannot be combined with --cpu-offload: {why}; give one")
+        if in_backward:
+            raise LisaftError(f"--in-backward cannot be combined with the recipe's optimizer.cpu_offload: {why}; "
+                              "add --no-cpu-offload, or drop --in-backward")
+        raise LisaftError(f"--cpu-offload cannot be combined with the recipe's optimizer.in_backward: {why}; "
+                          "add --no-in-backward")
+    if s.in_backward and s.grad_accum_steps > 1:
+        inb = "--in-backward" if in_backward else "optimizer.in_backward"
+        raise LisaftError(f"{inb} cannot be combined with training.grad_accum_steps > 1")
 
 
 def check_ranks(s: Settings, ranks: int | None) -> None:

@@ -373,9 +373,11 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         notes.append("cpu_offload: moments, gradient accumulators and the step live in host memory "
                      "(the host table)")
     if act.packed_mask:
-        notes.append(f"data.packing under {s.attention}: each row's documents are kept apart by a "
-                     f"{s.seq_len} x {s.seq_len} mask ({act.packed_mask / 2**20:,.0f} MiB for the micro-batch); "
-                     "flash_attention_2 needs none")
+        # The same mask serves packed rows (documents kept apart) and padded rows (padding hidden).
+        what = ("data.packing under {a}: each row's documents are kept apart by" if s.packing else
+                "rows padded to the longest in the batch under {a}: the padding is hidden by")
+        notes.append(f"{what.format(a=s.attention)} a {s.seq_len} x {s.seq_len} mask "
+                     f"({act.packed_mask / 2**20:,.0f} MiB for the micro-batch); flash_attention_2 needs none")
     if s.fsdp:
         notes.append(f"training.fsdp over {s.ranks} ranks: one rank's memory (rank 0 holds the largest slices); NCCL's "
                      "buffers are not modelled" + ("; the peak is the set-up, where each rank holds the whole "

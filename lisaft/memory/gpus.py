@@ -76,9 +76,10 @@ def parse_bytes(text: str, key: str = "--budget") -> int:
     unit = m.group(2).lower()
     if unit not in _UNITS:
         n = m.group(1)
-        raise LisaftError(f"{key}: {text!r} needs a unit: {n}GB means {n} x 10^9 bytes (as GPU makers "
-                          f"write it), {n}GiB {n} x 2^30 bytes; or name a card with --gpu "
-                          f"({', '.join(GPUS)})")
+        # Only a GPU budget can be a catalogue card; host RAM is not.
+        cards = f"; or name a card with --gpu ({', '.join(GPUS)})" if key == "--budget" else ""
+        raise LisaftError(f"{key}: {text!r} needs a unit: {n}GB means {n} x 10^9 bytes (as memory makers "
+                          f"write it), {n}GiB {n} x 2^30 bytes{cards}")
     value = int(float(m.group(1)) * _UNITS[unit])
     if value <= 0:
         raise LisaftError(f"{key}: must be positive")

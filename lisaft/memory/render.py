@@ -6,7 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from lisaft.memory.advice import RANKS, Change
+from lisaft.memory.advice import AUTO_MARGIN, RANKS, Change, host_is_the_limit
 from lisaft.memory.estimate import Estimate
 
 _DESCRIPTIONS = {
@@ -158,10 +158,19 @@ NOTHING_PAGED = (
     "cuda_context and cuda_kernels, which only nvidia-smi counts. Paging applies to "
     "paged_adamw_32bit and paged_adamw_8bit (--optimizer) only."
 )
+CPU_OFFLOAD_COUNTED = (
+    "Nothing is paged with optimizer.cpu_offload: the GPU rows are ordinary allocations (torch's "
+    "max_memory_reserved and nvidia-smi agree on them, except cuda_context and cuda_kernels, which only "
+    "nvidia-smi counts), and the host table's rows are ordinary host memory, most of it pinned (page-locked: "
+    "never swapped, so it must fit in RAM), which the process's resident set (RSS, `ps`) counts. The "
+    "moments and gradients the run's metrics call offloaded_state_bytes are that host memory; the run's "
+    "end-of-run table shows the host rows beside the GPU's."
+)
 NOTHING_PAGED_CPU = (
     "Nothing is paged on CPU: the estimate is the process's peak resident set (RSS), as "
     "`ps` and metrics.jsonl's peak_memory_bytes count it; paging needs CUDA unified memory."
 )
+LISA_RECIPE = "recipes/llama3.1-8b-lisa-24gb.yaml"
 # What lisaft offers when one card cannot hold a model.
 SEVERAL_GPUS = ("it needs several GPUs with the model sharded across them by FSDP2: training.fsdp under "
                 "torchrun (docs/distributed.md)")
@@ -171,17 +180,23 @@ def explain_lines(est: Estimate) -> Text:
     """--explain when nothing is paged: say so, and what a measurement will count."""
     if est.settings.device == "cpu":
         return Text(NOTHING_PAGED_CPU)
+    if est.host_components:
+        return Text(CPU_OFFLOAD_COUNTED)
     return Text(NOTHING_PAGED.format(optimizer=est.settings.optimizer))
 
 
-def advice_table(changes: list[Change]) -> Table:
+def advice_table(changes: list[Change], host: bool = False) -> Table:
+    """host: a column of each row's host RAM, when that RAM is what decides."""
     t = Table(title="What brings it under", title_justify="left")
     t.add_column("change (recipe keys; --set key=value)")
     t.add_column("why", style="dim")
     t.add_column("total", justify="right")
+    if host:
+        t.add_column("host RAM", justify="right")
     t.add_column("fits")
     for c in changes:
-        t.add_row(c.what, c.why, human(c.estimate.total_bytes), "yes" if c.estimate.fits else "no")
+        ram = [human(c.estimate.host_bytes) if c.estimate.host_components else "-"] if host else []
+        t.add_row(c.what, c.why, human(c.estimate.total_bytes), *ram, "yes" if c.estimate.fits else "no")
     return t
 
 
@@ -252,6 +267,17 @@ def _as_is_line(report) -> Text:
     return Text(f"As it is, it needs {total}: more than any GPU in the catalogue.")
 
 
+def _host_limit_line(est: Estimate) -> Text:
+    """When the GPU holds the run and the RAM does not: a bigger GPU would not help."""
+    return Text(
+        f"Host RAM is the limit, not the GPU: optimizer.cpu_offload keeps the moments, the gradient "
+        f"accumulators and a copy of the weights in {human(est.host_bytes)} of host memory. What else trains "
+        f"this model: optimizer.cpu_offload: false puts moments and the step back on the GPU (full fine-tuning, "
+        f"if the GPU holds it: the rows below say); LISA ({LISA_RECIPE} for Llama-3.1-8B) trains a few layers at "
+        "a time with little host memory, and learned less than full fine-tuning on the learning benchmark "
+        "(README, Measured).")
+
+
 def _largest_line(report) -> Text:
     s = report.estimate.settings
     seq = report.largest_seq_len
@@ -280,14 +306,17 @@ def render(report, explain: bool = False) -> Group:
         parts.append(paged)
     elif explain:
         parts.append(explain_lines(est))
-    if not est.fits and est.settings.device == "cuda":
+    if host_is_the_limit(est):
+        parts.append(_host_limit_line(est))
+    elif not est.fits and est.settings.device == "cuda":
         parts.append(_as_is_line(report))
     if est.activation_host_bytes and not est.host_components:
         parts.append(Text(f"Host memory for offloaded activation checkpoints: "
                           f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))
-    parts.append(_largest_line(report))
+    if not host_is_the_limit(est):
+        parts.append(_largest_line(report))
     if report.advice:
-        parts.append(advice_table(report.advice))
+        parts.append(advice_table(report.advice, host=host_is_the_limit(est)))
     if report.leanest is not None:
         parts.append(_no_budget_fits(report))
     parts.append(grid_table(report.grid, est.budget_bytes))
@@ -302,7 +331,7 @@ def _auto_line(est: Estimate) -> Text:
     if est.fits:
         return Text(f"lisa.active_layers: auto picks γ={est.settings.active_layers}: "
                     f"{est.total_bytes / 1024**3:.1f} of {est.budget_bytes / 1024**3:.1f} GiB, the largest γ that "
-                    "fits (a run on a device of this budget picks the same)")
+                    f"fits with {AUTO_MARGIN:.0%} kept free (a run on a device of this budget picks the same)")
     return Text("lisa.active_layers: auto: not even γ=1 fits this budget (shown at γ=1); a run would stop "
                 "with this message", style="bold red")
 
@@ -328,13 +357,14 @@ def estimated_vs_measured_rows(estimate: Estimate, measured: dict) -> list[tuple
     ]
 
 
-def estimated_vs_measured_table(estimate: Estimate, measured: dict) -> Table:
-    """A row per quantity: estimated, measured, difference (see estimated_vs_measured_rows)."""
+def estimated_vs_measured_table(estimate: Estimate, measured: dict, extra_rows: list | None = None) -> Table:
+    """A row per quantity: estimated, measured, difference (see estimated_vs_measured_rows), then
+    `extra_rows` (name, estimated, measured): a cpu_offload run's host memory."""
     t = Table(title="Memory: estimated vs measured", title_justify="left")
     t.add_column("")
     t.add_column("estimated", justify="right")
     t.add_column("measured", justify="right")
     t.add_column("difference", justify="right")
-    for name, est, meas in estimated_vs_measured_rows(estimate, measured):
+    for name, est, meas in [*estimated_vs_measured_rows(estimate, measured), *(extra_rows or [])]:
         t.add_row(name, human(est), human(meas), _pct(est, meas))
     return t

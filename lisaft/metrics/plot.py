@@ -120,7 +120,7 @@ def plot_command(run_dirs: list[Path], out: Path | None = None) -> int:
 
 
 def _figure(plt, runs: list[RunData]):
-    rasters = [r for r in runs if any(t.get("active_layers") for t in r.train)]
+    rasters = [r for r in runs if _samples_layers(r)]
     rows = 3 + len(rasters)
     fig = plt.figure(figsize=(11, 2.6 * rows), layout="constrained")
     grid = fig.add_gridspec(rows, 2)
@@ -157,6 +157,14 @@ def _figure(plt, runs: list[RunData]):
     for j, run in enumerate(rasters):
         _raster(fig.add_subplot(grid[3 + j, :]), run)
     return fig
+
+
+def _samples_layers(run: RunData) -> bool:
+    """Whether some step trained a subset of the layers: a run that trains every layer (no LISA,
+    or γ equal to the layer count) has no pattern to draw, only a black panel."""
+    sets = [r["active_layers"] for r in run.train if r.get("active_layers")]
+    n_layers = max([run.layer_count or 0] + [i + 1 for a in sets for i in a])
+    return any(len(set(a)) < n_layers for a in sets)
 
 
 def _raster(ax, run: RunData) -> None:

@@ -8,6 +8,7 @@ embeddings).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
@@ -58,3 +59,46 @@ def state_dict_units(model: nn.Module, units: list[Unit]) -> dict[str, str]:
             prefix = prefix.rsplit(".", 1)[0] if "." in prefix else ""
         names[name] = owner
     return names
+
+
+class UnitChanges:
+    """How many times each unit's state changed: its optimizer stepped it (weights and moments).
+    Every place that updates a unit bumps it here; a checkpoint component that writes per-unit
+    files keeps its own `since()` mark and hard-links the files of the units whose count did not
+    move since it last saved (or read) them."""
+
+    def __init__(self) -> None:
+        self._count: dict[str, int] = {}
+
+    def bump(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._count[name] = self._count.get(name, 0) + 1
+
+    def count(self, name: str) -> int:
+        return self._count.get(name, 0)
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._count)
+
+    def since(self) -> ChangeMark:
+        return ChangeMark(self)
+
+
+class ChangeMark:
+    """What changed since one component's last save. Until it first saves or reads, everything
+    counts as changed."""
+
+    def __init__(self, changes: UnitChanges) -> None:
+        self._changes = changes
+        self._at: dict[str, int] | None = None
+
+    def changed(self, name: str) -> bool:
+        return self._at is None or self._changes.count(name) != self._at.get(name, 0)
+
+    def saved(self) -> None:
+        """The component's files now hold every unit's current state."""
+        self._at = self._changes.counts()
+
+    def forget(self) -> None:
+        """No file of the component's last checkpoint may be linked into the next one."""
+        self._at = None

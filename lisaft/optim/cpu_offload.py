@@ -39,6 +39,7 @@ step, as the device path does); their copy is synchronous, and small.
 
 from __future__ import annotations
 
+import math
 import queue
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -161,7 +162,7 @@ class OffloadedOptimizers(UnitOptimizers):
     as it would for device optimizers; LISA's controller switches units by name as before."""
 
     def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
-                 offload_dir: Path, seed: int, shard: bool = False) -> None:
+                 offload_dir: Path, seed: int) -> None:
         if dist.world_size() > 1:
             raise LisaftError("optimizer.cpu_offload runs on one device; for data parallel set it false "
                               "(training.shard_optimizer_state divides the moments between ranks)")
@@ -173,7 +174,7 @@ class OffloadedOptimizers(UnitOptimizers):
         weights_arena, self._acc_arena = HostArena(slab, cuda), HostArena(slab, cuda)
         host_units = [Unit(u.name, u.index, [_host_copy(p, weights_arena) for p in u.params], u.layer)
                       for u in units]
-        super().__init__(host_units, section, torch.device("cpu"), offload_dir, seed, shard=False)
+        super().__init__(host_units, section, torch.device("cpu"), offload_dir, seed)
         self._weights_arena = weights_arena
         self._device_units = {u.name: u for u in units}
         self._host_of = {p: h for u, hu in zip(units, host_units) for p, h in zip(u.params, hu.params)}
@@ -237,19 +238,25 @@ class OffloadedOptimizers(UnitOptimizers):
     def step(self, units: list[Unit]) -> None:
         self.clip_and_step(units, max_norm=None, measure_norm=False)
 
-    def clip_and_step(self, units: list[Unit], max_norm: float | None, measure_norm: bool) -> float | None:
+    def clip_and_step(self, units: list[Unit], max_norm: float | None, measure_norm: bool,
+                      skip_nonfinite: bool = False) -> float | None:
         """Clip by the global norm of the host gradients, step each unit on the CPU and send its
         weights back (without waiting for either with `overlap`). Returns the norm before
-        clipping when measured."""
+        clipping when measured. skip_nonfinite: a NaN or inf norm drops the gradients, no step."""
         self.wait()
         self.drain()
         hosts = [self._host_of[p] for u in units for p in u.params]
         for h in hosts:
             if h.grad is not None and h.grad.is_sparse:
                 h.grad = h.grad.coalesce()  # sum repeated tokens' rows once, as the device path
-        norm = clip_grad_norm(hosts, max_norm) if max_norm is not None or measure_norm else None
+        measure = max_norm is not None or measure_norm or skip_nonfinite
+        norm = clip_grad_norm(hosts, max_norm) if measure else None
+        if skip_nonfinite and not math.isfinite(norm):
+            for h in hosts:
+                h.grad = None
+            return norm
         self.rounding.step = self._step_index
-        self.dirty.update(u.name for u in units)  # before a checkpoint could ask, step in flight or not
+        self.changes.bump(u.name for u in units)  # before a checkpoint could ask, step in flight or not
         optimizers = [self.optimizer(u) for u in units]  # created here, not in the workers
         self._first_steps = {u.name for u, opt in zip(units, optimizers) if not opt.state}
         for opt in optimizers:

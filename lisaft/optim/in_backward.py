@@ -57,7 +57,7 @@ class StepInBackward:
             g = p.grad.detach()
             self._norm.sq += (g.values() if g.is_sparse else g).float().pow(2).sum()
         self.optimizers.optimizer(unit).step_param(p)
-        self.optimizers.dirty.add(unit.name)
+        self.optimizers.changes.bump([unit.name])
         p.grad = None
 
     def remove(self) -> None:

@@ -8,21 +8,23 @@
 
 and moves whole optimizers between them through state_dict / load_state_dict. A checkpoint holds
 one optimizer/<unit>.pt per unit with state, hard-linked from the previous checkpoint (or from
-the offload file) when unchanged. With sharded data-parallel state each unit has one owner rank
-that keeps its moments, steps it and broadcasts its weights.
+the offload file) when unchanged. With sharded data-parallel state (`owner_per_unit`) each unit
+has one owner rank that keeps its moments, steps it and broadcasts its weights; under
+training.fsdp each optimizer steps this rank's `slices` of its unit's parameters.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from lisaft.config.schema import OptimizerSection
 from lisaft.distributed import dist
-from lisaft.model.units import Unit
+from lisaft.model.units import Unit, UnitChanges
 from lisaft.optim.adamw import (
     QUANTIZATION_MAP_BYTES,
     AdamW,
@@ -33,28 +35,49 @@ from lisaft.optim.adamw import (
     state_dict_bytes,
 )
 
-if TYPE_CHECKING:
-    from lisaft.distributed.fsdp import LocalShards
+
+class Slices(Protocol):
+    """The parameters an optimizer steps: this rank's slices under training.fsdp
+    (distributed/fsdp.py LocalShards), the parameters themselves otherwise (WholeParams)."""
+
+    rank: int | None  # which slice: part of the rounding noise's key (None: whole tensors)
+
+    def local(self, params: list[nn.Parameter]) -> list[nn.Parameter]: ...
+
+    def release_grads(self, params: list[nn.Parameter]) -> None: ...
+
+
+class WholeParams:
+    """Every rank holds and steps whole parameters."""
+
+    rank = None
+
+    def local(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        return params
+
+    def release_grads(self, params: list[nn.Parameter]) -> None:
+        pass  # the step frees the parameters' own gradients
 
 
 class UnitOptimizers:
     def __init__(self, units: list[Unit], section: OptimizerSection, device: torch.device,
-                 offload_dir: Path, seed: int, shard: bool = False, shards: LocalShards | None = None) -> None:
+                 offload_dir: Path, seed: int, owner_per_unit: bool = False, slices: Slices | None = None) -> None:
         self.units = {u.name: u for u in units}
-        # training.fsdp: each optimizer steps this rank's slices of its unit (lisaft/distributed/fsdp.py), and
-        # the rounding noise of a slice differs from every other rank's.
-        self.shards = shards
+        # training.fsdp: each optimizer steps this rank's slices of its unit, and the rounding
+        # noise of a slice differs from every other rank's.
+        self.slices = slices if slices is not None else WholeParams()
         self.section = section
         self.device = torch.device(device)
         self.offload_dir = Path(offload_dir)
-        self.rounding = Rounding(section.bf16_update, seed, shard=None if shards is None else shards.rank)
+        self.rounding = Rounding(section.bf16_update, seed, shard=self.slices.rank)
         self.pool = PagedPool() if section.name.startswith("paged_") and self.device.type == "cuda" else None
-        self.shard = shard and dist.world_size() > 1
+        # training.shard_optimizer_state: one owner rank per unit keeps its moments and steps it.
+        self.owner_per_unit = owner_per_unit and dist.world_size() > 1
         self.lr = section.lr
         self.resident: dict[str, AdamW] = {}
         self.host: dict[str, dict] = {}
         self.disk: dict[str, tuple[Path, int]] = {}
-        self.dirty: set[str] = set()          # state changed since the last checkpoint
+        self.changes = UnitChanges()  # every update of a unit (its weights and moments) counts here
         # Files a crashed run of this rank left behind are stale: a resume rewrites what it needs.
         if self.offload_dir.is_dir():
             for stale in self.offload_dir.glob("*.pt*"):
@@ -64,7 +87,7 @@ class UnitOptimizers:
 
     def owns(self, unit: Unit) -> bool:
         """Whether this rank keeps and steps the unit's moments."""
-        return not self.shard or unit.index % dist.world_size() == dist.rank()
+        return not self.owner_per_unit or unit.index % dist.world_size() == dist.rank()
 
     def owner_of_params(self, units: list[Unit]) -> dict[int, int]:
         return {id(p): u.index % dist.world_size() for u in units for p in u.params}
@@ -75,7 +98,7 @@ class UnitOptimizers:
         """The unit's resident optimizer, created (or restored from host or disk) when missing."""
         opt = self.resident.get(unit.name)
         if opt is None:
-            params = unit.params if self.shards is None else self.shards.local(unit.params)
+            params = self.slices.local(unit.params)
             opt = build_unit_optimizer(params, self.section, self.device, self.rounding,
                                        unit.index, self.pool)
             self._set_group_lr(opt)
@@ -99,8 +122,7 @@ class UnitOptimizers:
             return
         del self.resident[unit.name]
         if policy == "discard" or not opt.state:
-            self.dirty.add(unit.name)
-            opt.release()
+            opt.release()  # no moments: a checkpoint has no file for the unit to link
             return
         pin = self.device.type == "cuda"
         if pin:
@@ -138,15 +160,15 @@ class UnitOptimizers:
     def step(self, units: list[Unit]) -> None:
         """Update the trainable units (this rank's share when sharded), then free every
         gradient; with sharded state each owner sends its units' new weights to every rank."""
+        # Every rank counts every unit: an owner's update reaches the others' weights below.
+        self.changes.bump(u.name for u in units)
         for unit in units:
             if self.owns(unit):
                 self.optimizer(unit).step()
-                self.dirty.add(unit.name)
             for p in unit.params:
                 p.grad = None
-            if self.shards is not None:
-                self.shards.release_grads(unit.params)
-        if self.shard:
+            self.slices.release_grads(unit.params)
+        if self.owner_per_unit:
             params = [p for u in units for p in u.params]
             dist.broadcast_from_owners(params, self.owner_of_params(units))
 

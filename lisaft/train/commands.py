@@ -6,14 +6,15 @@ import functools
 from pathlib import Path
 
 from lisaft import run_folder as runfiles
-from lisaft.checkpoint.checkpointer import saved_world_size
 from lisaft.checkpoint.missing import run_recipe_file
+from lisaft.checkpoint.run_state import saved_world_size
 from lisaft.config.schema import load_recipe
 from lisaft.config.unused_keys import unused_keys
 from lisaft.console import say, warn
 from lisaft.distributed import dist
 from lisaft.metrics.log import MetricsLog, check_backends
 from lisaft.train import resume as policy
+from lisaft.train.host_memory import check_host_memory
 from lisaft.train.loop import run
 from lisaft.train.session import build_session
 
@@ -45,6 +46,7 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
             warn(note)
     run_dir = Path(recipe.training.output_dir)
     runfiles.check_output_dir(run_dir, overwrite, force)
+    check_host_memory(recipe, str(recipe_path))
     session = build_session(recipe, run_dir)
     dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
     if dist.is_main():
@@ -78,6 +80,8 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     changed = policy.recipe_changes(candidates[0], recipe)
     saved_world = saved_world_size(candidates[0])
     policy.check_resumable(run_dir, candidates[0], recipe, max_steps)
+    policy.check_extension(run_dir, candidates[0], recipe, recipe_file, reschedule)
+    check_host_memory(recipe, str(recipe_file))
     session = build_session(recipe, run_dir)
     ckpt = policy.load_newest(session, candidates, recipe_file)
     schedule_note = policy.continue_schedule(session, reschedule)

@@ -20,13 +20,7 @@ def evaluate(session: Session) -> dict:
     batches = eval_index_batches(len(examples), t.batch_size)
     if t.eval_batches is not None:
         batches = batches[: t.eval_batches]
-    mine = batches[dist.rank():: dist.world_size()]
-    counted = len(mine)
-    if session.shards is not None and batches:
-        # Under FSDP a forward is collective: every rank runs as many; a rank short of batches
-        # runs one again and does not count it.
-        rounds = -(-len(batches) // dist.world_size())
-        mine = [*mine, *[batches[0]] * (rounds - len(mine))]
+    mine, counted = session.parallel.eval_batches(batches)
     model = session.model
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)

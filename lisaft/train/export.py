@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 
@@ -22,16 +21,13 @@ def save_final(session: Session) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if session.shards is not None:
-        session.shards.write_hf_weights(tmp)
+    if session.adapters is not None:  # lora.enabled: merged, or peft's adapter folder (lora.export)
         if dist.is_main():
-            _write_config(session.model, tmp)
-    elif dist.is_main() and session.adapters is not None:
-        from lisaft.model.lora import save_final as save_lora
+            from lisaft.model.lora import save_final as save_lora
 
-        save_lora(session.model, session.adapters, session.recipe, tmp)
-    elif dist.is_main():
-        session.model.save_pretrained(tmp, safe_serialization=True)
+            save_lora(session.model, session.adapters, session.recipe, tmp)
+    else:
+        session.parallel.export(session.model, tmp)
     if not dist.is_main():
         dist.barrier()
         return
@@ -42,15 +38,3 @@ def save_final(session: Session) -> None:
     os.replace(tmp, final)
     dist.barrier()
 
-
-def _write_config(model, folder) -> None:
-    """config.json (and generation_config.json) as save_pretrained writes them beside weights."""
-    config = copy.deepcopy(model.config)
-    from torch.distributed.fsdp import FSDPModule
-
-    # fully_shard swapped the model's class for a subclass named FSDP<class>: name the model's own.
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    config.architectures = [cls.__name__]
-    config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(folder)

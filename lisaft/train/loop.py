@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import signal
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
 from lisaft.metrics.measure import memory_counters
 from lisaft.run_folder import clean_write_failures, remove_temporaries
-from lisaft.train import export, report
+from lisaft.train import export, nonfinite, report
 from lisaft.train.evaluate import evaluate
 from lisaft.train.session import Session
 from lisaft.train.step import StepResult, train_step
@@ -40,6 +38,8 @@ def _train_record(session: Session, result: StepResult, window: dict, elapsed: f
         "optimizer_state_bytes": dev_state,
         "offloaded_state_bytes": off_state,
         **memory_counters(session.device),
+        **({"skipped_steps": session.progress.skipped_steps}
+           if session.recipe.training.on_nonfinite == "skip" else {}),
     }
 
 
@@ -58,11 +58,10 @@ def _record_peaks(session: Session, result: StepResult) -> None:
         peaks.activation_seq_len = result.activation_seq_len
 
 
-def _save(session: Session, checkpointer: Checkpointer, base: Path | None, changed: set[str]) -> Path:
+def _save(session: Session, checkpointer: Checkpointer, base: Path | None) -> Path:
     # A failed write leaves the older checkpoints untouched; run()'s guard reports it.
     session.optimizers.wait()  # the weights read here are the last step's
-    recipe_json = json.dumps(session.recipe.model_dump(mode="json"), indent=1)
-    return checkpointer.save(session.progress.step, changed, base, extra_files={"recipe.json": recipe_json})
+    return checkpointer.save(session.progress.step, base)
 
 
 def _evaluate(session: Session, metrics: RunLog, display: Display) -> None:
@@ -79,7 +78,6 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
     t = session.recipe.training
     progress = session.progress
     checkpointer = session.checkpointer()
-    changed: set[str] = set()
     if dist.is_main():
         remove_temporaries(session.run_dir)  # what a killed run left half written
     window = {**_EMPTY_WINDOW, **progress.window}
@@ -99,8 +97,8 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                                     longer_than=session.peaks.activation_seq_len)
             except torch.OutOfMemoryError:
                 raise report.out_of_memory(session, step, base) from None
+            nonfinite.check_step(session, step, result, base)
             _record_peaks(session, result)
-            changed |= {u.name for u in session.controller.trainable_units()}
             progress.step += 1
             progress.tokens_seen += result.tokens
             _add(window, result)
@@ -116,14 +114,9 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
             stopping = dist.any_rank(stop.requested or (stop_at is not None and progress.step >= stop_at))
             if (t.save_every and progress.step % t.save_every == 0) or stopping or progress.step == t.max_steps:
                 progress.window = window
-                base = _save(session, checkpointer, base, changed)
-                changed = set()
+                base = _save(session, checkpointer, base)
             if stopping and progress.step < t.max_steps:
-                why = signal.Signals(stop.signum).name if stop.signum else "stop requested"
-                if stop.signum is None and stop_at is None:
-                    why = "another rank was stopped"
-                display.print(f"stopped ({why}) at step {progress.step}; checkpoint {base.name} written. "
-                              f"Continue with: lisaft resume {session.run_dir}")
+                display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 
         session.optimizers.wait()

@@ -8,6 +8,7 @@ from pathlib import Path
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
+from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.train.session import Session
 
 
@@ -74,10 +75,22 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     }
     metrics.memory(estimate, measured)
     console = Console(highlight=False, soft_wrap=True)
-    console.print(estimated_vs_measured_table(estimate, measured))
+    console.print(estimated_vs_measured_table(estimate, measured, host_rows(estimate, session.optimizers)))
     console.print(f"(estimated for the run's longest batch, {recipe.training.batch_size} x {seq_len} tokens, "
                   f"where its activations were measured; data.max_seq_len is {session.recipe.data.max_seq_len})",
                   markup=False)
+
+
+def host_rows(estimate, optimizers) -> list[tuple[str, int | None, int | None]]:
+    """optimizer.cpu_offload's host memory, estimated and held: the moments, the weights' host copy
+    and the gradient accumulators (the GPU rows show no gradients or moments for such a run)."""
+    if not isinstance(optimizers, OffloadedOptimizers):
+        return []
+    held = optimizers.host_bytes()
+    est = estimate.host_components
+    return [("host: optimizer states", est.get("moments"), optimizers.state_bytes()[1]),
+            ("host: weight copies", est.get("host_weights"), held["host_weights"]),
+            ("host: gradient accumulators", est.get("gradient_accumulators"), held["grad_accumulators"])]
 
 
 def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:

@@ -3,17 +3,19 @@ curve the continued run follows."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from lisaft.checkpoint.checkpointer import complete_checkpoints, read_components, saved_world_size
+from lisaft.checkpoint.checkpointer import complete_checkpoints
+from lisaft.checkpoint.components import read_components
 from lisaft.checkpoint.missing import nothing_left
-from lisaft.config.schema import CADENCE_KEYS, Recipe, flatten, recipe_from_dict
+from lisaft.checkpoint.run_state import saved_recipe, saved_world_size
+from lisaft.config.schema import CADENCE_KEYS, Recipe, flatten
 from lisaft.console import first_line, warn
+from lisaft.data.digest import DataChanged
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
+from lisaft.errors import LisaftError, OlderCheckpoint
 from lisaft.model.lora import OtherBase
-from lisaft.optim.lr_schedule import Plan
+from lisaft.optim.lr_schedule import Plan, Schedule
 from lisaft.run_folder import is_write_failure, write_failed
 from lisaft.train.session import Session
 
@@ -35,7 +37,7 @@ def recipe_changes(ckpt: Path, recipe: Recipe) -> list[tuple[str, object, object
     """(key, saved, now) for each key the resume changes; refuses a change that alters the
     training path (anything but the cadence keys, and the per-rank batch when the number of
     ranks changes with the global batch kept)."""
-    saved = recipe_from_dict(json.loads((ckpt / "recipe.json").read_text()), f"{ckpt}/recipe.json")
+    saved = saved_recipe(ckpt)
     saved_flat = flatten(saved.model_dump(mode="json"))
     new_flat = flatten(recipe.model_dump(mode="json"))
     saved_flat["training.output_dir"] = new_flat["training.output_dir"]  # the run may have moved
@@ -81,6 +83,31 @@ def check_resumable(run_dir: Path, ckpt: Path, recipe: Recipe, max_steps_given: 
         raise done
 
 
+def check_extension(run_dir: Path, ckpt: Path, recipe: Recipe, recipe_file: Path, reschedule: bool) -> None:
+    """Refuse, before any set-up, new steps that would all train at a learning rate of 0: past the
+    end of a saved curve whose floor is 0, or re-planned from a run that already reached it."""
+    components = read_components(ckpt)
+    max_steps = recipe.training.max_steps
+    if "schedule" not in components or recipe.scheduler.name == "constant":
+        return
+    schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=max_steps)
+    schedule.load_state_dict(components["schedule"])
+    horizon, step = schedule.plan.horizon, int(components.get("progress", {}).get("step", 0))
+    if schedule.floor_lr > 0 or (max_steps <= horizon and not reschedule):
+        return
+    if reschedule and schedule.lr(step) > 0:
+        return
+    if step < horizon:
+        raise LisaftError(f"training.max_steps {max_steps}: the saved learning-rate curve reaches its floor of 0 "
+                          f"(scheduler.min_lr_ratio 0) at step {horizon}, so every step after it would change "
+                          f"nothing; pass --reschedule to re-plan the decay from step {step} to step {max_steps}")
+    raise LisaftError(
+        f"training.max_steps {max_steps}: this run ended its learning-rate curve at step {step} at its floor of 0 "
+        f"(scheduler.min_lr_ratio 0), so every new step would train at LR 0, re-planned with --reschedule too; "
+        f"to train further, start a new run from its weights: `lisaft train {recipe_file} --set "
+        f"model.name_or_path={run_dir / 'final'} --set training.output_dir=NEW_RUN`")
+
+
 def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> Path:
     """Load the newest of `candidates` that loads; a checkpoint that passed the size check but
     does not load is skipped. A failed write while loading (optimizer state offloaded to disk)
@@ -93,15 +120,24 @@ def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> 
         except Exception as e:
             if is_write_failure(e) and not _names_a_file_in(e, ckpt):
                 raise write_failed(session.run_dir, e) from None
-            if isinstance(e, OtherBase):
-                raise
-            if isinstance(e, LisaftError) and "older lisaft" in str(e):
-                raise LisaftError(f"{e}; start over with `lisaft train {recipe_file} --overwrite`") from None
+            if isinstance(e, (DataChanged, OtherBase)):
+                raise  # an older checkpoint of this run saw the same data, or the same other base
+            if isinstance(e, OlderCheckpoint):
+                raise LisaftError(f"{_older(e, ckpt)}; start over with "
+                                  f"`lisaft train {recipe_file} --overwrite`") from None
             if i + 1 == len(candidates):
                 raise LisaftError(f"{ckpt}: cannot be loaded ({first_line(e)}); no older complete checkpoint; "
                                   f"start over with `lisaft train {recipe_file} --overwrite`") from None
             warn(f"skipping checkpoint {ckpt.name}: cannot be loaded ({first_line(e)})")
     raise AssertionError("unreachable: candidates is never empty")
+
+
+def _older(e: OlderCheckpoint, ckpt: Path) -> str:
+    # Before per-unit optimizers a checkpoint held one optimizer for the whole model and no LISA
+    # position or LR plan.
+    what = "one optimizer for the whole model, " if e.component in ("lisa", "schedule") else ""
+    return (f"{ckpt.name} was written by an older lisaft ({what}no {e.component} state); it cannot be resumed "
+            "by this version (docs/resume.md)")
 
 
 def _names_a_file_in(e: BaseException, folder: Path) -> bool:

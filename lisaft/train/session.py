@@ -1,7 +1,8 @@
 """Set-up shared by `train` and `resume`: everything a run needs, built from the recipe alone.
 
-Every stateful piece of a run saves itself (state_dict / load_state_dict) and `Session.components`
-hands them to the checkpointer by name; a new stateful component is one more entry there.
+Every stateful piece of a run saves itself (state_dict / load_state_dict, or its own folder) and
+`checkpoint_components` hands them to the checkpointer by name; a new stateful component is one
+more line there.
 """
 
 from __future__ import annotations
@@ -13,24 +14,26 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import Checkpointer
+from lisaft.checkpoint.components import Optional, OwnFile, PerRank
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
+from lisaft.checkpoint.run_state import RECIPE, RecipeRecord, RngState
 from lisaft.config.schema import Recipe
+from lisaft.data.digest import examples_digest
 from lisaft.data.order import DataOrder
 from lisaft.data.packing import Packing, pack_examples
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
 from lisaft.model.load import ModelParts
 from lisaft.model.units import Unit
-from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.optim.in_backward import StepInBackward
 from lisaft.optim.lr_schedule import Schedule
 from lisaft.optim.unit_optimizers import UnitOptimizers
+from lisaft.train.parallel import SingleProcess, choose
 
 if TYPE_CHECKING:
-    from lisaft.distributed.fsdp import LocalShards
     from lisaft.model.lora import Adapters
 
 
@@ -48,6 +51,7 @@ class Progress:
     tokens_seen: int = 0              # global non-padding tokens trained on
     world_size: int = 1               # processes of this run now (a resume may change it)
     window: dict = field(default_factory=dict)  # the logging window not yet written (loss sums)
+    skipped_steps: int = 0            # steps training.on_nonfinite: skip dropped
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -56,6 +60,7 @@ class Progress:
         self.step = int(sd["step"])
         self.tokens_seen = int(sd.get("tokens_seen", 0))
         self.window = dict(sd.get("window") or {})
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
 
 
 @dataclass
@@ -86,31 +91,46 @@ class Session:
     order: DataOrder
     schedule: Schedule
     progress: Progress
+    parallel: SingleProcess               # one process, data parallel, CPU offload or FSDP (train/parallel.py)
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
-    shards: LocalShards | None = None     # training.fsdp (lisaft/distributed/fsdp.py)
     auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
     adapters: Adapters | None = None      # lora.enabled (lisaft/model/lora.py): only they train
+    _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     def checkpointer(self) -> Checkpointer:
-        """The checkpointer, handed every stateful component. JSON components load in the order
-        given (the LISA position before the optimizer files, which place moments by it)."""
-        t = self.recipe.training
-        components = {"progress": self.progress, "data": self.order, "lisa": self.controller,
-                      "schedule": self.schedule}
-        if self.packing is not None:
-            components["packing"] = self.packing  # a resume over data that packs otherwise is refused
-        checkpointer = Checkpointer(
-            self.run_dir, self.model, self.units, keep_last=t.keep_last,
-            components=components,
-            folders={"optimizer": OptimizerFiles(self.optimizers, self.controller)},
-        )
-        if self.adapters is not None:
-            from lisaft.checkpoint.adapters import with_adapters
+        """The run's one checkpointer (its components remember what they last saved or read, so
+        the next checkpoint links what did not change since), handed checkpoint_components."""
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self.run_dir, self.recipe.training.keep_last,
+                                              checkpoint_components(self))
+        return self._checkpointer
 
-            return with_adapters(checkpointer, self.model, self.adapters)
-        return checkpointer if self.shards is None else self.shards.checkpointer(checkpointer)
+
+def checkpoint_components(session: Session) -> dict[str, Any]:
+    """Every piece of a checkpoint, by name, in the order a resume loads them: the weights first
+    (the CPU-offload optimizer copies them when its files are read), the LISA position before the
+    optimizer files (which place moments by it), the RNG last. A new stateful piece of a run is
+    one more line here (lisaft/checkpoint/components.py: how each kind is stored);
+    Optional(component, default) lets checkpoints written before it still resume."""
+    parallel = session.parallel
+    return {
+        # A LoRA run's checkpoint holds the adapters, never the frozen base (checkpoint/adapters.py).
+        **(parallel.weights_component(session.model, session.units, session.optimizers)
+           if session.adapters is None else adapter_component(session.model, session.adapters)),
+        "progress": session.progress,
+        "data": session.order,
+        "lisa": session.controller,
+        "schedule": session.schedule,
+        # A resume over data that packs into other rows is refused.
+        **({"packing": session.packing} if session.packing is not None else {}),
+        RECIPE: OwnFile(RecipeRecord(session.recipe)),
+        "optimizer": OptimizerFiles(session.optimizers, session.controller,
+                                    per_rank=parallel.optimizer_files_per_rank),
+        # A resume on more ranks than wrote the checkpoint has none for the new ranks.
+        "rng": Optional(PerRank(RngState()), warning=f"no RNG state for rank {dist.rank()}"),
+    }
 
 
 def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = None,
@@ -118,34 +138,43 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     """Load tokenizer, data and model and build optimizer and LISA controller. Raises
     LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
     tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
-    from lisaft.data.examples import load_splits
-    from lisaft.data.order import steps_for_epochs
     from lisaft.env.threads import apply_threads
-    from lisaft.model.load import (
-        check_context_length,
-        compile_layers,
-        load_model,
-        load_tokenizer,
-        model_parts,
-        resolve_device,
-        use_sparse_embedding_grad,
-    )
+    from lisaft.model.load import load_tokenizer, resolve_device
     from lisaft.model.units import model_units
 
     t = recipe.training
-    if t.fsdp:
-        from lisaft.distributed.fsdp import check_supported
-
-        check_supported(recipe)
+    parallel = choose(recipe)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
-    if recipe.optimizer.in_backward and dist.world_size() > 1:
-        raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
-                          "before the gradient all-reduce; set it false")
     device = resolve_device(t.device)
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
+    train_examples, eval_examples, packing = _data(recipe, tokenizer, train_examples, eval_examples)
+    model, parts, adapters = _model(recipe, parallel, device)
+    units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
+    optimizers = parallel.optimizers(units, device, run_dir)
+    controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed, check_agreement=parallel.layer_agreement())
+    in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
+    order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
+                      unit="packed rows" if packing else "examples", digest=examples_digest(train_examples),
+                      accept_change=t.accept_data_change)
+    if packing is not None:
+        packing.accept_change = t.accept_data_change
+    schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
+    return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
+                   train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
+                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters)
+
+
+def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
+          eval_examples: list | None) -> tuple[list, list | None, Packing | None]:
+    """The train rows (packed with data.packing) and eval examples; sets training.max_steps of a
+    run defined by training.epochs."""
+    from lisaft.data.examples import load_splits
+    from lisaft.data.order import steps_for_epochs
+
+    t = recipe.training
     if train_examples is None:
         train_examples, eval_examples = load_splits(recipe.data, tokenizer, t.seed)
     packing = pack_examples(train_examples, recipe.data.max_seq_len, t.seed) if recipe.data.packing else None
@@ -154,52 +183,27 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if t.max_steps is None:  # training.epochs: the run's length follows from the train set
         t.max_steps = steps_for_epochs(t.epochs, len(train_examples),
                                        t.batch_size * t.grad_accum_steps * dist.world_size())
-    shards = None
-    if t.fsdp and recipe.model.config is None:
-        from lisaft.distributed.fsdp import load_sharded
+    return train_examples, eval_examples, packing
 
-        # Shard by shard from the checkpoint: no rank holds the whole model. A random init from
-        # model.config is built whole and then sharded, so it equals the one-process init.
-        model, shards = load_sharded(recipe.model, device)
-    else:
-        model = load_model(recipe.model, device, seed=t.seed)
+
+def _model(recipe: Recipe, parallel: SingleProcess,
+           device: torch.device) -> tuple[nn.Module, ModelParts, Adapters | None]:
+    """The model, loaded and placed as the parallel strategy says, its parts, and its adapters
+    (lora.enabled)."""
+    from lisaft.model.load import check_context_length, compile_layers, model_parts, use_sparse_embedding_grad
+
+    t = recipe.training
+    model = parallel.load_model(device)
     check_context_length(model.config, recipe.data.max_seq_len)
     adapters = _attach_adapters(model, recipe)
-    # Not under FSDP, even on one rank: the embedding is a sharded unit with a dense gradient.
-    use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and not t.fsdp,
+    use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and parallel.sparse_embedding_grad,
                               trains=_embeddings_train(recipe),
                               tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
                               world_size=dist.world_size())
     parts = model_parts(model, recipe.model.layers_path)
     if t.compile:
         compile_layers(parts.layers, device)
-    if t.fsdp:
-        from lisaft.distributed.fsdp import shard_model
-
-        if shards is None:
-            shards = shard_model(model, parts, device)
-        parts = model_parts(model, recipe.model.layers_path)  # sharding replaced every parameter
-    units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
-    # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
-    # intervals, and embeddings and head land on different ranks.
-    # optimizer.cpu_offload: the same unit optimizers over host copies of the weights;
-    # training.fsdp: the unit optimizers over this rank's slices.
-    optimizers_class = OffloadedOptimizers if recipe.optimizer.cpu_offload else UnitOptimizers
-    on_slices = {"shards": shards} if shards is not None else {}
-    optimizers = optimizers_class(units, recipe.optimizer, device,
-                                  offload_dir=run_dir / "lisa_offload" / f"rank-{dist.rank()}", seed=t.seed,
-                                  shard=t.shard_optimizer_state, **on_slices)
-    controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed)
-    if shards is not None:
-        controller.check_agreement = shards.check_same_layers
-    in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
-    order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
-                      unit="packed rows" if packing else "examples")
-    schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
-    return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
-                   train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   in_backward=in_backward, packing=packing, shards=shards, auto_layers=auto_layers,
-                   adapters=adapters)
+    return model, parallel.place(model, parts, device), adapters
 
 
 def _attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters | None:

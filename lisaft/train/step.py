@@ -12,8 +12,6 @@ from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.distributed import dist
 from lisaft.model.attention import varlen_attention
 from lisaft.model.loss import token_loss_sum
-from lisaft.optim.adamw import clip_grad_norm
-from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.train.session import Session
 
 
@@ -29,6 +27,7 @@ class StepResult:
     grad_bytes: int                   # gradient bytes held before the optimizer step
     activation_bytes: int | None = None  # saved for backward by the longest micro-batch, when measured
     activation_seq_len: int = 0          # that micro-batch's padded length
+    skipped: bool = False                # training.on_nonfinite: skip dropped a non-finite update
 
 
 class Phases:
@@ -78,8 +77,7 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
         for i, batch in enumerate(micro):
             batch = to_device(batch, session.device)
             with phases.phase("forward"):
-                # Under FSDP the gathered weights are not the parameters the meter excludes.
-                if i == measured and session.shards is None:
+                if i == measured and session.parallel.measures_activations:
                     from lisaft.metrics.measure import saved_activations
 
                     with saved_activations(session.model) as meter:
@@ -91,43 +89,15 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             with phases.phase("backward"):
                 (loss / loss_tokens).backward()
             loss_sum += loss.item()
+    skipped = False
     if norm is not None:
         grad_norm, grad_bytes = norm.value, 0
     else:
-        grad_norm, grad_bytes = _clip_and_step(session, measure_norm, phases)
+        grad_norm, grad_bytes, skipped = session.parallel.update(
+            session.controller, session.optimizers, t.max_grad_norm, measure_norm, phases,
+            skip_nonfinite=t.on_nonfinite == "skip")
     loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
     return StepResult(loss=loss_total / loss_tokens, tokens=int(counts[1].item()),
                       padding=int(counts[2].item() - counts[1].item()), lr=lr, grad_norm=grad_norm,
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
-                      activation_seq_len=activation_seq_len)
-
-
-def _clip_and_step(session: Session, measure_norm: bool, phases: Phases) -> tuple[float | None, int]:
-    """All-reduce, clip and step the trainable units; returns (grad norm, gradient bytes held)."""
-    if isinstance(session.optimizers, OffloadedOptimizers):
-        # The gradients are in host memory: the norm, the clipping and the step run there, and
-        # no gradient is held on the device.
-        with phases.phase("optimizer"):
-            return session.optimizers.clip_and_step(session.controller.trainable_units(),
-                                                    session.recipe.training.max_grad_norm, measure_norm), 0
-    trainable = session.controller.trainable_parameters()
-    for p in trainable:
-        if p.grad is not None and p.grad.is_sparse:
-            # Sum the rows of repeated tokens once; the norm and the update read the values.
-            p.grad = p.grad.coalesce()
-    if session.shards is None:
-        dist.all_reduce_grads(trainable)  # under FSDP the reduce-scatter in backward summed them
-    grad_bytes = session.controller.grad_bytes()
-    max_norm = session.recipe.training.max_grad_norm
-    grad_norm = None
-    if max_norm is not None or measure_norm:
-        with phases.phase("clip"):
-            if session.shards is None:
-                grad_norm = clip_grad_norm(trainable, max_norm)
-            else:
-                grad_norm = session.shards.clip_grad_norm(trainable, max_norm)
-    if session.shards is not None:
-        session.shards.bind_grads(trainable)
-    with phases.phase("optimizer"):
-        session.optimizers.step(session.controller.trainable_units())
-    return grad_norm, grad_bytes
+                      activation_seq_len=activation_seq_len, skipped=skipped)

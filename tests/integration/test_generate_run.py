@@ -128,3 +128,17 @@ def test_a_run_without_final_points_to_its_newest_checkpoint(chat_run, tmp_path)
     assert result.exit_code != 0
     assert f"try its newest checkpoint: lisaft generate {run / 'checkpoints' / 'step-000004'}" in result.output, \
         result.output
+
+
+def test_a_garbled_weights_header_is_one_line(chat_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(chat_run, run, ignore=shutil.ignore_patterns("final"))
+    ckpt = run / "checkpoints" / "step-000004"
+    weights = ckpt / "weights" / "head.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[:8] = b"\xff" * 8  # the header's length: the same size, so the checkpoint still looks complete
+    weights.write_bytes(bytes(data))
+    result = _generate(ckpt, "--prompt", "abc")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "cannot read its weights" in lines[0], result.output

@@ -113,7 +113,7 @@ def test_resume_refuses_path_change_and_reports_cadence(tiny_run):
 
 
 def test_resume_extends_a_finished_run_and_refuses_without_more_steps(tiny_run):
-    recipe = tiny_run(training={"max_steps": 3})
+    recipe = tiny_run(training={"max_steps": 3}, scheduler={"min_lr_ratio": 0.1})
     assert train(recipe, show=False) == 0
     run = tiny_run.dir / "run"
     result = runner.invoke(app, ["resume", str(run)])
@@ -195,7 +195,7 @@ def test_no_complete_checkpoint_says_how_to_start_over(tiny_run):
 
 
 def test_unchanged_layers_are_hard_linked_between_checkpoints(tiny_run):
-    recipe = tiny_run(lisa={"active_layers": 1, "interval_steps": 10},
+    recipe = tiny_run(lisa={"active_layers": 1, "interval_steps": 10}, scheduler={"min_lr_ratio": 0.1},
                       training={"max_steps": 4, "save_every": 2, "keep_last": 5})
     assert train(recipe, show=False) == 0
     ck = tiny_run.dir / "run" / "checkpoints"

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from lisaft.cli import app
 from lisaft.config.schema import load_recipe
 from lisaft.errors import LisaftError
+from lisaft.memory.advice import AUTO_MARGIN
 from lisaft.memory.auto_layers import (
     choose_active_layers,
     device_memory_bytes,
@@ -36,11 +37,36 @@ def test_auto_picks_the_largest_gamma_the_estimator_fits():
     totals = _totals(base)
     assert all(totals[g] < totals[g + 1] for g in range(1, 32))  # what makes a bisection exact
     # Budgets on both sides of several γ's estimate, and around the ends.
-    for budget in (totals[1], totals[3] - 1, totals[3], totals[7] + 1, 24 * GiB, totals[32], 10**12):
+    # The choice keeps AUTO_MARGIN of the budget free: a budget is the total over (1 - margin).
+    for total in (totals[1], totals[3] - 1, totals[3], totals[7] + 1, 24 * GiB, totals[32], 10**12):
+        budget = int(total / (1 - AUTO_MARGIN)) + 1
         choice = choose_active_layers(base.with_(budget_bytes=budget))
-        brute = max(g for g, t in totals.items() if t <= budget)
+        brute = max(g for g, t in totals.items() if t <= budget * (1 - AUTO_MARGIN))
         assert choice.active_layers == brute, budget
         assert choice.total_bytes == totals[brute] and choice.budget_bytes == budget
+    assert "full fine-tuning" in choose_active_layers(base.with_(budget_bytes=10**12)).line()
+    assert "full fine-tuning" not in choose_active_layers(base.with_(budget_bytes=24 * GiB)).line()
+
+
+def test_auto_leaves_the_margin_a_total_budget_choice_would_not():
+    # The issue's case: on a 4090 (23.39 GiB torch can allocate) a choice against the whole budget
+    # left 1.2%; with the margin the peak stays under 95% of it.
+    base = settings_from_recipe(_recipe_8b(), device="cuda", budget_bytes=int(23.39 * GiB))
+    choice = choose_active_layers(base)
+    assert choice.total_bytes <= 0.95 * base.budget_bytes
+    assert compute(base.with_(active_layers=choice.active_layers + 1)).total_bytes > 0.95 * base.budget_bytes
+
+
+def test_the_gpu_budget_is_the_free_memory_plus_this_process_context(monkeypatch):
+    import torch
+
+    from lisaft.memory.cuda_process import CUDA_CONTEXT_BYTES
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # A display holds 1.5 GiB of a 24 GiB card; creating our context took CUDA_CONTEXT_BYTES.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (24 * GiB - int(1.5 * GiB) - CUDA_CONTEXT_BYTES,
+                                                                  24 * GiB))
+    assert device_memory_bytes("cuda") == 24 * GiB - int(1.5 * GiB)
 
 
 def test_auto_that_fits_nothing_names_the_key():
@@ -54,7 +80,7 @@ def test_resolving_writes_the_choice_into_the_recipe_and_states_it():
     recipe = _recipe_8b()
     choice = resolve_active_layers(recipe, "cuda", budget_bytes=24 * GiB)
     assert recipe.lisa.active_layers == choice.active_layers >= 2
-    assert choice.line() == (f"γ={choice.active_layers}: {choice.total_bytes / GiB:.1f} of 24.0 GiB")
+    assert choice.line() == (f"γ={choice.active_layers}: {choice.total_bytes / GiB:.1f} of 24.0 GiB (5% kept free)")
     assert "active_layers: auto" not in recipe.to_yaml()  # the run's recipe.yaml records the number
     assert resolve_active_layers(recipe, "cuda", budget_bytes=24 * GiB) is None  # nothing left to do
     assert resolve_active_layers(_recipe_8b("lisa.enabled=false"), "cuda") is None

@@ -490,10 +490,10 @@ def test_unchanged_and_offloaded_units_are_linked_not_rewritten(tmp_path):
     _save(h, ckpt[0] / "optimizer")
     offload_file = tmp_path / "offload" / "layer-00004.pt"
     assert inodes(ckpt[0])["layer-00004.pt"] == offload_file.stat().st_ino
-    _save(h, ckpt[1] / "optimizer", base=ckpt[0])  # nothing stepped in between: all links
+    _save(h, ckpt[1] / "optimizer", base=ckpt[0] / "optimizer")  # nothing stepped in between: all links
     assert inodes(ckpt[1]) == inodes(ckpt[0])
     run(h, 4, 5)
-    _save(h, ckpt[2] / "optimizer", base=ckpt[1])
+    _save(h, ckpt[2] / "optimizer", base=ckpt[1] / "optimizer")
     same = {n for n, ino in inodes(ckpt[2]).items() if ino == inodes(ckpt[1])[n]}
     assert same == {"layer-00004.pt"}  # the units that stepped were written anew
 

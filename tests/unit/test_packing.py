@@ -80,7 +80,7 @@ def test_the_summary_line_and_the_digest():
     other = pack_examples(changed, 64, seed=0)
     assert other.digest != packing.digest
     other.load_state_dict(other.state_dict())
-    with pytest.raises(LisaftError, match="packing") as e:
+    with pytest.raises(LisaftError, match="packed into") as e:
         other.load_state_dict(packing.state_dict())
     assert "\n" not in str(e.value)
 

@@ -1,0 +1,264 @@
+"""The run's parallel strategy, chosen once at set-up (`choose`): how the model is loaded and
+placed, which parameters the optimizers step, how gradients are reduced and clipped, how eval
+batches are shared between ranks, how the final model is exported, and which weights component a
+checkpoint holds. Nothing else in the run asks which one it is.
+
+    SingleProcess   one process holds the whole model and steps it on the training device
+    DataParallel    torchrun ranks, each a whole replica; gradients all-reduced; with
+                    training.shard_optimizer_state one owner rank per unit keeps its moments
+    CpuOffload      one process; the optimizer step on the CPU over host copies of the weights,
+                    gradients streamed out in backward (optimizer.cpu_offload)
+    Fsdp            torchrun ranks; weights, gradients and moments sharded with FSDP2 (training.fsdp)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lisaft.checkpoint.checkpointer import UnitWeights
+from lisaft.checkpoint.components import FolderComponent
+from lisaft.config.schema import Recipe
+from lisaft.distributed import dist
+from lisaft.errors import LisaftError
+from lisaft.lisa import LisaController
+from lisaft.model.load import ModelParts, load_model, model_parts
+from lisaft.model.units import Unit
+from lisaft.optim.adamw import clip_grad_norm
+from lisaft.optim.cpu_offload import OffloadedOptimizers
+from lisaft.optim.unit_optimizers import UnitOptimizers
+
+if TYPE_CHECKING:
+    import torch
+
+    from lisaft.distributed.fsdp import LocalShards
+    from lisaft.train.step import Phases
+
+
+def choose(recipe: Recipe) -> SingleProcess:
+    """The strategy the recipe and the process group ask for; refuses what it cannot run, before
+    anything is loaded."""
+    if recipe.training.fsdp:
+        return Fsdp(recipe)
+    if recipe.optimizer.cpu_offload:
+        return CpuOffload(recipe)
+    if dist.world_size() > 1:
+        return DataParallel(recipe)
+    return SingleProcess(recipe)
+
+
+class SingleProcess:
+    """One process, the whole model on the training device."""
+
+    # The saved-activation meter tells a layer's saved tensors from its own parameters.
+    measures_activations = True
+    # The input embedding may take sparse gradients (lisaft/model/load.py says when that is exact).
+    sparse_embedding_grad = True
+    # Each unit's optimizer file is one for the whole run, not one per rank's slices.
+    optimizer_files_per_rank = False
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def load_model(self, device: torch.device) -> nn.Module:
+        return load_model(self.recipe.model, device, seed=self.recipe.training.seed)
+
+    def place(self, model: nn.Module, parts: ModelParts, device: torch.device) -> ModelParts:
+        """The model laid out over the ranks; its parts as the units are built from."""
+        return parts
+
+    def optimizers(self, units: list[Unit], device: torch.device, run_dir: Path) -> UnitOptimizers:
+        return UnitOptimizers(units, self.recipe.optimizer, device, offload_dir=_offload_dir(run_dir),
+                              seed=self.recipe.training.seed)
+
+    def layer_agreement(self) -> Callable[[int, list[int]], None] | None:
+        """What LISA calls at each switch to prove every rank trains the same layers (None: no
+        collective could hang on a disagreement)."""
+        return None
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def reduce_grads(self, params: list[nn.Parameter]) -> None:
+        pass
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> float:
+        return clip_grad_norm(params, max_norm)
+
+    def bind_local_grads(self, params: list[nn.Parameter]) -> None:
+        """Hand the optimizers' own parameters their gradients (they are the parameters here)."""
+
+    def release_local_grads(self, params: list[nn.Parameter]) -> None:
+        """Drop the gradients of a step that is skipped."""
+        for p in params:
+            p.grad = None
+
+    def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
+               measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[float | None, int, bool]:
+        """Reduce, clip and step the trainable units; returns (grad norm, gradient bytes held,
+        whether training.on_nonfinite: skip dropped the update)."""
+        trainable = controller.trainable_parameters()
+        for p in trainable:
+            if p.grad is not None and p.grad.is_sparse:
+                # Sum the rows of repeated tokens once; the norm and the update read the values.
+                p.grad = p.grad.coalesce()
+        self.reduce_grads(trainable)
+        grad_bytes = controller.grad_bytes()
+        grad_norm = None
+        if max_norm is not None or measure_norm or skip_nonfinite:
+            with phases.phase("clip"):
+                grad_norm = self.clip_grad_norm(trainable, max_norm)
+        if skip_nonfinite and grad_norm is not None and not math.isfinite(grad_norm):
+            # The norm is global (after the reduction), so every rank drops the same update.
+            self.release_local_grads(trainable)
+            return grad_norm, grad_bytes, True
+        self.bind_local_grads(trainable)
+        with phases.phase("optimizer"):
+            optimizers.step(controller.trainable_units())
+        return grad_norm, grad_bytes, False
+
+    # -- evaluation, export, checkpoints --------------------------------------------------------
+
+    def eval_batches(self, batches: list[list[int]]) -> tuple[list[list[int]], int]:
+        """This rank's eval batches, and how many of them count."""
+        mine = batches[dist.rank():: dist.world_size()]
+        return mine, len(mine)
+
+    def export(self, model: nn.Module, folder: Path) -> None:
+        """The model's weights and config as a Hugging Face folder (collective)."""
+        if dist.is_main():
+            model.save_pretrained(folder, safe_serialization=True)
+
+    def weights_component(self, model: nn.Module, units: list[Unit],
+                          optimizers: UnitOptimizers) -> dict[str, FolderComponent]:
+        """The checkpoint's weights, by name: one file per unit, written by rank 0."""
+        return {"weights": UnitWeights(model, units, optimizers.changes)}
+
+
+class DataParallel(SingleProcess):
+    """torchrun ranks, each holding the whole model; the gradients are summed over ranks."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        if recipe.optimizer.in_backward:
+            raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
+                              "before the gradient all-reduce; set it false")
+        super().__init__(recipe)
+
+    def optimizers(self, units: list[Unit], device: torch.device, run_dir: Path) -> UnitOptimizers:
+        # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
+        # intervals, and embeddings and head land on different ranks.
+        return UnitOptimizers(units, self.recipe.optimizer, device, offload_dir=_offload_dir(run_dir),
+                              seed=self.recipe.training.seed,
+                              owner_per_unit=self.recipe.training.shard_optimizer_state)
+
+    def reduce_grads(self, params: list[nn.Parameter]) -> None:
+        dist.all_reduce_grads(params)
+
+
+class CpuOffload(SingleProcess):
+    """optimizer.cpu_offload: the same unit optimizers over host copies of the weights."""
+
+    offloaded: OffloadedOptimizers
+
+    def optimizers(self, units: list[Unit], device: torch.device, run_dir: Path) -> UnitOptimizers:
+        self.offloaded = OffloadedOptimizers(units, self.recipe.optimizer, device, offload_dir=_offload_dir(run_dir),
+                                             seed=self.recipe.training.seed)
+        return self.offloaded
+
+    def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
+               measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[float | None, int, bool]:
+        # The gradients are in host memory: the norm, the clipping and the step run there, and
+        # no gradient is held on the device.
+        with phases.phase("optimizer"):
+            norm = self.offloaded.clip_and_step(controller.trainable_units(), max_norm, measure_norm, skip_nonfinite)
+        return norm, 0, skip_nonfinite and norm is not None and not math.isfinite(norm)
+
+
+class Fsdp(SingleProcess):
+    """training.fsdp (lisaft/distributed/fsdp.py): each rank holds and steps its slices."""
+
+    # Under FSDP the gathered weights are not the parameters the meter excludes.
+    measures_activations = False
+    # The embedding is a sharded unit with a dense gradient, even on one rank.
+    sparse_embedding_grad = False
+    optimizer_files_per_rank = True
+
+    def __init__(self, recipe: Recipe) -> None:
+        from lisaft.distributed.fsdp import check_supported
+
+        check_supported(recipe)
+        super().__init__(recipe)
+        self.shards: LocalShards | None = None
+
+    def load_model(self, device: torch.device) -> nn.Module:
+        if self.recipe.model.config is not None:
+            # A random init from model.config is built whole and then sharded, so it equals the
+            # one-process init.
+            return super().load_model(device)
+        from lisaft.distributed.fsdp import load_sharded
+
+        # Shard by shard from the checkpoint: no rank holds the whole model.
+        model, self.shards = load_sharded(self.recipe.model, device)
+        return model
+
+    def place(self, model: nn.Module, parts: ModelParts, device: torch.device) -> ModelParts:
+        from lisaft.distributed.fsdp import shard_model
+
+        if self.shards is None:
+            self.shards = shard_model(model, parts, device)
+        return model_parts(model, self.recipe.model.layers_path)  # sharding replaced every parameter
+
+    def _local(self) -> LocalShards:
+        if self.shards is None:
+            raise AssertionError("the model is not sharded yet: place() comes first")
+        return self.shards
+
+    def optimizers(self, units: list[Unit], device: torch.device, run_dir: Path) -> UnitOptimizers:
+        # The unit optimizers over this rank's slices.
+        return UnitOptimizers(units, self.recipe.optimizer, device, offload_dir=_offload_dir(run_dir),
+                              seed=self.recipe.training.seed, slices=self._local())
+
+    def layer_agreement(self) -> Callable[[int, list[int]], None] | None:
+        return self._local().check_same_layers
+
+    def reduce_grads(self, params: list[nn.Parameter]) -> None:
+        pass  # the reduce-scatter in backward summed them
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> float:
+        return self._local().clip_grad_norm(params, max_norm)
+
+    def bind_local_grads(self, params: list[nn.Parameter]) -> None:
+        self._local().bind_grads(params)
+
+    def release_local_grads(self, params: list[nn.Parameter]) -> None:
+        super().release_local_grads(params)
+        self._local().release_grads(params)
+
+    def eval_batches(self, batches: list[list[int]]) -> tuple[list[list[int]], int]:
+        # A forward is collective: every rank runs as many; a rank short of batches runs one
+        # again and does not count it.
+        mine, counted = super().eval_batches(batches)
+        if batches:
+            rounds = -(-len(batches) // dist.world_size())
+            mine = [*mine, *[batches[0]] * (rounds - len(mine))]
+        return mine, counted
+
+    def export(self, model: nn.Module, folder: Path) -> None:
+        self._local().write_hf_model(folder)
+
+    def weights_component(self, model: nn.Module, units: list[Unit],
+                          optimizers: UnitOptimizers) -> dict[str, FolderComponent]:
+        """Each rank's slices through torch.distributed.checkpoint: a resume on as many ranks
+        restores them bit for bit, on another number DCP reshards them."""
+        from lisaft.distributed.fsdp import ShardFiles
+
+        return {"shards": ShardFiles(model)}
+
+
+def _offload_dir(run_dir: Path) -> Path:
+    return run_dir / "lisa_offload" / f"rank-{dist.rank()}"
