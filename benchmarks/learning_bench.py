@@ -268,6 +268,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 lr, tiny model: about a minute")
     ap.add_argument("--apollo", action="store_true", help="protocol 2 only: the apollo arms and their baselines on "
                     "the quick 8-layer model, one seed and lr, cut to 20 minutes on 2 busy cores (protocol2.py)")
+    ap.add_argument("--lora-smoke", action="store_true", help="protocol 2 only: LISA γ=2 and the LoRA, DoRA and "
+                    "QLoRA arms at LISA γ=2's memory, depth 6, one seed and lr, a short pre-training")
     ap.add_argument("--out", type=Path, help="results folder")
     ap.add_argument("--workers", type=int, default=None, help="runs in parallel (default: 1 quick, 2 full)")
     ap.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
@@ -314,7 +316,8 @@ def write(summary: dict, out: Path) -> str:
 def main_protocol2(args: argparse.Namespace) -> None:
     from benchmarks.learning import run2
 
-    mode = "quick" if args.quick else "reduced" if args.reduced else "apollo" if args.apollo else "full"
+    mode = ("quick" if args.quick else "reduced" if args.reduced else "apollo" if args.apollo
+            else "lora-smoke" if args.lora_smoke else "full")
     out = args.out or REPO / "benchmarks" / "results" / ("learning2" if mode == "full" else f"learning2-{mode}")
     workers = args.workers or (1 if args.quick else 2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

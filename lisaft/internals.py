@@ -130,3 +130,17 @@ def set_checkpointing_func(layer: torch.nn.Module, func) -> None:
     """A checkpointed transformers layer calls `layer._gradient_checkpointing_func(run, *inputs)`;
     a plain attribute, set past nn.Module's typed __setattr__."""
     object.__setattr__(layer, "_gradient_checkpointing_func", func)
+
+
+# -- bitsandbytes (checked against 0.50) -------------------------------------------------------
+
+
+def keep_4bit_layout_on_cpu(model: torch.nn.Module) -> None:
+    """bitsandbytes' Linear4bit repacks its weight in place for an AVX512-BF16 CPU kernel on the first
+    forward without grad in eval mode (lisaft's eval), and from then on holds the NF4 data in another
+    layout, for some shapes not at all (out_features not a multiple of 32 fails). Training and merging
+    then depend on whether an eval ran first; turning the fast path off keeps one layout, so a resumed
+    QLoRA run is the same run. No public switch exists; the flag is set per module in __init__."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            object.__setattr__(module, "support_avx512bf16_for_cpu", False)  # a plain flag, not a tensor

@@ -27,8 +27,9 @@ ARMS = {
     "lisa_g2": {"kind": "lisaft", "lisa": {"active_layers": 2, "state_policy": "discard"}},
     "lisa_g2_keep": {"kind": "lisaft", "lisa": {"active_layers": 2, "state_policy": "keep"}},
     "emb_head": {"kind": "emb_head"},
-    "lora_r8": {"kind": "lora", "rank": 8},
-    "lora_r16": {"kind": "lora", "rank": 16},
+    # LoRA through lisaft's own loop (recipe section lora; docs/lora.md), alpha = 2r, every linear layer.
+    "lora_r8": {"kind": "lisaft", "lisa": None, "lora": {"rank": 8}},
+    "lora_r16": {"kind": "lisaft", "lisa": None, "lora": {"rank": 16}},
     "badam": {"kind": "badam"},
 }
 # The precision arm: LISA γ=2 (discard) in bfloat16 with each rounding mode, and in float32.
@@ -80,13 +81,19 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
     if "bf16_update" in spec:
         optimizer["bf16_update"] = spec["bf16_update"]
     optimizer.update(spec.get("optimizer", {}))  # apollo arms: optimizer.name, optimizer.rank
+    lora = spec.get("lora")
+    lora_section = {"enabled": True, "alpha": 2 * lora["rank"], "dropout": 0.0, "target_modules": "all-linear",
+                    **{k: v for k, v in lora.items() if k != "quantize"}} if lora else {}
+    quantize = (lora or {}).get("quantize")
     return recipe_from_dict({
-        "model": {**model_ref, "tokenizer": job["tokenizer"], "dtype": spec.get("dtype", "float32"),
-                  "attention": "sdpa"},
+        "model": {**model_ref, "tokenizer": job["tokenizer"], "attention": "sdpa", "quantize": quantize,
+                  # a 4-bit base computes in bf16, the dtype QLoRA's adapters train in
+                  "dtype": "bfloat16" if quantize else spec.get("dtype", "float32")},
         "data": {"train": "given", "format": "instruction", "max_seq_len": s["max_seq_len"]},
         "optimizer": optimizer,
         "scheduler": {"name": "cosine", "warmup_steps": s["warmup_steps"], "min_lr_ratio": 0.1},
         "lisa": {"enabled": lisa is not None, "interval_steps": s["interval_steps"], **(lisa or {})},
+        "lora": lora_section,
         "training": {"seed": job["seed"], "batch_size": s["batch_size"], "max_steps": max_steps,
                      "max_grad_norm": MAX_GRAD_NORM, "output_dir": str(run_dir), "device": "cpu"},
     }, f"learning_bench:{job['arm']}")
@@ -217,18 +224,6 @@ class EmbHeadArm(LoopArm):
         return self._adamw(self._trainable())
 
 
-class LoraArm(LoopArm):
-    """peft LoRA on every linear layer of the decoder (q, k, v, o, gate, up, down), alpha = 2r."""
-
-    def setup(self, spec, job):
-        from peft import LoraConfig, get_peft_model
-
-        cfg = LoraConfig(r=spec["rank"], lora_alpha=2 * spec["rank"], lora_dropout=0.0,
-                         target_modules="all-linear", task_type="CAUSAL_LM")
-        self.model = get_peft_model(self.model, cfg)
-        return self._adamw(self._trainable())
-
-
 class BadamArm(LoopArm):
     """badam.BlockOptimizer: one block per decoder layer, a new block every K steps in random
     order; embeddings and head stay frozen (BAdam's default). It keeps a float32 master copy of
@@ -264,7 +259,7 @@ def _make_arm(job: dict, spec: dict, data: Data, run_dir: Path):
     kind = spec["kind"]
     if kind == "lisaft":
         return LisaftArm(job, spec, data, run_dir)
-    return {"emb_head": EmbHeadArm, "lora": LoraArm, "badam": BadamArm}[kind](job, spec, data)
+    return {"emb_head": EmbHeadArm, "badam": BadamArm}[kind](job, spec, data)
 
 
 def scores(model, data: Data, n_eval: int | None, generate: bool) -> dict:

@@ -35,9 +35,13 @@ def lisa(gamma: int, sampling: str, **extra) -> dict:
 ARMS = {
     "full": {"kind": "lisaft", "lisa": None},
     **{f"lisa_g{g}_{m}": lisa(g, m) for g in (1, 2, 3) for m in ("uniform", "cyclic")},
-    "lora_r16": {"kind": "lora", "rank": 16},
+    # LoRA arms run through lisaft's product path (recipe section lora, docs/lora.md).
+    "lora_r16": {"kind": "lisaft", "lisa": None, "lora": {"rank": 16}},
     # LoRA whose optimizer state is LISA γ=2's (discard): its rank is worked out per depth.
-    "lora_eq_g2": {"kind": "lora", "rank": "equal_state_lisa_g2"},
+    "lora_eq_g2": {"kind": "lisaft", "lisa": None, "lora": {"rank": "equal_state_lisa_g2"}},
+    # The same rank with DoRA's magnitudes (a little more state), and on a 4-bit NF4 base (QLoRA).
+    "dora_eq_g2": {"kind": "lisaft", "lisa": None, "lora": {"rank": "equal_state_lisa_g2", "dora": True}},
+    "qlora_eq_g2": {"kind": "lisaft", "lisa": None, "lora": {"rank": "equal_state_lisa_g2", "quantize": "nf4"}},
     "badam": {"kind": "badam"},
     "emb_head": {"kind": "emb_head"},
     # Deep-model questions: more intervals (K=5) or more layers per interval (γ=4, 6).
@@ -50,8 +54,9 @@ ARMS = {
 }
 APOLLO_ARMS = ["apollo_mini", "apollo_eq_g2"]
 DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_g2", *APOLLO_ARMS]
+LORA_VARIANTS = ["dora_eq_g2", "qlora_eq_g2"]
 MAIN_ARMS = ["full", *(f"lisa_g{g}_{m}" for g in (1, 2, 3) for m in ("uniform", "cyclic")), "lora_r16",
-             "lora_eq_g2", "badam", "emb_head", *APOLLO_ARMS]
+             "lora_eq_g2", *LORA_VARIANTS, "badam", "emb_head", *APOLLO_ARMS]
 REDUCED_DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_eq_g2"]
 DEEP_EXTRAS = ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5", "lisa_g4_cyclic", "lisa_g6_cyclic"]
 
@@ -62,7 +67,8 @@ _BASE = dict(pretrain_batch_size=32, pretrain_lr=3e-3, pretrain_warmup_steps=50,
 SETTINGS = {
     "full": dict(_BASE, stages=[
         ("depth 6", 6, ["new_skill", "new_format"], MAIN_ARMS, [3e-4, 1e-3, 3e-3, 1e-2], [0, 1], [2, 3, 4], 1),
-        ("depth 24", 24, ["new_skill", "new_format"], DEPTH_ARMS + DEEP_EXTRAS, [3e-4, 1e-3, 3e-3, 1e-2], [0, 1],
+        ("depth 24", 24, ["new_skill", "new_format"], DEPTH_ARMS + DEEP_EXTRAS + LORA_VARIANTS,
+         [3e-4, 1e-3, 3e-3, 1e-2], [0, 1],
          [2, 3, 4], 1),
         ("depth 12", 12, ["new_skill", "new_format"], DEPTH_ARMS, [3e-4, 1e-3, 3e-3, 1e-2], [0, 1], [2, 3, 4], 1),
         ("depth 24, 3x steps", 24, ["new_skill"], DEPTH_ARMS, [1e-3, 3e-3], [0, 1], [2, 3, 4], 3),
@@ -87,6 +93,13 @@ SETTINGS = {
                        ("depth 8, APOLLO", 8, ["new_skill"],
                         ["full", "lisa_g2_uniform", "lora_eq_g2", *APOLLO_ARMS], [3e-3], [0], [], 1),
                    ], extend_edges=False),
+    # The LoRA arms through the product path in about ten minutes on the shared 2-core machine: one
+    # depth, one task, one lr, one seed, a shorter pre-training (docs/learning.md says what it cuts).
+    "lora-smoke": dict(_BASE, pretrain_steps=150, new_train_rows=1000, eval_rows=100, steps=60, eval_every=20,
+                       curve_examples=20, stages=[
+                           ("depth 6", 6, ["new_skill"], ["lisa_g2_uniform", "lora_eq_g2", *LORA_VARIANTS], [3e-3],
+                            [0], [], 1),
+                       ], extend_edges=False),
     "quick": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=400, eval_rows=24, steps=20,
                   interval_steps=5, warmup_steps=2, eval_every=10, curve_examples=24, stages=[
                       ("depth 4", 4, ["new_skill", "new_format"],
@@ -127,9 +140,11 @@ def apollo_rank_equal_state(cfg: dict) -> int:
 
 def arm_spec(arm: str, cfg: dict) -> dict:
     spec = dict(ARMS[arm])
-    if spec.get("rank") == "equal_state_lisa_g2":
-        # Both keep two float32 moments per trainable parameter: equal parameters, equal bytes.
-        spec["rank"] = max(1, round(lisa_trainable_params(cfg, 2) / lora_params_per_rank(cfg)))
+    if "lora" in spec:
+        spec["lora"] = dict(spec["lora"])
+        if spec["lora"]["rank"] == "equal_state_lisa_g2":
+            # Both keep two float32 moments per trainable parameter: equal parameters, equal bytes.
+            spec["lora"]["rank"] = max(1, round(lisa_trainable_params(cfg, 2) / lora_params_per_rank(cfg)))
     if spec.get("optimizer", {}).get("rank") == "equal_state_lisa_g2":
         spec["optimizer"] = {**spec["optimizer"], "rank": apollo_rank_equal_state(cfg)}
         spec["rank"] = spec["optimizer"]["rank"]  # reported as the run's rank
@@ -169,7 +184,7 @@ def run_job(job: dict) -> dict:
         final = split_scores(arm.model, data, None, True)
     return {"task": job["task"], "depth": s["layers"], "arm": job["arm"], "lr": job["lr"], "seed": job["seed"],
             "steps": s["steps"], "tokens": tokens, "train_s": train_s, "tokens_per_s": tokens / train_s,
-            "peak_rss_bytes": peak_rss_bytes(), "lora_rank": job["spec"].get("rank"),
+            "peak_rss_bytes": peak_rss_bytes(), "lora_rank": job["spec"].get("lora", {}).get("rank"),
             "trainable_params_last": arm.trainable_params(), **{f"peak_{k}": v for k, v in peaks.items()},
             "train_loss_last": loss, "curve": curve, "final": final}
 

@@ -29,6 +29,7 @@ from pydantic_core import ErrorDetails
 
 from lisaft.config.compat import first_exclusion
 from lisaft.config.hub import can_only_be_path
+from lisaft.config.lora import LoraSection, check_lora
 from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parse_override
 from lisaft.console import first_line
@@ -126,6 +127,9 @@ class ModelSection(_Section):
         "(single process, untied embedding, fewer tokens than half the vocabulary); the update "
         "still moves every row exactly as AdamW does. Saves a dense vocab x hidden gradient.",
     )
+    quantize: Literal["nf4"] | None = Field(
+        None, description="nf4: load the frozen base in 4-bit NormalFloat with double quantization "
+        "(QLoRA, bitsandbytes), computing in model.dtype. Needs lora.enabled and model.name_or_path.")
     layers_path: str | None = Field(
         None,
         description="Dotted attribute path of the decoder-layer ModuleList (e.g. 'model.layers') "
@@ -398,11 +402,13 @@ class Recipe(_Section):
     optimizer: OptimizerSection = OptimizerSection()
     scheduler: SchedulerSection = SchedulerSection()
     lisa: LisaSection = LisaSection()
+    lora: LoraSection = LoraSection()
     training: TrainingSection
     logging: LoggingSection = LoggingSection()
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
+        check_lora(self)
         # The table lives in config/compat.py, beside the rules that depend on the number of ranks.
         if (message := first_exclusion(self)) is not None:
             raise ValueError(message)

@@ -38,7 +38,7 @@ def resolve_target(path: Path, fmt: str | None) -> Target:
         raise LisaftError(f"{path}: give one checkpoint folder in it; {_checkpoints_there(path.parent)}")
     run_dir = path if (path / "recipe.yaml").is_file() else path.parent
     model_dir = path / "final" if path == run_dir else path
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / "config.json").is_file() and not (model_dir / "adapter_config.json").is_file():
         what = ("the run has no final/ model yet; it is written when the run completes"
                 + _newest_checkpoint_hint(run_dir)
                 if path == run_dir else "not a model folder (no config.json)")
@@ -132,6 +132,10 @@ def load_model(target: Target):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if target.checkpoint_recipe is not None:
         model = _checkpoint_model(target, device)
+    elif (target.model_dir / "adapter_config.json").is_file():
+        from lisaft.model.lora import load_adapter_folder
+
+        model = load_adapter_folder(target.model_dir)  # lora.export: adapter
     else:
         from transformers import AutoModelForCausalLM
 
@@ -161,7 +165,13 @@ def _checkpoint_model(target: Target, device):
     from safetensors import SafetensorError
 
     try:
-        load_weights(target.model_dir, model)
+        if recipe.lora.enabled:  # the base from its recipe, the adapters from the checkpoint
+            from lisaft.checkpoint.adapters import read_adapters
+            from lisaft.model.lora import attach_adapters
+
+            read_adapters(target.model_dir, model, _from_recipe(target, lambda: attach_adapters(model, recipe)))
+        else:
+            load_weights(target.model_dir, model)
     except (OSError, RuntimeError, ValueError, LisaftError, SafetensorError) as e:
         raise LisaftError(f"{target.model_dir}: cannot read its weights into the model its recipe.json "
                           f"builds: {first_line(e)}") from None

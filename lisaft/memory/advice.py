@@ -106,8 +106,9 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
     elif not optimizer_kind(s.optimizer).eight_bit:
         groups.append([Option({"optimizer.name": "adamw_8bit"}, "2 B/param of moments",
                               {"optimizer": "adamw_8bit"}, SLOWER)])
-    groups.append(_lisa_options(s, layer_count))
-    groups.append(_step_options(s))
+    if s.lora is None:  # a LoRA run's ways to train less are in the methods table (memory/methods.py)
+        groups.append(_lisa_options(s, layer_count))
+        groups.append(_step_options(s))
     if s.batch_size > 1:
         accum = s.grad_accum_steps * s.batch_size
         groups.append([Option({"training.batch_size": 1, "training.grad_accum_steps": accum},
@@ -290,8 +291,10 @@ def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     for opt in OPTIMIZERS:
         if optimizer_kind(opt).projected or (s.fsdp and optimizer_kind(opt).paged):
             continue  # APOLLO's estimate is its own advice row (_apollo_option)
-        grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False))
-        grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma))
+        grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False, lora=None))
+        grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma, lora=None))
+        if s.lora is not None:  # the run's own adapters beside the other two
+            grid[(opt, "lora")] = compute(s.with_(optimizer=opt))
     return grid
 
 

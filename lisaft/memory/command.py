@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
@@ -27,6 +27,8 @@ from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
+from lisaft.memory.lora import lora_settings
+from lisaft.memory.methods import methods
 from lisaft.optim.apollo import ApolloSettings
 
 _ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
@@ -111,7 +113,7 @@ def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int
         grad_accum_steps=recipe.training.grad_accum_steps,
         clipping=recipe.training.max_grad_norm is not None, device=device,
         budget_bytes=budget_bytes, fsdp=recipe.training.fsdp, ranks=_ranks(recipe, ranks),
-        model_from_config=recipe.model.config is not None,
+        model_from_config=recipe.model.config is not None, lora=lora_settings(recipe),
     )
 
 
@@ -306,6 +308,7 @@ class Report:
     smallest_gpu: str | None  # the smallest catalogue card for the leanest setup
     smallest_gpu_as_is: str | None  # the smallest catalogue card for the settings as given
     ranks: Change | None = None  # when nothing offered fits one card: training.fsdp over the fewest ranks
+    methods: list = field(default_factory=list)  # memory/methods.py: every way to train, learning order
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -323,6 +326,8 @@ class Report:
                                      "paged_host_bytes": e.paged_host_bytes}
                               for (o, mode), e in self.grid.items() if o == opt}
                         for opt in OPTIMIZERS if any(o == opt for o, _ in self.grid)},
+            methods=[{"method": m.name, "set": m.overrides, "learned": m.learned,
+                      "total_bytes": m.estimate.total_bytes, "fits": m.estimate.fits} for m in self.methods],
         )
         return out
 
@@ -349,7 +354,7 @@ def build_report(s: Settings, budget: Budget) -> Report:
     return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "seq_len"),
                   largest_fitting(s, "batch_size"), context_length(s.config), weights_fit, lean,
                   card.name if card else None, as_is.name if as_is else None,
-                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None)
+                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None, methods(s))
 
 
 def estimate_memory_command(flags: EstimateFlags) -> int:

@@ -11,7 +11,7 @@ docs/memory.md gives every formula.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.memory.activations import Shape, offloaded_host_bytes, shape_from_config
@@ -23,6 +23,7 @@ from lisaft.memory.cuda_process import (
     cublas_workspace_bytes,
 )
 from lisaft.memory.host import offload_host_bytes
+from lisaft.memory.lora import LoraSettings
 from lisaft.memory.sharded import fsdp_phases, fsdp_units
 from lisaft.memory.step_terms import Backward, Resident, backward, resident, weight_bytes
 from lisaft.memory.trainable import state_numels
@@ -92,6 +93,7 @@ class Settings:
     # weights from model.name_or_path are read shard by shard and never whole on a rank.
     model_from_config: bool = False
     ranks: int = 1
+    lora: LoraSettings | None = None  # lora.enabled: adapters on a frozen base (memory/lora.py)
 
     def with_(self, **changes) -> Settings:
         return replace(self, **changes)
@@ -199,6 +201,7 @@ class Estimate:
                 "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
                 "grad_accum_steps": s.grad_accum_steps, "clipping": s.clipping, "device": s.device,
                 "fsdp": s.fsdp, "ranks": s.ranks, "model_from_config": s.model_from_config,
+                "lora": asdict(s.lora) if s.lora is not None else None,
             },
             "notes": list(self.notes),
         }

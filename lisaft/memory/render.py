@@ -69,6 +69,9 @@ def settings_line(est: Estimate) -> str:
     s = est.settings
     gamma = f"auto → {s.active_layers}" if s.active_layers_auto else s.active_layers
     lisa = f"LISA γ={gamma} ({s.state_policy})" if s.lisa else "full fine-tuning"
+    if s.lora is not None:
+        lisa = (f"{'QLoRA' if s.lora.quantize else 'LoRA'} r{s.lora.rank}{' DoRA' if s.lora.dora else ''}"
+                f"{' on a 4-bit base' if s.lora.quantize else ''}")
     return (
         f"{s.model_label}: {est.total_params:,} params, {est.trainable_params:,} trainable; "
         f"{lisa}; {s.optimizer}{' in backward' if s.in_backward else ''}"
@@ -198,11 +201,13 @@ def advice_table(changes: list[Change], host: bool = False) -> Table:
 
 
 def _column_title(key: str) -> str:
-    return "full" if key == "full" else f"LISA γ={key.removeprefix('lisa_')}"
+    if key in ("full", "lora"):
+        return "full" if key == "full" else "as given (adapters)"
+    return f"LISA γ={key.removeprefix('lisa_')}"
 
 
 def grid_table(grid: dict, budget: int) -> Table:
-    columns = sorted({k[1] for k in grid}, key=lambda c: (c != "full", c))
+    columns = sorted({k[1] for k in grid}, key=lambda c: (c != "lora", c != "full", c))
     t = Table(title=f"Optimizers side by side (budget {human(budget)})", title_justify="left")
     t.add_column("optimizer")
     for c in columns:
@@ -215,6 +220,20 @@ def grid_table(grid: dict, budget: int) -> Table:
                 "[yellow]paged[/]" if e.paged_state_bytes and e.fits_with_paging else "[red]no[/]")
             cells.append(f"{human(e.total_bytes)} {mark}")
         t.add_row(opt, *cells)
+    return t
+
+
+def methods_table(methods: list, budget: int) -> Table:
+    """Every way to train, in the order the learning benchmark ranked them; those that fit first."""
+    t = Table(title=f"Ways to train it in {human(budget)}, by what they learned (fitting first)",
+              title_justify="left")
+    t.add_column("method", justify="left")
+    t.add_column("peak", justify="right")
+    t.add_column("learning", justify="left")
+    # The recipe keys of each are in the --json output (methods[].set).
+    for m in sorted(methods, key=lambda m: not m.estimate.fits):
+        mark = "[green]fits[/]" if m.estimate.fits else "[red]no[/]"
+        t.add_row(m.name, f"{human(m.estimate.total_bytes)} {mark}", m.learned)
     return t
 
 
@@ -302,6 +321,8 @@ def render(report, explain: bool = False) -> Group:
     if report.leanest is not None:
         parts.append(_no_budget_fits(report))
     parts.append(grid_table(report.grid, est.budget_bytes))
+    if report.methods:
+        parts.append(methods_table(report.methods, est.budget_bytes))
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from lisaft.memory.activations import ActivationBreakdown, Shape, activations, loss_buffers_peak, mlp_chunked
 from lisaft.memory.apollo_state import apollo_state, apollo_step_temporaries, is_apollo
 from lisaft.memory.counts import ParamCounts
+from lisaft.memory.lora import LoraCounts, layer_transient, lora_counts
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
 from lisaft.memory.sharded import clip_temporaries
 from lisaft.memory.trainable import sparse_embedding_saving, state_numels, trainable_numels
@@ -32,6 +33,8 @@ class Resident:
     sparse_saving: int  # what sparse embedding gradients save against dense ones
     largest: int  # the largest trainable tensor's numel
     offload: bool  # optimizer.cpu_offload on CUDA: moments and gradients in host memory
+    local: ParamCounts  # what this process holds of what trains: a slice under FSDP, LoRA's adapters
+    lora: LoraCounts | None = None  # lora.enabled: the adapters and the frozen base (memory/lora.py)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,10 @@ def weight_bytes(counts: ParamCounts, dt: int) -> int:
 def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Resident:
     # Under FSDP a rank holds its slice of every tensor: weights, gradients and moments follow.
     local = counts.sharded(s.ranks) if s.fsdp else counts
+    # LoRA: the adapters (and the ends, when asked) are what trains; the base only weighs.
+    lc = lora_counts(counts, s.config, s.layers_path, s.lora, dt) if s.lora is not None else None
+    if lc is not None:
+        local = lc.trainable
     trainable, trainable_layers = trainable_numels(local, s)
     sparse_saving = sparse_embedding_saving(local, shape, s, dt)
     # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
@@ -69,22 +76,25 @@ def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Residen
         state = apollo_state(local, s, dt)
     else:
         state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device, moment_bytes)
-    return Resident(weights=weight_bytes(local, dt), state=state, trainable=trainable,
-                    trainable_layers=trainable_layers, trainable_params=sum(trainable_numels(counts, s)[0]),
+    return Resident(weights=weight_bytes(local, dt) if lc is None else lc.weight_bytes, state=state,
+                    trainable=trainable, trainable_layers=trainable_layers,
+                    trainable_params=sum(trainable_numels(counts if lc is None else local, s)[0]),
                     grads_full=sum(trainable) * dt - sparse_saving, sparse_saving=sparse_saving,
-                    largest=max(trainable) if trainable else 0, offload=offload)
+                    largest=max(trainable) if trainable else 0, offload=offload, local=local, lora=lc)
 
 
 def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Resident) -> Backward:
     head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
+    ends_train = s.lora.train_embeddings if s.lora is not None else None
+    head_weight_trains = ends_train if ends_train is not None else head_weight_trains
     # On CPU the host is the device: offloading moves nothing out of the memory that counts.
     offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
     act = activations(
         shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
         trainable_layers=r.trainable_layers,
-        train_embeddings=not s.lisa or s.train_embeddings,
+        train_embeddings=(not s.lisa or s.train_embeddings) if ends_train is None else ends_train,
         head_weight_trains=head_weight_trains,
-        final_norm_trains=not s.lisa or s.train_head,
+        final_norm_trains=(not s.lisa or s.train_head) if ends_train is None else ends_train,
         offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
         padded_rows=s.padded_rows and s.batch_size > 1,
     )
@@ -96,10 +106,16 @@ def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Residen
     chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
     backward_temp = s.batch_size * s.seq_len * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
     grads_at_loss, grads_in_layers, step_phase = _gradients(s, counts, dt, r, head_weight_trains)
-    head_grad = _head_grad(s, counts, dt, head_weight_trains)
+    head_grad = _head_grad(s, counts, r.local, dt, head_weight_trains)
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
     step_temp, in_bwd_step = _step_temporaries(s, counts, dt, r)
-    return Backward(act=act, offload_act=offload_act, saved_no_logp=act.layers + act.outside_layers + act.packed_mask,
+    saved_no_logp = act.layers + act.outside_layers + act.packed_mask
+    if r.lora is not None and s.lora is not None:  # A's outputs (and dropout's copies): every layer's, or one's
+        lora_saved = s.batch_size * s.seq_len * r.lora.saved_per_token_layer
+        recompute += lora_saved if s.gradient_checkpointing else 0
+        saved_no_logp += 0 if s.gradient_checkpointing else lora_saved * shape.layers
+        backward_temp += layer_transient(r.lora, s.lora, dt)
+    return Backward(act=act, offload_act=offload_act, saved_no_logp=saved_no_logp,
                     loss_peak=loss_peak, grads_at_loss=grads_at_loss, head_grad=head_grad,
                     grads_in_layers=grads_in_layers,
                     step_phase=step_phase, layer_transient=recompute + backward_temp + in_bwd_step,
@@ -119,11 +135,10 @@ def _gradients(s: Settings, counts: ParamCounts, dt: int, r: Resident,
         # the next one being produced; the step runs on the CPU.
         return 0, 2 * r.largest * dt, None
     grads_at_loss = r.grads_full if s.grad_accum_steps > 1 else 0
-    return grads_at_loss, max(grads_at_loss, _head_grad(s, counts, dt, head_weight_trains)), r.grads_full
+    return grads_at_loss, max(grads_at_loss, _head_grad(s, counts, r.local, dt, head_weight_trains)), r.grads_full
 
 
-def _head_grad(s: Settings, counts: ParamCounts, dt: int, head_weight_trains: bool) -> int:
-    local = counts.sharded(s.ranks) if s.fsdp else counts
+def _head_grad(s: Settings, counts: ParamCounts, local: ParamCounts, dt: int, head_weight_trains: bool) -> int:
     head_grad = sum(local.head) * dt if (not s.lisa or s.train_head) else 0
     if counts.tied and head_weight_trains and not s.fsdp:  # FSDP: in the root's gradient_reduce
         head_grad += sum(counts.embeddings[:1]) * dt

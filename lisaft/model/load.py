@@ -256,16 +256,32 @@ def load_model(section: ModelSection, device: torch.device, seed: int = 0) -> nn
         assert ref is not None  # the schema asks for exactly one of model.config and model.name_or_path
         if is_local(ref):
             _check_folder(Path(ref), "model.name_or_path", "model")
+        # model.quantize (QLoRA): bitsandbytes quantizes each weight as it is read, on the device.
+        quantized = _quantized_loading(section, device)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                ref, dtype=dtype, attn_implementation=attn, local_files_only=not is_local(ref) and hub_offline())
+                ref, dtype=dtype, attn_implementation=attn, local_files_only=not is_local(ref) and hub_offline(),
+                **quantized)
         except Exception as e:
             if is_local(ref):
                 raise LisaftError(f"model.name_or_path: {ref}: cannot load a model from it: {first_line(e)}") from None
             raise hub_error("model.name_or_path", ref, e) from None
-    model.to(device)
+    if section.quantize is None:
+        model.to(device)
+    elif device.type == "cpu":
+        from lisaft.internals import keep_4bit_layout_on_cpu
+
+        keep_4bit_layout_on_cpu(model)
     apply_model_settings(model, section, device)
     return model
+
+
+def _quantized_loading(section: ModelSection, device: torch.device) -> dict:
+    if section.quantize is None:
+        return {}
+    from lisaft.model.lora import quantization_config
+
+    return {"quantization_config": quantization_config(section), "device_map": {"": device}}
 
 
 def build_on_meta(section: ModelSection, device: torch.device) -> tuple[nn.Module, Path]:

@@ -21,7 +21,13 @@ def save_final(session: Session) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    session.parallel.export(session.model, tmp)
+    if session.adapters is not None:  # lora.enabled: merged, or peft's adapter folder (lora.export)
+        if dist.is_main():
+            from lisaft.model.lora import save_final as save_lora
+
+            save_lora(session.model, session.adapters, session.recipe, tmp)
+    else:
+        session.parallel.export(session.model, tmp)
     if not dist.is_main():
         dist.barrier()
         return

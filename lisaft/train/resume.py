@@ -14,6 +14,7 @@ from lisaft.console import first_line, warn
 from lisaft.data.digest import DataChanged
 from lisaft.distributed import dist
 from lisaft.errors import LisaftError, OlderCheckpoint
+from lisaft.model.lora import OtherBase
 from lisaft.optim.lr_schedule import Plan, Schedule
 from lisaft.run_folder import is_write_failure, write_failed
 from lisaft.train.session import Session
@@ -138,8 +139,8 @@ def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> 
         except Exception as e:
             if is_write_failure(e) and not _names_a_file_in(e, ckpt):
                 raise write_failed(session.run_dir, e) from None
-            if isinstance(e, DataChanged):
-                raise  # an older checkpoint of this run saw the same data: one message, no skipping
+            if isinstance(e, (DataChanged, OtherBase)):
+                raise  # an older checkpoint of this run saw the same data, or the same other base
             if isinstance(e, OlderCheckpoint):
                 raise LisaftError(f"{_older(e, ckpt)}; start over with "
                                   f"`lisaft train {recipe_file} --overwrite`") from None

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import Checkpointer
 from lisaft.checkpoint.components import Optional, OwnFile, PerRank
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
@@ -31,6 +32,9 @@ from lisaft.optim.in_backward import StepInBackward
 from lisaft.optim.lr_schedule import Schedule
 from lisaft.optim.unit_optimizers import UnitOptimizers
 from lisaft.train.parallel import SingleProcess, choose
+
+if TYPE_CHECKING:
+    from lisaft.model.lora import Adapters
 
 
 class Tokenizer(Protocol):
@@ -92,6 +96,7 @@ class Session:
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
     auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
+    adapters: Adapters | None = None      # lora.enabled (lisaft/model/lora.py): only they train
     _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     def checkpointer(self) -> Checkpointer:
@@ -111,7 +116,9 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
     Optional(component, default) lets checkpoints written before it still resume."""
     parallel = session.parallel
     return {
-        **parallel.weights_component(session.model, session.units, session.optimizers),
+        # A LoRA run's checkpoint holds the adapters, never the frozen base (checkpoint/adapters.py).
+        **(parallel.weights_component(session.model, session.units, session.optimizers)
+           if session.adapters is None else adapter_component(session.model, session.adapters)),
         "progress": session.progress,
         "data": session.order,
         "lisa": session.controller,
@@ -145,8 +152,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
     train_examples, eval_examples, packing = _data(recipe, tokenizer, train_examples, eval_examples)
-    model, parts = _model(recipe, parallel, device)
-    units = model_units(parts)
+    model, parts, adapters = _model(recipe, parallel, device)
+    units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
     optimizers = parallel.optimizers(units, device, run_dir)
     if hasattr(optimizers, "wait_in_forward"):  # cpu_offload, before the first forward traces a layer
         optimizers.wait_in_forward(model, parts.layers)
@@ -161,7 +168,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers)
+                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters)
 
 
 def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
@@ -184,18 +191,35 @@ def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
     return train_examples, eval_examples, packing
 
 
-def _model(recipe: Recipe, parallel: SingleProcess, device: torch.device) -> tuple[nn.Module, ModelParts]:
-    """The model, loaded and placed as the parallel strategy says, and its parts."""
+def _model(recipe: Recipe, parallel: SingleProcess,
+           device: torch.device) -> tuple[nn.Module, ModelParts, Adapters | None]:
+    """The model, loaded and placed as the parallel strategy says, its parts, and its adapters
+    (lora.enabled)."""
     from lisaft.model.load import check_context_length, compile_layers, model_parts, use_sparse_embedding_grad
 
     t = recipe.training
     model = parallel.load_model(device)
     check_context_length(model.config, recipe.data.max_seq_len)
+    adapters = _attach_adapters(model, recipe)
     use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and parallel.sparse_embedding_grad,
-                              trains=not recipe.lisa.enabled or recipe.lisa.train_embeddings,
+                              trains=_embeddings_train(recipe),
                               tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
                               world_size=dist.world_size())
     parts = model_parts(model, recipe.model.layers_path)
     if t.compile:
         compile_layers(parts.layers, device)
-    return model, parallel.place(model, parts, device)
+    return model, parallel.place(model, parts, device), adapters
+
+
+def _attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters | None:
+    if not recipe.lora.enabled:
+        return None
+    from lisaft.model.lora import attach_adapters
+
+    return attach_adapters(model, recipe)
+
+
+def _embeddings_train(recipe: Recipe) -> bool:
+    if recipe.lora.enabled:
+        return recipe.lora.train_embeddings
+    return not recipe.lisa.enabled or recipe.lisa.train_embeddings

@@ -1,0 +1,81 @@
+"""The recipe's `lora` section (LoRA, DoRA; QLoRA with model.quantize: nf4) and the
+combinations it refuses. Kept beside the schema so schema.py stays one section per concern.
+
+Defaults are LLaMA-Factory's documented ones (finetuning_args: lora_rank 8, lora_alpha = 2 x
+rank, lora_dropout 0, lora_target all linear layers); torchtune's Llama-3 LoRA recipes also use
+rank 8, alpha 16, dropout 0. peft's own LoraConfig default (r 8, alpha 8, q_proj/v_proj only for
+Llama) learns less per step and is not what the peers ship.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+
+if TYPE_CHECKING:
+    from lisaft.config.schema import Recipe
+
+
+def _count(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("must be a whole number, not true/false")
+    return v
+
+
+class LoraSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: Annotated[bool, Strict()] = Field(
+        False, description="Train low-rank adapters (peft) on a frozen base instead of the weights "
+        "themselves; not with lisa.enabled. Needs the lora extra (pip install 'lisaft[lora]'). "
+        "See docs/lora.md.")
+    rank: Annotated[int, BeforeValidator(_count)] = Field(
+        8, ge=1, description="r: the adapters' rank (LLaMA-Factory's and torchtune's default).")
+    alpha: Annotated[float, BeforeValidator(_count)] | None = Field(
+        None, gt=0, description="Scale alpha; the update is (alpha / rank) x B A. null: 2 x rank "
+        "(LLaMA-Factory's default; torchtune's 8B recipe uses 16 at rank 8).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="Which linear layers get adapters: all-linear (every linear "
+        "layer in the decoder layers, not the output head), or a list of module names such as "
+        "[q_proj, v_proj].")
+    dora: Annotated[bool, Strict()] = Field(
+        False, description="DoRA: a learned magnitude per output row on top of the low-rank "
+        "direction (peft's use_dora); costs a weight-norm per adapted layer each forward.")
+    train_embeddings: Annotated[bool, Strict()] = Field(
+        False, description="Also train the input embeddings, the output head and the final norm "
+        "in full (e.g. for new tokens); off, only the adapters train.")
+    export: Literal["merged", "adapter"] = Field(
+        "merged", description="What RUN/final holds: merged (the adapters added into the base's weights, "
+        "in model.dtype: a plain Hugging Face model; from a 4-bit base, the dequantized NF4 weights plus "
+        "the update) or adapter (peft's adapter folder, loaded onto the base with peft).")
+
+    @property
+    def scale_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+
+def check_lora(recipe: Recipe) -> None:
+    """The combinations with lora or model.quantize that make no sense, refused in one line."""
+    lora, m = recipe.lora, recipe.model
+    if m.quantize is not None and not lora.enabled:
+        raise ValueError(f"model.quantize: {m.quantize} freezes the base in 4-bit, which only adapters "
+                         "can train on; set lora.enabled: true (QLoRA) or model.quantize: null")
+    if not lora.enabled:
+        return
+    if lora.export == "adapter" and lora.train_embeddings:
+        raise ValueError("lora.export: adapter holds the adapters only, not the embeddings and head that "
+                         "lora.train_embeddings trains; use lora.export: merged")
+    if recipe.lisa.enabled:
+        raise ValueError("lora.enabled and lisa.enabled are two ways to choose what trains; enable one")
+    if recipe.training.fsdp:
+        raise ValueError("lora.enabled with training.fsdp is not supported (the adapters of an 8B model "
+                         "fit one card; the frozen base could be sharded, lisaft does not); use data "
+                         "parallel (training.fsdp: false)")
+    if recipe.optimizer.cpu_offload:
+        raise ValueError("lora.enabled with optimizer.cpu_offload: the adapters' moments are a few MiB, "
+                         "moving them to the CPU saves nothing; set optimizer.cpu_offload: false")
+    if m.quantize is not None and m.config is not None:
+        raise ValueError("model.quantize needs pretrained weights (model.name_or_path) to quantize; a "
+                         "random init from model.config has nothing worth freezing in 4-bit")
