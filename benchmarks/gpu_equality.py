@@ -50,8 +50,8 @@ def _offload_run(device, offload: bool, compiled: bool, tmp: Path) -> tuple[list
     from lisaft.lisa import LisaController
     from lisaft.model.load import model_parts
     from lisaft.model.units import model_units
-    from lisaft.optim.adamw import clip_grad_norm
     from lisaft.optim.cpu_offload import OffloadedOptimizers
+    from lisaft.optim.gradients import clip_grad_norm
     from lisaft.optim.unit_optimizers import UnitOptimizers
 
     model = _tiny(device, torch.float32)

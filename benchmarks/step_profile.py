@@ -7,7 +7,7 @@ its phases by wrapping the functions it calls, so the step measured is the real 
   collate     lisaft.data.collate.collate (data and collation)
   forward     model forward and the token loss sum
   backward    torch.Tensor.backward
-  clip        lisaft.optim.adamw.clip_grad_norm (the total norm, and scaling)
+  clip        lisaft.optim.gradients.clip_grad_norm (the total norm, and scaling)
   optimizer   UnitOptimizers.step (the unit AdamWs, and freeing gradients)
   lisa        LisaController.activate_for_step (the switch at interval boundaries; a no-op between)
   metrics     what a logged step adds in the loop: UnitOptimizers.state_bytes() and

@@ -26,7 +26,7 @@ from torch import nn
 from lisaft.config.schema import LisaSection
 from lisaft.errors import CheckpointMismatch, LisaftError
 from lisaft.model.units import Unit
-from lisaft.optim.adamw import grad_nbytes
+from lisaft.optim.gradients import grad_nbytes
 from lisaft.optim.unit_optimizers import UnitOptimizers
 
 # Separates the sampler's stream from any other user of the same seed (data order, init).

@@ -23,8 +23,8 @@ from lisaft.memory.optimizer_state import (
     state_bytes,
     step_temporaries,
 )
-from lisaft.optim.cpu_offload import STAGING_SLOTS, staging_slot_bytes
 from lisaft.optim.host_arena import arena_bytes, slab_size
+from lisaft.optim.transfers import STAGING_SLOTS, staging_slot_bytes
 
 HOST_COMPONENTS = ("moments", "host_weights", "gradient_accumulators", "staging", "step_temporaries",
                    "activation_checkpoints", "process_baseline")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
 
 import torch
 
@@ -173,35 +172,6 @@ class _GradChunks:
         # reshape to the row length, not -1: a chunk of rows no token touched has no values.
         dense[self.rows[a:b] - r0] = self.values[a:b].reshape(b - a, self.row_len).float()
         return dense.view(-1)
-
-
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
-    """The total L2 norm of the gradients before clipping; with max_norm, the gradients are
-    scaled by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. A sparse
-    gradient (coalesced) counts by its values."""
-    grads = [g.values() if g.is_sparse else g for g in (p.grad for p in params) if g is not None]
-    if not grads:
-        return 0.0
-    by_dtype = defaultdict(list)
-    for g in grads:
-        by_dtype[g.dtype].append(g)
-    # One multi-tensor kernel per dtype, not a launch per tensor.
-    norms = [n for gs in by_dtype.values() for n in internals.foreach_norm(gs)]
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    if max_norm is not None:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for dtype, gs in by_dtype.items():
-            internals.foreach_mul_(gs, coef.to(dtype))
-    return float(total)
-
-
-def grad_nbytes(g: torch.Tensor) -> int:
-    if hasattr(g, "to_local"):  # training.fsdp: the slice this rank holds
-        g = g.to_local()
-    if g.is_sparse:
-        values, indices = internals.sparse_sizes(g)
-        return values * g.element_size() + indices * 8
-    return g.numel() * g.element_size()
 
 
 class AdamW(torch.optim.Optimizer):
@@ -378,28 +348,6 @@ class AdamW(torch.optim.Optimizer):
     def resident_bytes(self) -> int:
         return sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values()
                    if torch.is_tensor(v))
-
-
-def host_state_dict(opt: torch.optim.Optimizer, pin: bool = False) -> dict:
-    """opt.state_dict() with every tensor copied to host memory (pinned on request): what an
-    offloaded or checkpointed unit keeps. The caller synchronizes before reading pinned copies."""
-    sd = opt.state_dict()
-
-    def host(v):
-        if not torch.is_tensor(v):
-            return v
-        out = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
-        # A paged tensor is host-addressable unified memory: a plain CPU copy reads it.
-        out.copy_(v, non_blocking=pin and v.is_cuda)
-        return out
-
-    return {"state": {i: {k: host(v) for k, v in st.items()} for i, st in sd["state"].items()},
-            "param_groups": sd["param_groups"]}
-
-
-def state_dict_bytes(sd: dict) -> int:
-    return sum(v.numel() * v.element_size() for st in sd["state"].values() for v in st.values()
-               if torch.is_tensor(v))
 
 
 # ---------------------------------------------------------------------------------------------

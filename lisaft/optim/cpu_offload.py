@@ -41,10 +41,7 @@ step, as the device path does); their copy is synchronous, and small.
 from __future__ import annotations
 
 import math
-import queue
 import weakref
-from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,113 +51,16 @@ from torch import nn
 from lisaft.config.schema import OptimizerSection
 from lisaft.model.units import Unit
 from lisaft.optim import host_step
-from lisaft.optim.adamw import clip_grad_norm
+from lisaft.optim.gradients import clip_grad_norm
 from lisaft.optim.host_arena import HostArena, slab_size
+from lisaft.optim.transfers import Transfers, staging_slot_bytes
 from lisaft.optim.unit_optimizers import UnitOptimizers
-
-# Gradients of later micro-batches go through STAGING_SLOTS pinned buffers of at most
-# STAGING_SLOT_BYTES, a large gradient in several pieces: the copy of one piece overlaps the
-# worker's addition of the previous one, and staging costs 1 GiB whatever the model.
-STAGING_SLOTS = 4
-STAGING_SLOT_BYTES = 1 << 28
-
-
-def staging_slot_bytes(largest_bytes: int) -> int:
-    return min(STAGING_SLOT_BYTES, -(-largest_bytes // 64) * 64)
 
 
 def _host_copy(p: nn.Parameter, arena: HostArena) -> nn.Parameter:
     host = arena.tensor(p.shape, p.dtype)
     host.copy_(p.detach())
     return nn.Parameter(host, requires_grad=False)
-
-
-class _Transfers:
-    """The CUDA side of the transfers: one side stream for device->host gradients and
-    host->device weights, the staging ring, and the worker thread that adds staged gradients."""
-
-    def __init__(self, device: torch.device, slot_bytes: int) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.slot_bytes = slot_bytes
-        staging = torch.empty(STAGING_SLOTS * slot_bytes, dtype=torch.uint8, pin_memory=True)
-        self.slots: queue.Queue[torch.Tensor] = queue.Queue()
-        for buf in staging.split(slot_bytes):
-            self.slots.put(buf)
-        self.staging_bytes = staging.numel()
-        # Device->host copies queued and not yet known done, oldest first, with their bytes.
-        self.limit = STAGING_SLOTS * slot_bytes
-        self.copies: deque[tuple[torch.cuda.Event, int]] = deque()
-        self.in_flight = 0
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="lisaft-grad-add")
-        self.pending: list[Future] = []
-
-    def gradient(self, g: torch.Tensor, acc: torch.Tensor, add: bool) -> None:
-        """Queue acc <- g (first micro-batch) or acc += g (later ones), piece by piece, with at
-        most `limit` bytes of copies in flight in either case: a freed gradient's memory is
-        reused only once the side stream has read it, so when backward outruns the link, copies
-        queued without a bound pile freed blocks up as reserved memory toward the cap."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Elementwise: piece by piece gives the whole tensor's copy or sum, bit for bit.
-        flat_g, flat_acc = g.reshape(-1), acc.view(-1)
-        piece = self.slot_bytes // g.element_size()
-        for lo in range(0, flat_g.numel(), piece):
-            part = flat_g[lo:lo + piece]
-            if not add:
-                self._copy(flat_acc[lo:lo + piece], part)
-                continue
-            buf = self.slots.get()  # blocks only while every slot still waits for its addition
-            staged = buf[: part.numel() * part.element_size()].view(g.dtype)
-            copied = self._copy(staged, part)
-            self.pending.append(self.worker.submit(self._add, copied, flat_acc[lo:lo + piece], staged, buf))
-        # The caller drops g now; its memory is reused only after the side stream has read it.
-        self._hold(g)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
-        """dst <- src on the side stream, once the oldest copies leave room under `limit`."""
-        nbytes = src.numel() * src.element_size()
-        while self.copies and self.in_flight + nbytes > self.limit:
-            event, n = self.copies.popleft()
-            event.synchronize()
-            self.in_flight -= n
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-        self.copies.append((copied, nbytes))
-        self.in_flight += nbytes
-        return copied
-
-    def _hold(self, g: torch.Tensor) -> None:
-        g.record_stream(self.stream)
-
-    def _add(self, copied: torch.cuda.Event, acc: torch.Tensor, staged: torch.Tensor, buf: torch.Tensor) -> None:
-        copied.synchronize()
-        acc.add_(staged)
-        self.slots.put(buf)
-
-    def drain(self) -> None:
-        """Every queued gradient is in its accumulator."""
-        for f in self.pending:
-            f.result()
-        self.pending.clear()
-        self.stream.synchronize()
-        self.copies.clear()
-        self.in_flight = 0
-
-    def send(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
-        """Queue the weights' copies; returns the event that marks them done."""
-        # Weights are overwritten only after every kernel queued so far (the backward) is done.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for dev, host in pairs:
-                dev.copy_(host, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-        return copied
-
-    def weights_ready(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 def _waiter(opts: OffloadedOptimizers, names: list[str]):
@@ -202,7 +102,7 @@ class OffloadedOptimizers(UnitOptimizers):
         self._acc: dict[nn.Parameter, torch.Tensor] = {}
         # Accumulators of units LISA froze, by (shape, dtype), for the next unit that trains.
         self._spare: dict[tuple, list[torch.Tensor]] = {}
-        self.transfers = _Transfers(self.train_device, staging_slot_bytes(max(sizes, default=64))) if cuda else None
+        self.transfers = Transfers(self.train_device, staging_slot_bytes(max(sizes, default=64))) if cuda else None
         # The host kernel spreads each unit over every core itself: units then go one at a time,
         # lowest first, which is the order the next forward needs them in.
         self.step_threads = 1 if host_step.available() else torch.get_num_threads()

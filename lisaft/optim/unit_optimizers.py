@@ -32,8 +32,6 @@ from lisaft.optim.adamw import (
     PagedPool,
     Rounding,
     build_unit_optimizer,
-    host_state_dict,
-    state_dict_bytes,
 )
 
 
@@ -241,3 +239,25 @@ def _pinned(sd: dict) -> dict:
     pin = lambda v: v.pin_memory() if torch.is_tensor(v) else v  # noqa: E731
     return {"state": {i: {k: pin(v) for k, v in st.items()} for i, st in sd["state"].items()},
             "param_groups": sd["param_groups"]}
+
+
+def host_state_dict(opt: torch.optim.Optimizer, pin: bool = False) -> dict:
+    """opt.state_dict() with every tensor copied to host memory (pinned on request): what an
+    offloaded or checkpointed unit keeps. The caller synchronizes before reading pinned copies."""
+    sd = opt.state_dict()
+
+    def host(v):
+        if not torch.is_tensor(v):
+            return v
+        out = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
+        # A paged tensor is host-addressable unified memory: a plain CPU copy reads it.
+        out.copy_(v, non_blocking=pin and v.is_cuda)
+        return out
+
+    return {"state": {i: {k: host(v) for k, v in st.items()} for i, st in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+
+
+def state_dict_bytes(sd: dict) -> int:
+    return sum(v.numel() * v.element_size() for st in sd["state"].values() for v in st.values()
+               if torch.is_tensor(v))

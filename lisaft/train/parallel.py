@@ -29,8 +29,8 @@ from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
 from lisaft.model.load import ModelParts, load_model, model_parts, pretrained
 from lisaft.model.units import Unit
-from lisaft.optim.adamw import clip_grad_norm
 from lisaft.optim.cpu_offload import OffloadedOptimizers
+from lisaft.optim.gradients import clip_grad_norm
 from lisaft.optim.unit_optimizers import UnitOptimizers
 
 if TYPE_CHECKING:

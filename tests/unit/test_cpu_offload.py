@@ -18,8 +18,8 @@ from lisaft.config.schema import LisaSection, OptimizerSection
 from lisaft.lisa import LisaController
 from lisaft.model.load import model_parts
 from lisaft.model.units import model_units
-from lisaft.optim.adamw import clip_grad_norm
 from lisaft.optim.cpu_offload import OffloadedOptimizers
+from lisaft.optim.gradients import clip_grad_norm
 from lisaft.optim.unit_optimizers import UnitOptimizers
 
 CPU = torch.device("cpu")
@@ -287,7 +287,7 @@ def test_gradient_bytes_in_flight_are_bounded_in_every_micro_batch(monkeypatch, 
     and each accumulator ends as the sum of its gradients."""
     import contextlib
 
-    from lisaft.optim import cpu_offload
+    from lisaft.optim import transfers
 
     class Stream:
         def wait_stream(self, other):
@@ -303,10 +303,10 @@ def test_gradient_bytes_in_flight_are_bounded_in_every_micro_batch(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _Copy)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
-    monkeypatch.setattr(cpu_offload._Transfers, "_hold", lambda self, g: None)
-    monkeypatch.setattr(cpu_offload, "STAGING_SLOTS", 2)
+    monkeypatch.setattr(transfers.Transfers, "_hold", lambda self, g: None)
+    monkeypatch.setattr(transfers, "STAGING_SLOTS", 2)
     _Copy.queued = []
-    t = cpu_offload._Transfers(torch.device("cuda"), slot_bytes=256)
+    t = transfers.Transfers(torch.device("cuda"), slot_bytes=256)
     copy, peak = t._copy, [0]
 
     def counted(dst, src):

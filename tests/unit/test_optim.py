@@ -15,6 +15,8 @@ from _tiny import tiny as _tiny
 from lisaft.config.schema import OptimizerSection
 from lisaft.optim import adamw as optim
 from lisaft.optim.adamw import Rounding, build_unit_optimizer
+from lisaft.optim.gradients import clip_grad_norm, grad_nbytes
+from lisaft.optim.unit_optimizers import host_state_dict
 
 NAMES = ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"]
 CPU = torch.device("cpu")
@@ -174,7 +176,7 @@ def test_state_dict_round_trip_is_exact(name, dtype):
     a, b = tiny(dtype=dtype), tiny(dtype=dtype)
     opt_a = make(a, name)
     train(a, opt_a, 2)
-    saved = optim.host_state_dict(opt_a)
+    saved = host_state_dict(opt_a)
     b.load_state_dict(a.state_dict())
     opt_b = make(b, name)
     opt_b.load_state_dict(saved)
@@ -273,10 +275,10 @@ def test_clip_grad_norm_counts_sparse_values_and_scales_them():
     dense.grad = torch.tensor([3.0, 0.0, 0.0])
     rows = torch.tensor([[4.0, 0.0], [0.0, 12.0]])
     emb.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), rows, (5, 2), check_invariants=True).coalesce()
-    assert optim.clip_grad_norm([dense, emb], 1.3) == pytest.approx(13.0)
+    assert clip_grad_norm([dense, emb], 1.3) == pytest.approx(13.0)
     assert torch.allclose(dense.grad, torch.tensor([0.3, 0.0, 0.0]), atol=1e-6)
     assert torch.allclose(emb.grad.to_dense()[4], torch.tensor([0.0, 1.2]), atol=1e-6)
-    assert optim.grad_nbytes(emb.grad) == 2 * 2 * 4 + 2 * 8
+    assert grad_nbytes(emb.grad) == 2 * 2 * 4 + 2 * 8
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,0 +1,39 @@
+"""Gradients across a unit or a step: the total norm and clipping, and the bytes a gradient holds."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from lisaft import internals
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
+    """The total L2 norm of the gradients before clipping; with max_norm, the gradients are
+    scaled by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. A sparse
+    gradient (coalesced) counts by its values."""
+    grads = [g.values() if g.is_sparse else g for g in (p.grad for p in params) if g is not None]
+    if not grads:
+        return 0.0
+    by_dtype = defaultdict(list)
+    for g in grads:
+        by_dtype[g.dtype].append(g)
+    # One multi-tensor kernel per dtype, not a launch per tensor.
+    norms = [n for gs in by_dtype.values() for n in internals.foreach_norm(gs)]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for dtype, gs in by_dtype.items():
+            internals.foreach_mul_(gs, coef.to(dtype))
+    return float(total)
+
+
+def grad_nbytes(g: torch.Tensor) -> int:
+    if hasattr(g, "to_local"):  # training.fsdp: the slice this rank holds
+        g = g.to_local()
+    if g.is_sparse:
+        values, indices = internals.sparse_sizes(g)
+        return values * g.element_size() + indices * 8
+    return g.numel() * g.element_size()
