@@ -90,7 +90,9 @@ def test_train_that_cannot_write_its_recipe_names_the_one_to_start_over_with(tin
 def test_resume_that_cannot_offload_optimizer_state_does_not_skip_the_checkpoint(tiny_run):
     from lisaft.train import train
 
-    recipe = tiny_run(training={"eval_every": 0, "save_every": 4}, lisa={"state_policy": "offload_disk"})
+    # A positive LR floor: extending a run whose curve ended at 0 is refused before anything loads.
+    recipe = tiny_run(training={"eval_every": 0, "save_every": 4}, lisa={"state_policy": "offload_disk"},
+                      scheduler={"min_lr_ratio": 0.1})
     assert train(recipe, show=False) == 0
     run = tiny_run.dir / "run"
     # Loading step-000008 writes the inactive layers' moments to lisa_offload/, and that fails:
