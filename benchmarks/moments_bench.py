@@ -36,19 +36,12 @@ ARMS = {"float32": ("adamw_32bit", "float32"), "bfloat16": ("adamw_32bit", "bflo
 
 
 def _recipe(model_dir: Path, run_dir: Path, arm: str, cfg: dict, seed: int):
+    """The precision benchmark's bf16 recipe (stochastic rounding) at this benchmark's lr, with the
+    step on the CPU and the arm's moments."""
     name, moments = ARMS[arm]
-    return recipe_from_dict({
-        "model": {"name_or_path": str(model_dir), "tokenizer": str(pb.QUICKSTART / "tokenizer"),
-                  "dtype": "bfloat16", "attention": "sdpa"},
-        "data": {"train": str(pb.QUICKSTART / "train.jsonl"), "eval": str(pb.QUICKSTART / "eval.jsonl"),
-                 "format": "instruction", "max_seq_len": 64},
-        "optimizer": {"name": name, "lr": LR, "weight_decay": 0.0, "cpu_offload": True, "moments_dtype": moments},
-        "scheduler": {"name": "constant", "warmup_steps": 0},
-        "lisa": {"enabled": False},
-        "training": {"seed": seed, "batch_size": cfg["batch_size"], "max_steps": cfg["steps"],
-                     "eval_batches": cfg["eval_batches"], "max_grad_norm": 1.0, "device": "cpu",
-                     "output_dir": str(run_dir)},
-    }, "moments_bench")
+    d = pb.bench_recipe(model_dir, run_dir, name, "bf16_stochastic", cfg, seed).model_dump()
+    d["optimizer"].update(lr=LR, cpu_offload=True, moments_dtype=moments)
+    return recipe_from_dict(d, "moments_bench")
 
 
 def run(cfg: dict, work: Path, seed: int) -> dict:

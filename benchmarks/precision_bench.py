@@ -78,7 +78,7 @@ def save_model(cfg: dict, folder: Path, seed: int) -> None:
     model.save_pretrained(folder)
 
 
-def _recipe(model_dir: Path, run_dir: Path, optimizer: str, mode: str, cfg: dict, seed: int):
+def bench_recipe(model_dir: Path, run_dir: Path, optimizer: str, mode: str, cfg: dict, seed: int):
     return recipe_from_dict({
         "model": {"name_or_path": str(model_dir), "tokenizer": str(QUICKSTART / "tokenizer"),
                   "dtype": "float32" if mode == "float32" else "bfloat16", "attention": "sdpa"},
@@ -100,7 +100,7 @@ class _Arm:
     def __init__(self, model_dir: Path, work: Path, optimizer: str, mode: str, cfg: dict, seed: int,
                  data: dict) -> None:
         self.optimizer, self.mode, self.steps = optimizer, mode, cfg["steps"]
-        recipe = _recipe(model_dir, work / f"{optimizer}-{mode}", optimizer, mode, cfg, seed)
+        recipe = bench_recipe(model_dir, work / f"{optimizer}-{mode}", optimizer, mode, cfg, seed)
         self.session = session = build_session(recipe, work / f"{optimizer}-{mode}", **data)
         data.update(tokenizer=session.tokenizer, train_examples=session.train_examples,
                     eval_examples=session.eval_examples)
@@ -194,7 +194,7 @@ def _micro(optimizer: str, numel: int, reps: int, seed: int) -> dict:
     setups = {}
     for mode in MODES:
         # Only the recipe's optimizer section is used here: no model or run folder is read.
-        section = _recipe(Path("unused"), Path("unused"), optimizer, mode, QUICK, seed).optimizer
+        section = bench_recipe(Path("unused"), Path("unused"), optimizer, mode, QUICK, seed).optimizer
         dtype = torch.float32 if mode == "float32" else torch.bfloat16
         w = torch.nn.Parameter(w0.to(dtype))
         w.grad = g0.to(dtype)
