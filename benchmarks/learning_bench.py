@@ -266,8 +266,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reduced", action="store_true", help="protocol 2 only: the cut-down run that fits an hour "
                     "on a shared 2-core machine (docs/learning.md says what it cuts)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 lr, tiny model: about a minute")
-    ap.add_argument("--apollo", action="store_true", help="protocol 2 only: the apollo arms and their baselines on "
-                    "the quick 8-layer model, one seed and lr, cut to 20 minutes on 2 busy cores (protocol2.py)")
+    ap.add_argument("--apollo", action="store_true", help="protocol 2 only: the apollo arms against LISA γ=2 and "
+                    "equal-memory LoRA at depths 24 and 6, lr grid, 3 seeds (about 2 hours; protocol2.py)")
     ap.add_argument("--lora-smoke", action="store_true", help="protocol 2 only: LISA γ=2 and the LoRA, DoRA and "
                     "QLoRA arms at LISA γ=2's memory, depth 6, one seed and lr, a short pre-training")
     ap.add_argument("--out", type=Path, help="results folder")

@@ -3,7 +3,7 @@
     python -m benchmarks.learning_bench --protocol 2             # the designed protocol (hours)
     python -m benchmarks.learning_bench --protocol 2 --reduced   # what fits in about an hour here
     python -m benchmarks.learning_bench --protocol 2 --quick     # tiny: the tests run this
-    python -m benchmarks.learning_bench --protocol 2 --apollo    # APOLLO's arms and baselines, tiny, cut
+    python -m benchmarks.learning_bench --protocol 2 --apollo    # APOLLO against LISA and LoRA (2 hours)
 
 Per depth (6, 12, 24 decoder layers at equal parameter count, narrower as deeper) a model is
 pre-trained on task family A; then each arm fine-tunes it on each kind of task
@@ -57,6 +57,7 @@ DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_r16", "lora_eq_
 LORA_VARIANTS = ["dora_eq_g2", "qlora_eq_g2"]
 MAIN_ARMS = ["full", *(f"lisa_g{g}_{m}" for g in (1, 2, 3) for m in ("uniform", "cyclic")), "lora_r16",
              "lora_eq_g2", *LORA_VARIANTS, "badam", "emb_head", *APOLLO_ARMS]
+APOLLO_COMPARED = [*APOLLO_ARMS, "lisa_g2_uniform", "lora_eq_g2"]
 REDUCED_DEPTH_ARMS = ["full", "lisa_g2_uniform", "lisa_g2_cyclic", "lora_eq_g2"]
 DEEP_EXTRAS = ["lisa_g2_uniform_k5", "lisa_g2_cyclic_k5", "lisa_g4_cyclic", "lisa_g6_cyclic"]
 
@@ -85,14 +86,19 @@ SETTINGS = {
         ("depth 6, lr edge", 6, ["new_skill"], REDUCED_DEPTH_ARMS, [1e-2], [0], [], 1),
         ("depth 12", 12, ["new_skill"], REDUCED_DEPTH_ARMS, [3e-3], [0, 1], [], 1),
     ], extend_edges=False),
-    # APOLLO's arms with their baselines, cut to what could finish in about 20 minutes on the shared
-    # 2-core machine: the quick protocol's 8-layer model and 60-step pre-training, 50 fine-tuning steps,
-    # one lr, one seed (docs/learning.md says what this cuts). Not comparable with the reduced run.
-    "apollo": dict(_BASE, pretrain_steps=60, pretrain_warmup_steps=6, new_train_rows=800, eval_rows=50, steps=50,
-                   interval_steps=5, warmup_steps=5, eval_every=25, curve_examples=24, stages=[
-                       ("depth 8, APOLLO", 8, ["new_skill"],
-                        ["full", "lisa_g2_uniform", "lora_eq_g2", *APOLLO_ARMS], [3e-3], [0], [], 1),
-                   ], extend_edges=False),
+    # APOLLO's arms against LISA γ=2 and equal-memory LoRA at the reduced run's pre-training: every
+    # arm on an lr grid (one lr beyond an edge), three seeds at the picked lr, both depths and task
+    # kinds; then full fine-tuning as the ceiling and the DoRA and QLoRA arms (about two hours here).
+    "apollo": dict(_BASE, pretrain_steps=500, stages=[
+        ("depth 24", 24, ["new_skill"], APOLLO_COMPARED, [1e-3, 3e-3, 1e-2], [0], [1, 2], 1),
+        ("depth 24, full", 24, ["new_skill"], ["full"], [3e-3], [0, 1, 2], [], 1),
+        ("depth 6", 6, ["new_skill"], APOLLO_COMPARED, [1e-3, 3e-3, 1e-2], [0], [1, 2], 1),
+        ("depth 6, full", 6, ["new_skill"], ["full"], [1e-3], [0, 1, 2], [], 1),
+        ("depth 24, new format", 24, ["new_format"], APOLLO_COMPARED, [1e-3, 3e-3], [0], [1, 2], 1),
+        ("depth 6, new format", 6, ["new_format"], APOLLO_COMPARED, [1e-3, 3e-3], [0], [1, 2], 1),
+        ("depth 24, DoRA and QLoRA", 24, ["new_skill"], LORA_VARIANTS, [3e-3], [0, 1, 2], [], 1),
+        ("depth 6, DoRA and QLoRA", 6, ["new_skill"], LORA_VARIANTS, [3e-3], [0, 1, 2], [], 1),
+    ], extend_edges=True),
     # The LoRA arms through the product path in about ten minutes on the shared 2-core machine: one
     # depth, one task, one lr, one seed, a shorter pre-training (docs/learning.md says what it cuts).
     "lora-smoke": dict(_BASE, pretrain_steps=150, new_train_rows=1000, eval_rows=100, steps=60, eval_every=20,
