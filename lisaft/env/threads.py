@@ -13,12 +13,18 @@ lisaft chooses never stalling; a user alone on a machine can set OMP_WAIT_POLICY
 The wait policy is read once, when torch loads OpenMP, so `configure_openmp` runs before torch is
 imported (the command line's entry point). The thread count can change at any time:
 `apply_threads` sets it from `training.threads` when a run starts.
+
+A thread that runs CPU work beside others (the CPU step's workers) opens its own team: torch's
+OpenMP and numba's threads are per calling thread, each as large as the process's count. N such
+threads would run N x N threads on N CPUs; `team_pool` gives them one team's worth between them.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # Any of these in the environment means the user chose how OpenMP waits: lisaft leaves it alone.
@@ -82,3 +88,32 @@ def apply_threads(setting: int | str, local_processes: int = 1) -> int:
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def worker_team(workers: int, threads: int) -> int:
+    """Threads each of `workers` side-by-side workers may use: `threads` (torch's count) capped by
+    the usable CPUs, shared out, at least one each."""
+    return max(1, min(threads, usable_cpus()) // max(1, workers))
+
+
+def team_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
+    """`workers` threads whose OpenMP (and numba, lisaft/optim/host_step.py follows torch's count)
+    teams together fill the usable CPUs once. Every worker is started and sized before this returns."""
+    import torch
+
+    own = torch.get_num_threads()
+    team = worker_team(workers, own)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=prefix)
+    started = threading.Barrier(workers + 1, timeout=60)
+
+    def size() -> None:
+        if torch.get_num_threads() != team:
+            torch.set_num_threads(team)  # per calling thread, and the count new threads start with
+        started.wait()  # held until all are up: a busy worker is never handed a second start
+
+    for _ in range(workers):
+        pool.submit(size)
+    started.wait()
+    if team != own:
+        torch.set_num_threads(own)  # threads started later (autograd's, the copy worker) get the process's
+    return pool

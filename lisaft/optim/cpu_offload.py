@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from lisaft.config.schema import OptimizerSection
+from lisaft.env.threads import team_pool
 from lisaft.model.units import Unit
 from lisaft.optim import host_step
 from lisaft.optim.gradients import clip_grad_norm
@@ -204,7 +205,8 @@ class OffloadedOptimizers(UnitOptimizers):
         if self._step_pool is None or self._step_pool_size != size:
             if self._step_pool is not None:
                 self._step_pool.shutdown()
-            self._step_pool = ThreadPoolExecutor(size, thread_name_prefix="lisaft-cpu-step")
+            # Each worker gets its share of the CPUs: N workers with N-thread teams would spin N x N.
+            self._step_pool = team_pool(size, "lisaft-cpu-step")
             self._step_pool_size = size
         return self._step_pool
 

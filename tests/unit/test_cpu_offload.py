@@ -328,3 +328,42 @@ def test_gradient_bytes_in_flight_are_bounded_in_every_micro_batch(monkeypatch, 
         for micro in grads[1:]:
             expect += micro[i]
         assert torch.equal(acc, expect)
+
+
+def test_step_workers_share_the_cpus(tmp_path, monkeypatch):
+    """Units stepped side by side open one OpenMP and numba team between them, sized to the CPUs
+    the process may use, not a team of the process's size each (threads x threads)."""
+    import threading
+
+    from lisaft.env import threads
+    from lisaft.optim import adamw as optim
+    from lisaft.optim import host_step
+
+    teams: dict[str, set] = {}
+    step, step_chunk = optim.AdamW.step, host_step.step_chunk
+
+    def counted_step(self, *args, **kwargs):
+        teams.setdefault(threading.current_thread().name, set()).add(("torch", torch.get_num_threads()))
+        return step(self, *args, **kwargs)
+
+    def counted_chunk(*args, **kwargs):
+        step_chunk(*args, **kwargs)
+        if host_step.available():
+            numba = host_step._kernel.numba
+            teams[threading.current_thread().name].add(("numba", numba.get_num_threads()))
+
+    monkeypatch.setattr(optim.AdamW, "step", counted_step)
+    monkeypatch.setattr(host_step, "step_chunk", counted_chunk)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        off = setup(tmp_path, True, "adamw_32bit", torch.bfloat16)
+        off.opts.step_threads = 2
+        run(off, 0, 2)
+        off.opts.wait()
+    finally:
+        torch.set_num_threads(before)
+    assert len(teams) == 2 and all(name.startswith("lisaft-cpu-step") for name in teams)
+    expected = {("torch", 2), ("numba", 2)} if host_step.available() else {("torch", 2)}
+    assert all(seen == expected for seen in teams.values()), teams

@@ -72,3 +72,40 @@ def test_apply_threads_sets_torchs_count(restore_threads, monkeypatch):
     assert apply_threads(1) == 1 and torch.get_num_threads() == 1
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert apply_threads("auto") == usable_cpus()
+
+
+def _teams(pool, jobs: int) -> list[tuple[str, int]]:
+    """(worker, torch's thread count there) for `jobs` jobs held until all have started."""
+    import threading
+
+    together = threading.Barrier(jobs, timeout=30)
+
+    def job() -> tuple[str, int]:
+        together.wait()
+        return threading.current_thread().name, torch.get_num_threads()
+
+    return [f.result() for f in [pool.submit(job) for _ in range(jobs)]]
+
+
+@pytest.mark.parametrize(("workers", "cpus", "team"), [(4, 4, 1), (2, 8, 4), (1, 2, 2), (3, 4, 1)])
+def test_side_by_side_workers_share_one_team(restore_threads, monkeypatch, workers, cpus, team):
+    """N workers each opening a team of the process's size would run N x N threads on N CPUs:
+    together they get the usable CPUs once, and threads started later keep the process's count."""
+    import threading
+
+    monkeypatch.setattr(threads, "usable_cpus", lambda: cpus)
+    torch.set_num_threads(8)
+    pool = threads.team_pool(workers, "test-team")
+    try:
+        seen = _teams(pool, workers)
+    finally:
+        pool.shutdown()
+    assert len({name for name, _ in seen}) == workers
+    assert [n for _, n in seen] == [team] * workers
+    assert workers * team <= cpus
+    assert torch.get_num_threads() == 8
+    later: list[int] = []
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [8]
