@@ -8,6 +8,9 @@ compiled layer waiting for the CPU step) against the path they must equal, on a 
   packed-sdpa / packed-varlen   one step over packed rows against the same examples unpacked,
                         with sdpa (float32, 1e-4) and FlashAttention 2's varlen path (bf16, 2e-2)
   compile-offload       training.compile with cpu_offload against eager with cpu_offload (1e-4)
+  paged-in-backward     paged AdamW 8-bit stepped in backward (its updates ordered by a CUDA event,
+                        not a device sync per parameter) against unpaged AdamW 8-bit stepped after
+                        backward, 3 steps: the same kernel on the same chunks, bit for bit
 
 Each check's result goes into --out as soon as it ends. --dry-run: the same checks on CPU (the
 compiled layer with dynamo's eager backend, no C++ compiler needed; varlen is skipped without
@@ -19,6 +22,7 @@ flash-attn).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -27,11 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tiny(device, dtype, seed=0, attention="sdpa", layers=4):
+def _tiny(device, dtype, seed=0, attention="sdpa", layers=4, hidden=64, vocab=128):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, use_cache=False, attn_implementation=attention)
     torch.manual_seed(seed)
@@ -159,12 +163,54 @@ def check_packed(device, tmp: Path, attention: str) -> dict:
     return {"ok": rel <= tol and grad <= tol, "tolerance": tol, "loss_rel_diff": rel, "grad_max_abs_diff": grad}
 
 
+def _in_backward_run(device, name: str, in_backward: bool, tmp: Path) -> tuple[list[float], dict, bool]:
+    """3 steps of optimizer `name`, updated in backward or after it; matrices of 131,072 elements,
+    over the 1e5 from which paged optimizers page their moments."""
+    import torch
+
+    from lisaft.config.schema import OptimizerSection
+    from lisaft.model.load import model_parts
+    from lisaft.model.units import model_units
+    from lisaft.optim.adamw import is_paged
+    from lisaft.optim.in_backward import StepInBackward
+    from lisaft.optim.unit_optimizers import UnitOptimizers
+
+    model = _tiny(device, torch.float32, layers=2, hidden=256, vocab=512)
+    units = model_units(model_parts(model))
+    section = OptimizerSection(name=name, lr=1e-3, weight_decay=0.1, in_backward=in_backward)
+    opts = UnitOptimizers(units, section, device, tmp / f"{name}{in_backward}", seed=3)
+    hooks = StepInBackward(units, opts) if in_backward else None
+    losses = []
+    for step in range(3):
+        opts.set_lr(1e-3, step)
+        x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step)).to(device)
+        with hooks.step(measure_norm=False) if hooks else contextlib.nullcontext():
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+        if not hooks:
+            opts.step(units)
+        losses.append(loss.item())
+    paged = any(is_paged(v) for opt in opts.resident.values() for st in opt.state.values() for v in st.values())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, paged
+
+
+def check_paged_in_backward(device, tmp: Path) -> dict:
+    import torch
+
+    ref_l, ref_w, _ = _in_backward_run(device, "adamw_8bit", False, tmp)
+    got_l, got_w, paged = _in_backward_run(device, "paged_adamw_8bit", True, tmp)
+    same = ref_l == got_l and all(torch.equal(ref_w[n], got_w[n]) for n in ref_w)
+    return {"ok": same and (paged or device.type != "cuda"), "tolerance": "bit for bit", "paged_state": paged,
+            "weight_max_abs_diff": max(_diff(ref_w[n], got_w[n]) for n in ref_w)}
+
+
 CHECKS = {
     "offload-vs-resident": lambda d, t: check_offload(d, t),
     "activation-offload": check_activation_offload,
     "packed-sdpa": lambda d, t: check_packed(d, t, "sdpa"),
     "packed-varlen": lambda d, t: check_packed(d, t, "flash_attention_2"),
     "compile-offload": lambda d, t: check_offload(d, t, compiled_vs_eager=True),
+    "paged-in-backward": check_paged_in_backward,
 }
 
 

@@ -188,6 +188,7 @@ class AdamW(torch.optim.Optimizer):
         self._index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         self._group = {p: g for g in self.param_groups for p in g["params"]}
         self._paged_cuda = paged and any(p.device.type == "cuda" for p in self._index)
+        self._paged_done: torch.cuda.Event | None = None  # after the last update in backward
 
     # -- state layout ---------------------------------------------------------------------------
 
@@ -239,7 +240,11 @@ class AdamW(torch.optim.Optimizer):
             self._fused_update([p], self._group[p])
         else:
             self._update(p, self._group[p])
-        self._sync()
+        if self._paged_cuda:
+            # Not a device sync per parameter in backward: an event on the kernels' stream, waited for where the
+            # host touches the state next (release; unit_optimizers syncs before reading a state dict).
+            self._paged_done = self._paged_done or torch.cuda.Event()
+            self._paged_done.record()
 
     def _on_host(self, p: torch.Tensor) -> bool:
         """Whether p steps through the fused host kernel (lisaft/optim/host_step.py): on the CPU,
@@ -285,6 +290,7 @@ class AdamW(torch.optim.Optimizer):
         # Paged kernels run asynchronously on memory the host may touch next (offload, release).
         if self._paged_cuda:
             torch.cuda.synchronize()
+            self._paged_done = None
 
     def _next_step(self, p: torch.Tensor) -> dict:
         """p's state, created on its first update, with the step count advanced."""
@@ -338,7 +344,9 @@ class AdamW(torch.optim.Optimizer):
 
     def release(self) -> None:
         """Forget all moments; paged buffers go back to the pool for the next unit."""
-        self._sync()
+        if self._paged_done is not None:  # step() synced the device; backward's updates did not
+            self._paged_done.synchronize()
+            self._paged_done = None
         for st in self.state.values():
             for k in MOMENT_KEYS:
                 if k in st and is_paged(st[k]) and self.pool is not None:

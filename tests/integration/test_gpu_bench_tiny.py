@@ -48,7 +48,7 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     assert runs["fsdp-1rank"]["last_loss"] == pytest.approx(runs["fsdp-ref"]["last_loss"], rel=1e-4)
     checks = json.loads((out / "equality.json").read_text())["checks"]
     assert set(checks) == {"offload-vs-resident", "activation-offload", "packed-sdpa", "packed-varlen",
-                           "compile-offload"}
+                           "compile-offload", "paged-in-backward"}
     assert all(c.get("ok") or c.get("skipped") for c in checks.values()), checks
     # Tiny: the plan's CPU time, which a loaded machine does not inflate as it does wall time.
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

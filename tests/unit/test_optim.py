@@ -317,3 +317,44 @@ def test_the_fused_kernels_step_count_is_made_once_per_step(monkeypatch):
     for step in range(4, 40):
         assert float(internals.step_tensor(step, cpu)) == step
     assert len(internals._STEP_TENSORS) <= 16  # the last few steps only
+
+
+def test_paged_updates_in_backward_wait_on_an_event_not_the_device(tmp_path, monkeypatch):
+    """optimizer.in_backward with paged state: bitsandbytes' kernels run asynchronously on unified
+    memory. A device sync after every parameter would stall backward; each update records an event
+    on its stream instead, and a unit's release (its buffers go to the next unit) waits for it."""
+    from collections import Counter
+
+    from lisaft.model.load import model_parts
+    from lisaft.model.units import model_units
+    from lisaft.optim.in_backward import StepInBackward
+    from lisaft.optim.unit_optimizers import UnitOptimizers
+
+    calls: Counter = Counter()
+
+    class Event:  # torch.cuda.Event's two calls used here
+        def record(self) -> None:
+            calls["event recorded"] += 1
+
+        def synchronize(self) -> None:
+            calls["event waited"] += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: calls.update(["device sync"]))
+    model = tiny()
+    units = model_units(model_parts(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = UnitOptimizers(units, section("paged_adamw_8bit", in_backward=True), CPU, tmp_path, seed=1)
+        for unit in units:
+            opts.optimizer(unit)._paged_cuda = True  # as on CUDA, where the state is paged
+    hooks = StepInBackward(units, opts)
+    x = batch(0)
+    with hooks.step(measure_norm=False):
+        model(input_ids=x, labels=x).loss.backward()
+    params = sum(len(u.params) for u in units)
+    assert calls == {"event recorded": params}
+    assert all(p.grad is None for p in model.parameters())  # every parameter was updated in backward
+    for unit in units:
+        opts.deactivate(unit, "discard")
+    assert calls == {"event recorded": params, "event waited": len(units)}
