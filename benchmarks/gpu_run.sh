@@ -12,24 +12,34 @@
 #   6 fsdp           training.fsdp on one rank against the same run without it           (100 s)
 # Every 8B run is capped at 24 GiB of allocations, and flags an NVML peak over 24 GiB (the
 # context, kernel images and paged state sit outside the cap): nvml_over_24gib in its JSON.
-#   bash benchmarks/gpu_run.sh             # on the GPU machine
-#   bash benchmarks/gpu_run.sh --dry-run   # the same plan on CPU at tiny size (CI)
+#   bash benchmarks/gpu_run.sh                  # on the GPU machine
+#   bash benchmarks/gpu_run.sh --dry-run        # the same plan on CPU at tiny size (CI)
+#   bash benchmarks/gpu_run.sh --install-only   # install the wheels carried now, measure nothing
+# The wheels go into $SITE (default $TMPDIR/lisaft-site), which later calls reuse: wheels carried
+# in turns (gpu_wheels.sh puts each one over 40 MB in a folder of its own) add up there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-dry=""
+dry="" install_only=""
 [[ "${1:-}" == "--dry-run" ]] && dry=1
+[[ "${1:-}" == "--install-only" ]] && install_only=1
 out="${OUT:-benchmarks/results/gpu}"
 wheels="${WHEELS:-wheels}"
+site="${SITE:-${TMPDIR:-/tmp}/lisaft-site}"
 mkdir -p "$out"
 py=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-mapfile -t carried < <(compgen -G "$wheels/any/*.whl"; compgen -G "$wheels/py$py/*.whl")
+mapfile -t carried < <(compgen -G "$wheels/any/*.whl"; compgen -G "$wheels/any-*/*.whl"
+                       compgen -G "$wheels/py$py/*.whl"; compgen -G "$wheels/py$py-*/*.whl")
 if [[ ${#carried[@]} -gt 0 ]]; then
     # Into a folder of its own, put first on the path: the machine's packages stay untouched.
-    site="${TMPDIR:-/tmp}/lisaft-site"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "${carried[@]}" || { echo "error: installing the wheels in $wheels/ failed" >&2; exit 2; }
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    touch "$site/.lisaft-wheels"
 fi
+if [[ -n "$install_only" ]]; then
+    echo "installed ${#carried[@]} wheels into $site"
+    exit 0
+fi
+[[ -f "$site/.lisaft-wheels" ]] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 # Preflight: nothing is measured unless everything imports and, on the GPU, NVML answers.
@@ -38,7 +48,8 @@ import importlib, sys
 dry = bool(sys.argv[1])
 missing = []
 for name in ("torch", "transformers", "bitsandbytes", "pydantic", "yaml", "rich", "typer", "safetensors",
-             "xxhash", "numpy", "lisaft.train", "lisaft.memory.command"):
+             "xxhash", "numpy", "numba", "llvmlite", "peft", "accelerate", "psutil", "lisaft.train",
+             "lisaft.memory.command", "lisaft.optim.host_kernel"):
     try:
         importlib.import_module(name)
     except Exception as e:

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 def _env(tmp_path):
     # gpu_run.sh runs `python3`: make it this interpreter; no wheels to install here.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none")}
+    return {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none"),
+            "SITE": str(tmp_path / "site")}
 
 
 @pytest.mark.timeout(900)  # ~100 s on a quiet machine; minutes on a loaded shared one
@@ -64,6 +65,34 @@ def test_the_preflight_refuses_in_one_line_before_measuring(tmp_path):
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error: preflight")]
     assert len(errors) == 1 and "xxhash" in errors[0] and "gpu_wheels.sh" in errors[0]
     assert "==" not in proc.stdout and not (tmp_path / "out" / "lisa-8b.json").exists()
+
+
+def _wheel(folder: Path, name: str) -> None:
+    """A one-module wheel: pip installs it as it would any carried wheel."""
+    import zipfile
+
+    folder.mkdir(parents=True)
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}.py", "HERE = True\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+
+
+def test_wheels_carried_in_turns_add_up(tmp_path):
+    """A copy capped below the wheels' total carries them in turns (gpu_wheels.sh puts each wheel
+    over 40 MB in a folder of its own): each --install-only adds to the suite's site folder."""
+    env = _env(tmp_path)
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for turn, (folder, name) in enumerate([("any", "carried_first"), (f"py{py}-big", "carried_second")]):
+        wheels = tmp_path / f"turn{turn}"
+        _wheel(wheels / folder, name)
+        proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_run.sh"), "--install-only"],
+                              capture_output=True, text=True, timeout=120, env={**env, "WHEELS": str(wheels)})
+        assert proc.returncode == 0 and "installed 1 wheels" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "carried_first.py").exists() and (tmp_path / "site" / "carried_second.py").exists()
+    assert not (tmp_path / "out" / "preflight.log").exists()  # nothing measured, not even checked
 
 
 def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
