@@ -3,6 +3,7 @@ write can be guarded by `is_main()` from the start and data-parallel runs need n
 
 from __future__ import annotations
 
+import importlib
 import os
 from datetime import timedelta
 
@@ -62,6 +63,15 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# torch modules whose functions take `group=group.WORLD` as a default argument: imported once the
+# group exists (transformers imports them lazily, loading a config), each default holds the group,
+# so destroy_process_group cannot free it and its gloo threads live on into interpreter exit,
+# where one sometimes aborts the finished run ("terminate called without an active exception").
+# Imported before the group exists, the defaults are None.
+_WORLD_DEFAULTS = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+                   "torch.distributed.fsdp.sharded_grad_scaler")
+
+
 def init_from_env(device: torch.device | None = None) -> bool:
     """Join the process group torchrun describes in the environment, with the backend of the
     training device (default: the CPU). Returns True when this process is a rank of a torchrun
@@ -72,6 +82,8 @@ def init_from_env(device: torch.device | None = None) -> bool:
         return False
     device = torch.device("cpu") if device is None else device
     backend = backend_for(device)
+    for name in _WORLD_DEFAULTS:
+        importlib.import_module(name)
     if backend == "nccl":
         torch.cuda.set_device(device)
         # device_id binds the group to this GPU at once: no guess from the rank, no lazy init.

@@ -2,6 +2,8 @@
 where CUDA is visible), NCCL is bound to the GPU this process sees (device_id), and the group's
 timeout covers rank 0's work alone (the export's join)."""
 
+import os
+import sys
 from datetime import timedelta
 
 import pytest
@@ -54,3 +56,32 @@ def test_a_rank_without_its_gpu_is_one_line(monkeypatch):
     with pytest.raises(LisaftError, match="LOCAL_RANK 3") as e:
         dist.local_cuda_index()
     assert "\n" not in str(e.value)
+
+
+LEAVE = """
+import os, sys
+from lisaft.distributed import dist
+assert dist.init_from_env()
+import torch.distributed.nn  # as transformers does, lazily, when it loads a model config
+dist.shutdown()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sorted(n for n in names if "gloo" in n))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads through /proc")
+def test_leaving_the_group_ends_its_threads(tmp_path):
+    """torch.distributed.nn's functions default to `group=group.WORLD`: imported once the group
+    exists, they hold it, and its gloo threads outlive destroy_process_group into interpreter exit,
+    where one sometimes aborts the finished run (benchmarks/exit_abort.py measures how often)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "test"}
+    out = subprocess.run([sys.executable, "-c", LEAVE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "[]"
