@@ -21,6 +21,8 @@ Most important first, so a time budget (--budget-s) cuts the least important:
   table-g2-s8192 / offload-8k   plain against offloaded checkpoints at 8,192 tokens (tokens/s)
   table-gG-sS         the estimator-error table, γ in {1, 2, 4} x seq in {512, 2048, 8192}
                       (table-g2-s2048 is the recipe as shipped)
+  apollo-8b           recipes/llama3.1-8b-apollo-24gb.yaml as shipped (APOLLO-Mini, every weight,
+                      stepped in backward): its NVML peak against its estimate (20.94 GiB)
 
 For each it records NVML-used (polled every 20 ms: the only counter that sees the CUDA context,
 kernel images and paged optimizer state), the allocator's peak allocated and reserved bytes,
@@ -56,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
 RECIPE_16K = REPO / "recipes" / "llama3.1-8b-lisa-16k-24gb.yaml"
 RECIPE_FULL = REPO / "recipes" / "llama3.1-8b-full-24gb.yaml"
+RECIPE_APOLLO = REPO / "recipes" / "llama3.1-8b-apollo-24gb.yaml"
 CONFIG_8B = REPO / "lisaft" / "memory" / "catalogue" / "llama-3.1-8b.json"
 GiB = 1024**3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -115,6 +118,7 @@ CONFIGS = [
     Config("fsdp-ref", overrides=FSDP_COMMON, steps=8),
     Config("fsdp-1rank", overrides=(*FSDP_COMMON, "training.fsdp=true"), steps=8, expected_s=40.0),
     *[_table_cell(g, s) for g, s in ((1, 512), (4, 2048), (1, 8192), (4, 8192), (2, 512), (4, 512), (1, 2048))],
+    Config("apollo-8b", recipe=RECIPE_APOLLO, steps=8, expected_s=40.0),
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
 

@@ -10,6 +10,8 @@
 #   4 equality       CUDA equality checks (benchmarks/gpu_equality.py)                   (60 s)
 #   5 packing        packing with FlashAttention varlen where flash-attn is installed    (80 s)
 #   6 fsdp           training.fsdp on one rank against the same run without it           (100 s)
+#   7 apollo-8b      recipes/llama3.1-8b-apollo-24gb.yaml: NVML peak against the estimate (60 s),
+#                    only where the plan so far left it 60 s of its 9 minutes (always in --dry-run)
 # Every 8B run is capped at 24 GiB of allocations, and flags an NVML peak over 24 GiB (the
 # context, kernel images and paged state sit outside the cap): nvml_over_24gib in its JSON.
 #   bash benchmarks/gpu_run.sh                  # on the GPU machine
@@ -98,5 +100,10 @@ else
     step packing 80 python3 -m benchmarks.packing_bench --gpu-size --device cuda --attention "$attention" --out "$out/packing"
 fi
 step fsdp 100 "${suite[@]}" --configs fsdp-ref,fsdp-1rank --budget-s 90 --out "$out/fsdp.json"
+if [[ -n "$dry" ]] || (( SECONDS + 60 <= 540 )); then
+    step apollo-8b 60 "${suite[@]}" --configs apollo-8b --budget-s 50 --out "$out/apollo-8b.json"
+else
+    echo "== apollo-8b skipped: the plan has used ${SECONDS} s of its 540"
+fi
 echo "results in $out"
 exit $failed

@@ -33,19 +33,20 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     out = tmp_path / "out"
     assert "preflight ok" in (out / "preflight.log").read_text()
     order = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("== ")]
-    assert order == ["lisa-8b", "offload-full", "paged-full", "equality", "packing", "fsdp"]
+    assert order == ["lisa-8b", "offload-full", "paged-full", "equality", "packing", "fsdp", "apollo-8b"]
     runs = {}
-    for name in ("lisa-8b", "offload-full", "paged-full", "fsdp"):
+    for name in ("lisa-8b", "offload-full", "paged-full", "fsdp", "apollo-8b"):
         summary = json.loads((out / f"{name}.json").read_text())
         assert summary["mode"] == "tiny-cpu" and summary["complete"] is True
         runs.update({r["run"]: r for r in summary["runs"]})
-    assert list(runs) == ["headroom", "offload-full-ga8", "full-in-backward", "fsdp-ref", "fsdp-1rank"]
+    assert list(runs) == ["headroom", "offload-full-ga8", "full-in-backward", "fsdp-ref", "fsdp-1rank", "apollo-8b"]
     for r in runs.values():
         assert r["steps_done"] == 3 and not r["oom"] and "error" not in r
         assert r["tokens_per_s"] > 0 and r["estimated_total_bytes"] > 0 and r["peak_rss_bytes"] > 0
         assert abs(r["estimate_error"]) < 0.5  # on CPU: against peak RSS
     assert runs["headroom"]["offload_activations"] and runs["headroom"]["lisa"]
     assert runs["offload-full-ga8"]["cpu_offload"] and runs["full-in-backward"]["in_backward"]
+    assert runs["apollo-8b"]["optimizer"] == "apollo_mini" and runs["apollo-8b"]["in_backward"]
     assert runs["fsdp-1rank"]["last_loss"] == pytest.approx(runs["fsdp-ref"]["last_loss"], rel=1e-4)
     checks = json.loads((out / "equality.json").read_text())["checks"]
     assert set(checks) == {"offload-vs-resident", "activation-offload", "packed-sdpa", "packed-varlen",
