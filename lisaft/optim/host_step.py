@@ -64,7 +64,7 @@ def _codes(code1: torch.Tensor, code2: torch.Tensor) -> tuple:
     if "maps" not in _code_books:
         assert _kernel is not None  # only the kernel's path reads the tables
         c1, c2 = code1.numpy(), code2.numpy()
-        _code_books["maps"] = (c1, _kernel.nearest_table(c1), c2, _kernel.nearest_table(c2))
+        _code_books["maps"] = tuple(a for c in (c1, c2) for a in (c, _kernel.nearest_table(c), _kernel.midpoints(c)))
     return _code_books["maps"]
 
 

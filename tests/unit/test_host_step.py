@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from _tiny import tiny as _tiny
@@ -66,6 +67,24 @@ def test_kernel_is_its_torch_reference_bit_for_bit(monkeypatch, wdt, gdt, moment
     for k in sk:
         assert torch.equal(bits(sk[k]), bits(sr[k])), k
         assert not torch.equal(bits(sk[k]), bits(st0[k])), k
+
+
+@pytest.mark.parametrize("book", [0, 1], ids=["signed", "unsigned"])
+def test_nearest_code_is_the_reference_on_every_float_near_a_midpoint(book):
+    """The one-lookup quantizer against host_reference.nearest_code on all 2^16 floats of each
+    bf16 pattern that holds a midpoint (where the one compare decides), and on the infinities
+    and zeros; elsewhere the table alone gives the index."""
+    from lisaft.optim import host_kernel, host_reference
+    code = MAPS[book].numpy()
+    lut, mid = host_kernel.nearest_table(code), host_kernel.midpoints(code)
+    pats = np.union1d(mid[:-1].view(np.uint32) >> 16, [0x0000, 0x8000, 0x7F80, 0xFF80]).astype(np.uint32)
+    x = ((pats[:, None] << 16) | np.arange(1 << 16, dtype=np.uint32)).ravel().view(np.float32)
+    x = x[~np.isnan(x)]
+    q = np.empty(x.size, np.uint8)
+    host_kernel._block_quantize(q, x, np.float32(1), lut, mid)  # absmax 1: the floats themselves
+    ref = host_reference.nearest_code(MAPS[book], torch.from_numpy(x)).numpy()
+    assert np.array_equal(q, ref)
+    assert len(np.unique(q)) == 256
 
 
 def test_8bit_moments_are_bitsandbytes_format(monkeypatch):
