@@ -86,6 +86,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
                     activation_seq_len = int(batch["input_ids"].shape[1])
                 else:
                     loss = forward(session.model, batch)
+            if i == len(micro) - 1:
+                session.parallel.before_last_backward(controller, measure_norm)
             with phases.phase("backward"):
                 (loss / loss_tokens).backward()
             loss_sum += loss.item()
