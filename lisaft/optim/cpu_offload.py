@@ -21,7 +21,10 @@ A step, for each parameter:
    loop over elements. Units step concurrently on `step_threads` threads (torch's thread count):
    bitsandbytes' CPU quantization and the rounding noise's generator run on one core each, so
    units side by side are what fills the cores. Each unit's update depends only on its own
-   tensors and its own noise key, so the result does not depend on the order.
+   tensors and its own noise key, so the result does not depend on the order. Where nothing
+   waits for the global norm (training.max_grad_norm null), `step_as_ready` starts each unit's
+   step in the last micro-batch's backward, as soon as its gradients are complete: the same
+   update, started while backward goes on below it (docs/memory.md, "Hiding the step").
 3. the new weights go back to the device unit by unit on the side stream while the CPU steps the
    next unit. With `overlap` (the default) the training loop does not wait: the next
    step's forward starts at once, and a forward pre-hook on each decoder layer (and on each other
