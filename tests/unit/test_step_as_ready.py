@@ -52,6 +52,18 @@ def test_stepping_as_gradients_arrive_is_the_same_run(tmp_path, name, moments, d
     assert not any(p.grad is not None for u in early.opts.units.values() for p in u.params)
 
 
+def test_recomputed_layers_read_the_weights_before_the_step(tmp_path):
+    """Gradient checkpointing: backward recomputes each layer's forward (its pre-hook runs again)
+    while the layers above it are already stepping; the run stays the one that steps after."""
+    after, early = pair(tmp_path, "adamw_8bit", torch.bfloat16)
+    for h in (after, early):
+        h.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        h.model.train()
+    assert run(after, 0, 3) == run(early, 0, 3)
+    assert_same(after, early)
+    assert all(n > 0 for n in early.early)
+
+
 def test_sparse_embedding_gradients_step_as_they_arrive(tmp_path):
     after, early = pair(tmp_path, "adamw_32bit", torch.bfloat16, sparse=True)
     assert run(after, 0, 3) == run(early, 0, 3)
