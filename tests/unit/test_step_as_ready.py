@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_offload import ACCUM, assert_same, setup
+from test_cpu_offload import ACCUM, CPU, assert_same, setup
 
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
+from lisaft.config.schema import ModelSection
+from lisaft.model.load import apply_model_settings
 
 
 def train_step(h, step: int, early_seen: list) -> float | None:
@@ -57,8 +59,7 @@ def test_recomputed_layers_read_the_weights_before_the_step(tmp_path):
     while the layers above it are already stepping; the run stays the one that steps after."""
     after, early = pair(tmp_path, "adamw_8bit", torch.bfloat16)
     for h in (after, early):
-        h.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        h.model.train()
+        apply_model_settings(h.model, ModelSection(name_or_path="x", gradient_checkpointing=True), CPU)
     assert run(after, 0, 3) == run(early, 0, 3)
     assert_same(after, early)
     assert all(n > 0 for n in early.early)
