@@ -25,8 +25,8 @@ _code_books: dict[str, tuple] = {}
 # already spreads over every core, so callers take turns.
 _lock = threading.Lock()
 
-FALLBACK_COST = ("the CPU optimizer step runs torch's unfused path, measured 12x slower with float32 moments "
-                 "and 7x with 8-bit (docs/memory.md)")
+FALLBACK_COST = ("the CPU optimizer step runs torch's unfused path, measured 4x slower with float32 moments "
+                 "and 10x with 8-bit (docs/memory.md)")
 
 
 def available() -> bool:
