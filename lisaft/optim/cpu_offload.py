@@ -237,7 +237,8 @@ class OffloadedOptimizers(UnitOptimizers):
         hosts = [self._host_of[p] for u in rest for p in u.params]
         self._coalesce(hosts)
         measure = max_norm is not None or measure_norm or skip_nonfinite
-        if early:  # armed only where nothing clips or skips
+        if early:  # armed only where nothing clips or skips, told whether the norm is measured
+            assert max_norm is None and not skip_nonfinite and (self._measure or not measure_norm)
             norm = self._early_norm(units) if measure else None
         else:
             norm = clip_grad_norm(hosts, max_norm) if measure else None
