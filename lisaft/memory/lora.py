@@ -72,6 +72,7 @@ class LoraCounts:
     saved_per_token_layer: int    # bytes saved for backward per token and layer beyond a frozen layer's
     saved_per_layer: int = 0      # bytes saved per layer whatever the tokens (DoRA's vectors)
     first_layer_unsaved: int = 0  # per token: what the first layer's frozen inputs keep the less
+    first_layer_weights_unsaved: int = 0  # and whatever the tokens (4-bit DoRA with dropout)
     transient: int = 0            # bytes alive at once inside one adapted layer, beyond the plain layer
 
 
@@ -122,16 +123,18 @@ def lora_counts(counts: ParamCounts, config, layers_path: str | None, lora: Lora
                         embedding_rows=counts.embedding_rows if ends else (),
                         head_rows=counts.head_rows if ends else ())
     first = linears[0] if linears else []
-    per_token, per_layer, first_unsaved = _saved(first, lora, dt, saving)
+    per_token, per_layer, first_unsaved, first_weights = _saved(first, lora, dt, saving)
     return LoraCounts(trainable=trainable, weight_bytes=base + adapted_numel * dt, largest_linear=largest,
                       saved_per_token_layer=per_token, saved_per_layer=per_layer, first_layer_unsaved=first_unsaved,
+                      first_layer_weights_unsaved=first_weights,
                       transient=_transient(first, largest, lora, dt))
 
 
-def _saved(linears: list[tuple[str, int, int]], lora: LoraSettings, dt: int, saving: Saving) -> tuple[int, int, int]:
-    """(bytes per token, bytes whatever the tokens, bytes per token the first layer keeps the
-    less with frozen embeddings) one adapted layer saves beyond a frozen layer."""
-    per_token, per_layer, first_unsaved, inputs = 0, 0, 0, {}
+def _saved(linears: list[tuple[str, int, int]], lora: LoraSettings, dt: int,
+           saving: Saving) -> tuple[int, int, int, int]:
+    """(bytes per token, bytes whatever the tokens) one adapted layer saves beyond a frozen layer,
+    and the same two that the first layer keeps the less with frozen embeddings."""
+    per_token, per_layer, first_unsaved, first_weights, inputs = 0, 0, 0, 0, {}
     for name, fan_in, fan_out in linears:
         if not _adapted(lora, name):
             continue
@@ -152,10 +155,14 @@ def _saved(linears: list[tuple[str, int, int]], lora: LoraSettings, dt: int, sav
             # and the scale - 1 per output row; from a 4-bit base, with dropout, the base
             # matmul of the dropped input keeps the dequantized weight.
             per_token += 2 * fan_out * dt
-            per_layer += 3 * fan_out * dt + (fan_in * fan_out * dt if lora.quantize and lora.dropout else 0)
+            # That weight is a whole bf16 copy of the layer's adapted linears, kept until backward
+            # (not where the dropped input needs no gradient: the first layer's q/k/v).
+            weight = fan_in * fan_out * dt if lora.quantize and lora.dropout else 0
+            per_layer += 3 * fan_out * dt + weight
+            first_weights += weight if name in _ATTN_IN else 0
     # The first layer's input norm: its input (the frozen embeddings') needs no gradient.
     first_unsaved += 4 * (_hidden(linears) + 1)
-    return per_token + sum(inputs.values()), per_layer, first_unsaved
+    return per_token + sum(inputs.values()), per_layer, first_unsaved, first_weights
 
 
 def _hidden(linears: list[tuple[str, int, int]]) -> int:

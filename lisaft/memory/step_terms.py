@@ -135,7 +135,7 @@ def _with_adapters(act: ActivationBreakdown, lc: LoraCounts, s: Settings, shape:
     one = tokens * lc.saved_per_token_layer + lc.saved_per_layer
     if s.gradient_checkpointing:
         return replace(act, one_layer_full=act.one_layer_full + one)
-    first = 0 if ends_train else tokens * lc.first_layer_unsaved
+    first = 0 if ends_train else tokens * lc.first_layer_unsaved + lc.first_layer_weights_unsaved
     return replace(act, layers=act.layers + shape.layers * one - first, one_layer_full=act.one_layer_full + one)
 
 

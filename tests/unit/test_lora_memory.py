@@ -67,6 +67,39 @@ def test_lora_activations_match_saved_tensor_meter(dtype, lora, attention, check
         assert saved > 1.2 * plain.saved_activation_bytes
 
 
+@pytest.mark.parametrize("dora, dropout", [(False, 0.1), (True, 0.0), (True, 0.1)])
+def test_qlora_activations_match_saved_tensor_meter(tmp_path, dora, dropout):
+    """On a 4-bit base; DoRA with dropout runs the base matmul again on the dropped input, which
+    keeps each dequantized weight (a bf16 copy of every adapted linear) for backward."""
+    from lisaft.model.lora import attach_adapters, quantization_config
+
+    config = LlamaConfig(**CONFIG)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
+    recipe = recipe_from_dict({"model": {"name_or_path": str(tmp_path / "base"), "tokenizer": "t", "dtype": "bfloat16",
+                                         "quantize": "nf4"}, "data": {"train": "t.jsonl"}, "lisa": {"enabled": False},
+                               "lora": {"enabled": True, "dora": dora, "dropout": dropout},
+                               "training": {"max_steps": 1, "output_dir": "r"}}, "r.yaml")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quantization_config(
+        recipe.model), device_map={"": "cpu"}, dtype=torch.bfloat16)
+    attach_adapters(model, recipe)
+    model.config.use_cache = False
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    with saved_activations(model) as meter:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    settings = Settings(model_label="t", config=config, dtype="bfloat16", batch_size=2, seq_len=16, device="cpu",
+                        lora=LoraSettings(rank=8, dora=dora, dropout=dropout, quantize="nf4"))
+    saved = compute(settings).saved_activation_bytes
+    assert abs(saved - meter.bytes) <= 0.01 * meter.bytes, (saved, meter.bytes)
+    if dora and dropout:
+        weights = sum(m.in_features * m.out_features for m in model.model.layers[1].modules()
+                      if type(m).__name__ == "Linear4bit")
+        without = compute(settings.with_(lora=LoraSettings(rank=8, dora=True, quantize="nf4")))
+        assert saved - without.saved_activation_bytes > 2 * weights * len(model.model.layers[1:])
+
+
 def _allocator_bytes():
     """Bytes glibc's malloc holds now (small blocks and mmapped ones), or None off glibc."""
     path = ctypes.util.find_library("c")
