@@ -164,3 +164,18 @@ def test_dora_transient_is_what_its_weight_norm_allocates():
     # The in x in identity makes down_proj (the widest input) the worst, whatever its output size.
     everything = lora_counts(param_counts(config), config, None, LoraSettings(rank=8, dora=True), dt)
     assert everything.transient == per["down_proj"] > per["up_proj"]
+
+
+def test_a_lora_runs_process_baseline_counts_importing_peft():
+    """On CPU the process's own memory is part of the peak: a LoRA run imports peft, which imports
+    bitsandbytes, even with a 32-bit optimizer (the figures: lisaft/memory/estimate.py)."""
+    from lisaft.memory.estimate import BITSANDBYTES_IMPORT_BYTES, PEFT_IMPORT_BYTES
+
+    config = LlamaConfig(**CONFIG)
+    plain = compute(Settings(model_label="t", config=config, device="cpu"))
+    lora = compute(Settings(model_label="t", config=config, device="cpu", lora=LoraSettings()))
+    added = lora.components["process_baseline"] - plain.components["process_baseline"]
+    assert added == BITSANDBYTES_IMPORT_BYTES + PEFT_IMPORT_BYTES
+    eight_bit = compute(Settings(model_label="t", config=config, device="cpu", optimizer="adamw_8bit",
+                                 lora=LoraSettings()))
+    assert eight_bit.components["process_baseline"] == lora.components["process_baseline"]  # imported once
