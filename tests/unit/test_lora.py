@@ -153,9 +153,10 @@ def test_the_8b_lora_recipe_fits_and_lists_the_methods_in_learning_order():
     apollo = "APOLLO-Mini, every weight, step in backward"
     # What docs/learning.md measured, best first: every weight, then APOLLO's projection, LoRA, LISA.
     assert names == ["full fine-tuning, optimizer on the CPU", "full fine-tuning, paged 8-bit, step in backward",
-                     apollo, "LoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)", "LISA γ=2"]
+                     apollo, "LoRA r8 (bf16 base)", "DoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)", "LISA γ=2"]
     fitting = {m["method"] for m in out["methods"] if m["fits"]}
-    assert fitting == {"LoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)", apollo, "full fine-tuning, optimizer on the CPU"}
+    assert fitting == {"LoRA r8 (bf16 base)", "DoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)", apollo,
+                       "full fine-tuning, optimizer on the CPU"}
     learned = {m["method"]: m["learned"] for m in out["methods"]}
     assert "70.1%" in learned["LoRA r8 (bf16 base)"] and "78.1%" in learned[apollo]
     assert all("docs/learning.md" in learned[n] or "not measured" in learned[n] for n in names)
