@@ -312,7 +312,9 @@ class TrainingSection(_Section):
         "ceil(epochs x train rows / (batch_size x grad_accum_steps x ranks)), worked out when the run "
         "starts and written beside it in the run's recipe.yaml. When both are set, max_steps counts (a "
         "warning says so).")
-    max_grad_norm: Float | None = Field(1.0, description="Clip total grad norm; null disables.")
+    max_grad_norm: Float | None = Field(1.0, description=(
+        "Clip total grad norm; null disables (and lets optimizer.cpu_offload step each unit as its gradients "
+        "arrive, hiding the CPU step behind backward)."))
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="A step whose loss or gradient norm is not finite (NaN, inf). stop: the run "
         "ends there with one line (exit 1), keeps its checkpoints and writes no final/. skip: the step "

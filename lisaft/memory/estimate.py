@@ -36,10 +36,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Resident memory of the Python process itself on CPU: torch and transformers imported and a
 # first forward/backward run (thread pools, oneDNN kernels), measured as the peak RSS of the
 # tiny configuration of benchmarks/memory_accuracy.py (whose own tensors are ~3 MiB) on Linux
-# x86-64, torch 2.13 CPU, transformers 5. Importing bitsandbytes adds 44 MiB, datasets 83 MiB.
+# x86-64, torch 2.13 CPU, transformers 5. Importing bitsandbytes adds 44 MiB, datasets 83 MiB;
+# peft (a LoRA run) imports bitsandbytes and adds 9 MiB of its own (peft 0.21): the RSS before and
+# after `from peft import LoraConfig, get_peft_model` in an interpreter that imported torch and
+# transformers, 54 MiB in all.
 CPU_PROCESS_BASELINE_BYTES = 356 * MiB
 BITSANDBYTES_IMPORT_BYTES = 44 * MiB
 DATASETS_IMPORT_BYTES = 83 * MiB
+PEFT_IMPORT_BYTES = 9 * MiB
 
 # training.fsdp only (lisaft/memory/sharded.py).
 FSDP_COMPONENTS = ("gathered_units", "gradient_reduce", "unsharded_load")
@@ -287,7 +291,9 @@ class _Fixed:
         if cuda:
             outside = {"cuda_context": CUDA_CONTEXT_BYTES, "cuda_kernels": CUDA_KERNELS_BYTES}
         else:
-            baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0)
+            bnb = s.optimizer != "adamw_32bit" or s.lora is not None
+            baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if bnb else 0) + \
+                (PEFT_IMPORT_BYTES if s.lora is not None else 0)
             outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
             if s.cpu_offload:
                 # The host is the device: the step's weight copies are in the memory that counts.

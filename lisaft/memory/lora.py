@@ -9,10 +9,17 @@
 - gradients and moments: of the adapters only (and of the embeddings, head and final norm when
   lora.train_embeddings), through the same optimizer-state rules as any trainable tensor.
 - transients: a 4-bit linear is dequantized to model.dtype for its matmul, forward and backward,
-  one at a time (the largest linear's bytes); DoRA's forward builds W + s B A and its row norm
-  for each adapted layer (two of the largest linear's matrices at a time).
-- activations: every layer is on the graph (adapters in every layer); each adapted linear also
-  saves A's output (tokens x r), and with lora.dropout the dropped input and its mask.
+  one at a time (the largest linear's bytes). DoRA's forward (peft 0.21, DoraLinearLayer) builds
+  B A as B(A(I)) from an in x in identity, then W + s B A (the scaled copy and the sum) for its row
+  norm, all alive at once: (in^2 + in r + 3 out in) elements for the worst adapted linear, plus
+  its dequantized weight from a 4-bit base, which it holds through the whole forward.
+- activations (checked against saved-tensor hooks, tests/unit/test_lora_memory.py): every layer
+  is on the graph, its base frozen: a frozen layer's tensors (no norm keeps its normalised
+  copy for a weight gradient) plus, per adapted linear, its input (shared by q/k/v and by
+  gate/up) and A's output (tokens x r); DoRA's base and adapter outputs (2 x tokens x out), which
+  its magnitude scales, and three out-sized vectors; with lora.dropout each adapted linear's own
+  dropped input and dropout's mask instead of the shared input. With frozen embeddings the first
+  layer's input norm has nothing to differentiate and keeps nothing.
 """
 
 from __future__ import annotations
@@ -52,12 +59,21 @@ def nf4_bytes(numel: int) -> int:
     return numel // 2 + blocks + 4 * -(-blocks // NESTED_BLOCK) + QUANT_STATE_BYTES
 
 
+# Which adapted linears share one input (saved once by their A's): transformers' module names.
+_ATTN_IN = {"q_proj", "k_proj", "v_proj", "qkv_proj"}
+_MLP_IN = {"gate_proj", "up_proj", "gate_up_proj"}
+
+
 @dataclass(frozen=True)
 class LoraCounts:
     trainable: ParamCounts        # adapters per layer; embeddings and head only when they train
     weight_bytes: int             # the frozen base (4-bit or model.dtype) plus the adapters
     largest_linear: int           # elements of the largest decoder-layer linear
-    saved_per_token_layer: int    # extra bytes saved for backward per token and layer
+    saved_per_token_layer: int    # bytes saved for backward per token and layer beyond a frozen layer's
+    saved_per_layer: int = 0      # bytes saved per layer whatever the tokens (DoRA's vectors)
+    first_layer_unsaved: int = 0  # per token: what the first layer's frozen inputs keep the less
+    first_layer_weights_unsaved: int = 0  # and whatever the tokens (4-bit DoRA with dropout)
+    transient: int = 0            # bytes alive at once inside one adapted layer, beyond the plain layer
 
 
 def _layer_linears(config, layers_path: str | None) -> list[list[tuple[str, int, int]]]:
@@ -71,22 +87,32 @@ def _layer_linears(config, layers_path: str | None) -> list[list[tuple[str, int,
              if isinstance(m, nn.Linear)] for layer in layers]
 
 
-def lora_counts(counts: ParamCounts, config, layers_path: str | None, lora: LoraSettings, dt: int) -> LoraCounts:
+@dataclass(frozen=True)
+class Saving:
+    """What decides the tensors an adapted layer saves beyond a frozen one's."""
+
+    o_input_kept: bool = True  # the attention output, o_proj's input, is kept anyway (sdpa)
+    mask_bytes: int = 1        # dropout's mask per element: bool on CUDA, a model.dtype noise tensor on CPU
+    mlp_chunked: bool = False  # model.mlp_chunk_tokens: the MLP's input is kept anyway, its insides per chunk
+
+
+def _adapted(lora: LoraSettings, name: str) -> bool:
+    return lora.targets == "all-linear" or name in lora.targets
+
+
+def lora_counts(counts: ParamCounts, config, layers_path: str | None, lora: LoraSettings, dt: int,
+                saving: Saving = Saving()) -> LoraCounts:
     linears = _layer_linears(config, layers_path)
-    adapter_layers, adapted_numel, quantized_numel, largest, saved = [], 0, 0, 0, 0
+    adapter_layers, adapted_numel, quantized_numel, largest = [], 0, 0, 0
     for layer in linears:
         numels: list[int] = []
         for name, fan_in, fan_out in layer:
             quantized_numel += fan_in * fan_out
             largest = max(largest, fan_in * fan_out)
-            if lora.targets != "all-linear" and name not in lora.targets:
-                continue
-            numels += [lora.rank * fan_in, fan_out * lora.rank] + ([fan_out] if lora.dora else [])
+            if _adapted(lora, name):
+                numels += [lora.rank * fan_in, fan_out * lora.rank] + ([fan_out] if lora.dora else [])
         adapter_layers.append(tuple(numels))
         adapted_numel += sum(numels)
-    for name, fan_in, _ in linears[0] if linears else []:
-        if lora.targets == "all-linear" or name in lora.targets:
-            saved += lora.rank * dt + (fan_in * (dt + 1) if lora.dropout else 0)
     base = counts.total * dt + counts.buffer_bytes_fp32 + (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
     if lora.quantize:
         base += sum(nf4_bytes(fi * fo) for layer in linears for _, fi, fo in layer) - quantized_numel * dt
@@ -96,13 +122,61 @@ def lora_counts(counts: ParamCounts, config, layers_path: str | None, lora: Lora
                         layer_rows=tuple((1,) * len(a) for a in adapter_layers),
                         embedding_rows=counts.embedding_rows if ends else (),
                         head_rows=counts.head_rows if ends else ())
+    first = linears[0] if linears else []
+    per_token, per_layer, first_unsaved, first_weights = _saved(first, lora, dt, saving)
     return LoraCounts(trainable=trainable, weight_bytes=base + adapted_numel * dt, largest_linear=largest,
-                      saved_per_token_layer=saved)
+                      saved_per_token_layer=per_token, saved_per_layer=per_layer, first_layer_unsaved=first_unsaved,
+                      first_layer_weights_unsaved=first_weights,
+                      transient=_transient(first, largest, lora, dt))
 
 
-def layer_transient(lc: LoraCounts, lora: LoraSettings, dt: int) -> int:
-    """Bytes alive at once inside one adapted layer's forward or backward, beyond the plain layer."""
-    out = lc.largest_linear * dt if lora.quantize else 0
+def _saved(linears: list[tuple[str, int, int]], lora: LoraSettings, dt: int,
+           saving: Saving) -> tuple[int, int, int, int]:
+    """(bytes per token, bytes whatever the tokens) one adapted layer saves beyond a frozen layer,
+    and the same two that the first layer keeps the less with frozen embeddings."""
+    per_token, per_layer, first_unsaved, first_weights, inputs = 0, 0, 0, 0, {}
+    for name, fan_in, fan_out in linears:
+        if not _adapted(lora, name):
+            continue
+        per_token += lora.rank * dt  # A's output, B's input
+        if lora.dropout:
+            # Each adapter drops its own copy of the input, which A keeps with dropout's mask;
+            # the first layer's q/k/v input needs no gradient, so no mask is kept there.
+            per_token += fan_in * (dt + saving.mask_bytes)
+            first_unsaved += fan_in * saving.mask_bytes if name in _ATTN_IN else 0
+        elif saving.mlp_chunked and (name in _MLP_IN or name == "down_proj"):
+            pass  # the chunk's checkpoint keeps the MLP input; its recompute holds one chunk's
+        elif name in _ATTN_IN or name in _MLP_IN:
+            inputs["attn" if name in _ATTN_IN else "mlp"] = fan_in * dt  # A keeps the shared input once
+        elif name != "o_proj" or not saving.o_input_kept:
+            inputs[name] = fan_in * dt
+        if lora.dora:
+            # The base output and B A x that the magnitude scales; the detached norm, the scale
+            # and the scale - 1 per output row; from a 4-bit base, with dropout, the base
+            # matmul of the dropped input keeps the dequantized weight.
+            per_token += 2 * fan_out * dt
+            # That weight is a whole bf16 copy of the layer's adapted linears, kept until backward
+            # (not where the dropped input needs no gradient: the first layer's q/k/v).
+            weight = fan_in * fan_out * dt if lora.quantize and lora.dropout else 0
+            per_layer += 3 * fan_out * dt + weight
+            first_weights += weight if name in _ATTN_IN else 0
+    # The first layer's input norm: its input (the frozen embeddings') needs no gradient.
+    first_unsaved += 4 * (_hidden(linears) + 1)
+    return per_token + sum(inputs.values()), per_layer, first_unsaved, first_weights
+
+
+def _hidden(linears: list[tuple[str, int, int]]) -> int:
+    return next((fi for name, fi, _ in linears if name in _ATTN_IN), 0)
+
+
+def _transient(linears: list[tuple[str, int, int]], largest: int, lora: LoraSettings, dt: int) -> int:
+    """Bytes alive at once inside one adapted layer's forward (or its recompute), beyond the plain
+    layer: a 4-bit linear's dequantized weight; DoRA's identity, B(A(I)), the scaled copy and
+    the sum whose row norm it takes, beside the dequantized weight it holds."""
+    out = largest * dt if lora.quantize else 0
     if lora.dora:
-        out += 2 * lc.largest_linear * dt
+        for name, fan_in, fan_out in linears:
+            if _adapted(lora, name):
+                dora = fan_in * fan_in + fan_in * lora.rank + 3 * fan_out * fan_in
+                out = max(out, (dora + (fan_in * fan_out if lora.quantize else 0)) * dt)
     return out

@@ -232,8 +232,12 @@ def methods_table(methods: list, budget: int) -> Table:
     t.add_column("learning", justify="left")
     # The recipe keys of each are in the --json output (methods[].set).
     for m in sorted(methods, key=lambda m: not m.estimate.fits):
-        mark = "[green]fits[/]" if m.estimate.fits else "[red]no[/]"
-        t.add_row(m.name, f"{human(m.estimate.total_bytes)} {mark}", m.learned)
+        e = m.estimate
+        mark = "[green]fits[/]" if e.fits else "[red]no[/]"
+        if not e.fits and e.total_bytes <= e.budget_bytes:
+            # The GPU would hold it; the moments in host memory would not fit this machine's RAM.
+            mark = f"[red]no[/]: needs {human(e.host_bytes)} of host RAM (--host-ram)"
+        t.add_row(m.name, f"{human(e.total_bytes)} {mark}", m.learned)
     return t
 
 

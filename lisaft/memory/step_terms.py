@@ -5,13 +5,13 @@ and of the optimizer step holds. Under training.fsdp every size is one rank's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from lisaft.memory.activations import ActivationBreakdown, Shape, activations, loss_buffers_peak, mlp_chunked
 from lisaft.memory.apollo_state import apollo_state, apollo_step_temporaries, is_apollo
 from lisaft.memory.counts import ParamCounts
-from lisaft.memory.lora import LoraCounts, layer_transient, lora_counts
+from lisaft.memory.lora import LoraCounts, Saving, lora_counts
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
 from lisaft.memory.sharded import clip_temporaries
 from lisaft.memory.trainable import sparse_embedding_saving, state_numels, trainable_numels
@@ -62,7 +62,12 @@ def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Residen
     # Under FSDP a rank holds its slice of every tensor: weights, gradients and moments follow.
     local = counts.sharded(s.ranks) if s.fsdp else counts
     # LoRA: the adapters (and the ends, when asked) are what trains; the base only weighs.
-    lc = lora_counts(counts, s.config, s.layers_path, s.lora, dt) if s.lora is not None else None
+    lc = None
+    if s.lora is not None:
+        saving = Saving(o_input_kept=s.attention != "eager" and not shape.attn_output_copy,
+                        mask_bytes=1 if s.device == "cuda" else dt,
+                        mlp_chunked=mlp_chunked(s.seq_len, s.mlp_chunk_tokens))
+        lc = lora_counts(counts, s.config, s.layers_path, s.lora, dt, saving)
     if lc is not None:
         local = lc.trainable
     trainable, trainable_layers = trainable_numels(local, s)
@@ -91,13 +96,16 @@ def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Residen
     offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
     act = activations(
         shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
-        trainable_layers=r.trainable_layers,
+        # LoRA: every layer's base is frozen; what its adapters keep is added below.
+        trainable_layers=r.trainable_layers if r.lora is None else 0,
         train_embeddings=(not s.lisa or s.train_embeddings) if ends_train is None else ends_train,
         head_weight_trains=head_weight_trains,
         final_norm_trains=(not s.lisa or s.train_head) if ends_train is None else ends_train,
         offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
         padded_rows=s.padded_rows and s.batch_size > 1,
     )
+    if r.lora is not None and s.lora is not None:
+        act = _with_adapters(act, r.lora, s, shape, ends_train)
     loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
     if shape.final_softcap and act.log_probs:
         loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
@@ -110,16 +118,25 @@ def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Residen
     recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
     step_temp, in_bwd_step = _step_temporaries(s, counts, dt, r)
     saved_no_logp = act.layers + act.outside_layers + act.packed_mask
-    if r.lora is not None and s.lora is not None:  # A's outputs (and dropout's copies): every layer's, or one's
-        lora_saved = s.batch_size * s.seq_len * r.lora.saved_per_token_layer
-        recompute += lora_saved if s.gradient_checkpointing else 0
-        saved_no_logp += 0 if s.gradient_checkpointing else lora_saved * shape.layers
-        backward_temp += layer_transient(r.lora, s.lora, dt)
+    if r.lora is not None:
+        backward_temp += r.lora.transient
     return Backward(act=act, offload_act=offload_act, saved_no_logp=saved_no_logp,
                     loss_peak=loss_peak, grads_at_loss=grads_at_loss, head_grad=head_grad,
                     grads_in_layers=grads_in_layers,
                     step_phase=step_phase, layer_transient=recompute + backward_temp + in_bwd_step,
                     step_temp=step_temp)
+
+
+def _with_adapters(act: ActivationBreakdown, lc: LoraCounts, s: Settings, shape: Shape,
+                   ends_train: bool | None) -> ActivationBreakdown:
+    """A LoRA run's activations: frozen layers' plus what the adapters keep, in every layer or, with
+    checkpointing, in the one recomputed."""
+    tokens = s.batch_size * s.seq_len
+    one = tokens * lc.saved_per_token_layer + lc.saved_per_layer
+    if s.gradient_checkpointing:
+        return replace(act, one_layer_full=act.one_layer_full + one)
+    first = 0 if ends_train else tokens * lc.first_layer_unsaved + lc.first_layer_weights_unsaved
+    return replace(act, layers=act.layers + shape.layers * one - first, one_layer_full=act.one_layer_full + one)
 
 
 def _gradients(s: Settings, counts: ParamCounts, dt: int, r: Resident,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,21 +23,31 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int, str]:
     return (s.data_ptr(), s.nbytes(), str(t.device))
 
 
+def _held() -> bool:
+    return True
+
+
 @dataclass
 class SavedTensorMeter:
-    """Bytes of distinct storages saved for backward while the context was open.
+    """Bytes of distinct storages saved for backward while the context was open and still held
+    when it closed.
 
     A view shares its base's storage, so storages are counted once each, whole. Parameters
-    (and anything passed as `exclude`) are not activations and are skipped."""
+    (and anything passed as `exclude`) are not activations and are skipped. A tensor saved by a
+    graph branch the forward then dropped (DoRA's B A built through an identity matrix, for its
+    detached weight norm) is freed before backward: `settle` forgets it, and its memory, which a
+    later tensor may reuse, is counted only for what holds it at the end. (A dropped branch's saved
+    output stays counted: it and its graph node hold each other until backward frees them.)"""
 
     exclude: set = field(default_factory=set)
-    storages: dict = field(default_factory=dict)
+    storages: dict = field(default_factory=dict)  # key: weak references to the tensors saved in it
 
     @property
     def bytes(self) -> int:
         return sum(nbytes for (_, nbytes, _) in self.storages)
 
-    def add(self, t: torch.Tensor) -> None:
+    def add(self, t: torch.Tensor, held: bool = False) -> None:
+        """`held`: kept whatever happens to `t` (a checkpoint's input, held by the checkpoint)."""
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         try:
@@ -45,7 +56,12 @@ class SavedTensorMeter:
             return
         if key[0] in self.exclude or key[1] == 0:
             return
-        self.storages[key] = True
+        refs = self.storages.setdefault(key, [])
+        refs.append(_held if held else weakref.ref(t))
+
+    def settle(self) -> None:
+        """Forget the storages no saved tensor holds any more (called when the context closes)."""
+        self.storages = {k: refs for k, refs in self.storages.items() if any(r() is not None for r in refs)}
 
 
 @contextmanager
@@ -76,7 +92,7 @@ def saved_activations(model: nn.Module | None = None) -> Iterator[SavedTensorMet
                     hidden = args[0] if args else kwargs.get("hidden_states")
                     if isinstance(hidden, torch.Tensor) and torch.is_grad_enabled() and (
                             hidden.requires_grad or any(p.requires_grad for p in mod.parameters())):
-                        meter.add(hidden)
+                        meter.add(hidden, held=True)
                 handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -89,6 +105,7 @@ def saved_activations(model: nn.Module | None = None) -> Iterator[SavedTensorMet
     finally:
         for h in handles:
             h.remove()
+        meter.settle()
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

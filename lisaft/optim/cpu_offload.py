@@ -21,7 +21,10 @@ A step, for each parameter:
    loop over elements. Units step concurrently on `step_threads` threads (torch's thread count):
    bitsandbytes' CPU quantization and the rounding noise's generator run on one core each, so
    units side by side are what fills the cores. Each unit's update depends only on its own
-   tensors and its own noise key, so the result does not depend on the order.
+   tensors and its own noise key, so the result does not depend on the order. Where nothing
+   waits for the global norm (training.max_grad_norm null), `step_as_ready` starts each unit's
+   step in the last micro-batch's backward, as soon as its gradients are complete: the same
+   update, started while backward goes on below it (docs/memory.md, "Hiding the step").
 3. the new weights go back to the device unit by unit on the side stream while the CPU steps the
    next unit. With `overlap` (the default) the training loop does not wait: the next
    step's forward starts at once, and a forward pre-hook on each decoder layer (and on each other
@@ -52,7 +55,7 @@ from lisaft.config.schema import OptimizerSection
 from lisaft.env.threads import team_pool
 from lisaft.model.units import Unit
 from lisaft.optim import host_step
-from lisaft.optim.gradients import clip_grad_norm
+from lisaft.optim.gradients import clip_grad_norm, tensor_norms, total_norm
 from lisaft.optim.host_arena import HostArena, slab_size
 from lisaft.optim.transfers import Transfers, staging_slot_bytes
 from lisaft.optim.unit_optimizers import UnitOptimizers
@@ -114,6 +117,13 @@ class OffloadedOptimizers(UnitOptimizers):
         self._step_index = 0
         self._step_pool: ThreadPoolExecutor | None = None
         self._step_pool_size = 0
+        # Set by the session where nothing waits for the global norm (training.max_grad_norm null,
+        # on_nonfinite stop): `arm` then has each unit step as soon as its gradients are complete.
+        self.step_as_ready = False
+        self._armed: dict[str, set[torch.Tensor]] = {}  # unit -> parameters whose gradient is still due
+        self._early: dict[str, list] = {}  # units started in backward -> their gradient norms (measured)
+        self._measure = False
+        self._marks: dict[torch.Tensor, list] = {}  # CUDA: what marks a host accumulator complete
         self._grad_hooks = []
         self._forward_hooks: list = []  # wait_in_forward's; without them a step waits for itself
         for p in self._host_of:
@@ -132,7 +142,15 @@ class OffloadedOptimizers(UnitOptimizers):
         if g.is_sparse:
             g = g.cpu()
             host.grad = g if host.grad is None else host.grad + g
-            return
+        else:
+            self._accumulate(host, g)
+        due = self._armed.get(self._unit_name[p])
+        if due is not None:
+            due.discard(p)
+            if not due:
+                self._start_early(self._device_units[self._unit_name[p]])
+
+    def _accumulate(self, host: nn.Parameter, g: torch.Tensor) -> None:
         acc = self._acc.get(host)
         if acc is None:
             spare = self._spare.get((host.shape, g.dtype))
@@ -141,7 +159,7 @@ class OffloadedOptimizers(UnitOptimizers):
         if first:
             host.grad = acc  # filled below, complete after drain()
         if self.transfers is not None:
-            self.transfers.gradient(g, acc, add=not first)
+            self._marks[host] = self.transfers.gradient(g, acc, add=not first)
         elif first:
             acc.copy_(g)
         else:
@@ -164,41 +182,102 @@ class OffloadedOptimizers(UnitOptimizers):
     def step(self, units: list[Unit]) -> None:
         self.clip_and_step(units, max_norm=None, measure_norm=False)
 
+    def arm(self, units: list[Unit], measure_norm: bool) -> None:
+        """Before the last micro-batch's backward, with `step_as_ready`: each of `units` steps on
+        the CPU workers as soon as its last gradient is in, while backward goes on below it. The
+        same update as after backward (nothing it reads changes later), so the run is the same."""
+        if not self.step_as_ready:
+            return
+        self.wait()  # the previous step's units (the forward has claimed them already)
+        self.rounding.step = self._step_index
+        self._first_steps, self._early, self._measure = set(), {}, measure_norm
+        self._armed = {u.name: {p for p in u.params if p.requires_grad} for u in units}
+
+    def _start_early(self, unit: Unit) -> None:
+        del self._armed[unit.name]
+        (opt,) = self._begin([unit])
+        self._early[unit.name] = []
+        self._in_flight[unit.name] = self._pool().submit(self._step_early, unit, opt)
+
+    def _step_early(self, unit: Unit, opt) -> torch.cuda.Event | None:
+        hosts = [self._host_of[p] for p in unit.params]
+        if self.transfers is not None:  # this unit's copies and additions only
+            for h in hosts:
+                self.transfers.complete(self._marks.pop(h, []))
+        self._coalesce(hosts)
+        if self._measure:
+            self._early[unit.name] = tensor_norms(hosts)
+        return self._step_unit(unit, opt)
+
+    def _begin(self, units: list[Unit]) -> list:
+        """Each unit's optimizer, readied in the calling thread (never in the workers)."""
+        self.changes.bump(u.name for u in units)  # before a checkpoint could ask, step in flight or not
+        optimizers = [self.optimizer(u) for u in units]
+        self._first_steps |= {u.name for u, opt in zip(units, optimizers) if not opt.state}
+        for opt in optimizers:
+            self._set_group_lr(opt)
+        return optimizers
+
+    @staticmethod
+    def _coalesce(hosts: list[nn.Parameter]) -> None:
+        for h in hosts:
+            if h.grad is not None and h.grad.is_sparse:
+                h.grad = h.grad.coalesce()  # sum repeated tokens' rows once, as the device path
+
     def clip_and_step(self, units: list[Unit], max_norm: float | None, measure_norm: bool,
                       skip_nonfinite: bool = False) -> float | None:
         """Clip by the global norm of the host gradients, step each unit on the CPU and send its
         weights back (without waiting for either with `overlap`). Returns the norm before
-        clipping when measured. skip_nonfinite: a NaN or inf norm drops the gradients, no step."""
-        self.wait()
+        clipping when measured. skip_nonfinite: a NaN or inf norm drops the gradients, no step.
+        Units that `arm` started in backward are stepping already; the rest step here."""
+        early, self._armed = self._early, {}
+        for name in [n for n in self._in_flight if n not in early]:
+            self._wait_unit(name)
         self.drain()
-        hosts = [self._host_of[p] for u in units for p in u.params]
-        for h in hosts:
-            if h.grad is not None and h.grad.is_sparse:
-                h.grad = h.grad.coalesce()  # sum repeated tokens' rows once, as the device path
+        rest = [u for u in units if u.name not in early]
+        hosts = [self._host_of[p] for u in rest for p in u.params]
+        self._coalesce(hosts)
         measure = max_norm is not None or measure_norm or skip_nonfinite
-        norm = clip_grad_norm(hosts, max_norm) if measure else None
+        if early:  # armed only where nothing clips or skips, told whether the norm is measured
+            assert max_norm is None and not skip_nonfinite and (self._measure or not measure_norm)
+            norm = self._early_norm(units) if measure else None
+        else:
+            norm = clip_grad_norm(hosts, max_norm) if measure else None
         if skip_nonfinite and norm is not None and not math.isfinite(norm):
             for h in hosts:
                 h.grad = None
             return norm
         self.rounding.step = self._step_index
-        self.changes.bump(u.name for u in units)  # before a checkpoint could ask, step in flight or not
-        optimizers = [self.optimizer(u) for u in units]  # created here, not in the workers
-        self._first_steps = {u.name for u, opt in zip(units, optimizers) if not opt.state}
-        for opt in optimizers:
-            self._set_group_lr(opt)
-        if not self.overlap and (self.step_threads <= 1 or len(units) <= 1):
-            for unit, opt in zip(units, optimizers):
+        if not early:
+            self._first_steps = set()
+        optimizers = self._begin(rest)  # created here, not in the workers
+        self._early = {}
+        if not early and not self.overlap and (self.step_threads <= 1 or len(units) <= 1):
+            for unit, opt in zip(rest, optimizers):
                 self._step_unit(unit, opt)
         else:
             pool = self._pool()
-            self._in_flight = {u.name: pool.submit(self._step_unit, u, opt) for u, opt in zip(units, optimizers)}
+            self._in_flight.update({u.name: pool.submit(self._step_unit, u, opt) for u, opt in zip(rest, optimizers)})
             if self.overlap and self._forward_hooks:
                 return norm
             self.wait()
         if self.transfers is not None:
             self.transfers.weights_ready()
         return norm
+
+    def _early_norm(self, units: list[Unit]) -> float:
+        """The global norm, with the started units' norms from their workers (waited for: a
+        measured step exposes their updates), the others' from their gradients, in order."""
+        norms = []
+        for u in units:
+            if u.name in self._early:
+                job = self._in_flight.get(u.name)
+                if job is not None:
+                    job.result()
+                norms += self._early[u.name]
+            else:
+                norms += tensor_norms([self._host_of[p] for p in u.params])
+        return total_norm(norms)
 
     def _pool(self) -> ThreadPoolExecutor:
         size = max(1, self.step_threads)

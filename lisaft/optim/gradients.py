@@ -30,6 +30,24 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> fl
     return float(total)
 
 
+def tensor_norms(params: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Tensor]]:
+    """Each gradient's L2 norm (sparse: coalesced, by its values) with its dtype, in params'
+    order: a unit stepped before the others were ready leaves these, and `total_norm` over all
+    units' lists in order is clip_grad_norm's norm bit for bit."""
+    grads = [g.values() if g.is_sparse else g for g in (p.grad for p in params) if g is not None]
+    return [(g.dtype, n) for g in grads for n in internals.foreach_norm([g])]
+
+
+def total_norm(norms: Sequence[tuple[torch.dtype, torch.Tensor]]) -> float:
+    """clip_grad_norm's total from tensor_norms' lists: grouped by dtype in the same order."""
+    if not norms:
+        return 0.0
+    by_dtype = defaultdict(list)
+    for dtype, n in norms:
+        by_dtype[dtype].append(n)
+    return float(torch.linalg.vector_norm(torch.stack([n for ns in by_dtype.values() for n in ns])))
+
+
 def grad_nbytes(g: torch.Tensor) -> int:
     if hasattr(g, "to_local"):  # training.fsdp: the slice this rank holds
         g = g.to_local()

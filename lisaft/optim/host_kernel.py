@@ -138,27 +138,25 @@ def _dense_task(w, g, m, v, s0, s1, s2, s3, s4, s5, s6, s7, offset, k1, k2, sm):
 
 
 @numba.njit(inline="always", error_model="numpy")
-def _nearest(code, lut, x):
-    """Index of the code book entry nearest x, ties to the lower one. The table gives the largest
-    entry at or below every float with x's bf16 truncation; bitsandbytes' code books hold at most
-    one entry inside any bf16 interval (nearest_table checks), so one step up finds the pair
-    around x. Steps are 0/1 arithmetic, not branches, so the loop vectorizes with gathers."""
-    j = np.int32(lut[np.uint32(_f32_bits(x)) >> np.uint32(16)])
-    j += np.int32((j < 255) & (code[min(j + 1, 255)] <= x))
-    up = min(j + 1, 255)
-    j += np.int32((j < 255) & ((code[up] - x) < (x - code[j])))
-    return np.uint8(j)
+def _nearest(lut, mid, x):
+    """Index of the code book entry nearest x, ties to the lower one: the number of midpoints at
+    or below x. lut gives that count at the lowest float sharing x's upper 16 bits, and at most
+    one midpoint lies among those floats (nearest_table checks), so one compare finishes it;
+    mid[255] is NaN, which no x reaches."""
+    j = lut[np.uint32(_f32_bits(x)) >> np.uint32(16)]
+    return j + np.uint8(x >= mid[j])
 
 
 @numba.njit(inline="always", error_model="numpy")
 def _abs_bits(x):
     # |x| as its bits: for non-NaN floats integer order is float order, and an integer maximum
     # vectorizes where a float one (NaN rules) does not.
-    return np.uint32(_f32_bits(x)) & np.uint32(0x7FFFFFFF)
+    # (numba widens integer operations to 64 bits: the cast keeps the maximum in 32-bit lanes)
+    return np.uint32(np.uint32(_f32_bits(x)) & np.uint32(0x7FFFFFFF))
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def step_8bit(w, g, qm, qv, am, av, code1, lut1, code2, lut2, s, offset, k1, k2, stochastic):
+def step_8bit(w, g, qm, qv, am, av, code1, lut1, mid1, code2, lut2, mid2, s, offset, k1, k2, stochastic):
     """bitsandbytes' blockwise 8-bit moments; offset is a multiple of BLOCK."""
     n = w.shape[0]
     sm = np.uint32(0xFFFF) if stochastic else np.uint32(0)
@@ -170,8 +168,8 @@ def step_8bit(w, g, qm, qv, am, av, code1, lut1, code2, lut2, s, offset, k1, k2,
             hi = min(n, lo + BLOCK)
             am[b], av[b] = _block_update(w[lo:hi], g[lo:hi], qm[lo:hi], qv[lo:hi], am[b], av[b], mb, vb, code1,
                                          code2, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], offset + lo, k1, k2, sm)
-            _block_quantize(qm[lo:hi], mb, am[b], code1, lut1)
-            _block_quantize(qv[lo:hi], vb, av[b], code2, lut2)
+            _block_quantize(qm[lo:hi], mb, am[b], lut1, mid1)
+            _block_quantize(qv[lo:hi], vb, av[b], lut2, mid2)
 
 
 @numba.njit(inline="never", nogil=True, cache=True, error_model="numpy")
@@ -190,27 +188,50 @@ def _block_update(w, g, qm, qv, am, av, mb, vb, code1, code2, s0, s1, s2, s3, s4
 
 
 @numba.njit(inline="never", nogil=True, cache=True, error_model="numpy")
-def _block_quantize(q, x, amax, code, lut):
+def _block_quantize(q, x, amax, lut, mid):
     # bitsandbytes' quantizer stores x / absmax; an all-zero block divides by 1 instead.
     r = np.float32(1) / amax if amax > 0 else np.float32(1)
     for i in range(q.shape[0]):
-        q[i] = _nearest(code, lut, x[i] * r)
+        q[i] = _nearest(lut, mid, x[i] * r)
+
+
+def _order(bits: np.ndarray) -> np.ndarray:
+    """float32 bits -> int64 keys in the floats' order (negative floats: larger bits, smaller)."""
+    k = bits.astype(np.int64)
+    return np.where(k >= 1 << 31, (1 << 31) - 1 - k, k)
+
+
+def _unorder(k: np.ndarray) -> np.ndarray:
+    return np.where(k >= 0, k, (1 << 31) - 1 - k).astype(np.uint32)
+
+
+def midpoints(code: np.ndarray) -> np.ndarray:
+    """For each pair of neighbouring entries j, j+1, the smallest float32 x between them for which
+    code[j+1] - x < x - code[j] in float32 arithmetic (host_reference.nearest_code's rule): both
+    sides are monotone in x, so from there on x rounds up. Found by bisection on the floats' order;
+    a NaN in place 255."""
+    c = code.astype(np.float32)
+    lo, hi = _order(c[:-1].view(np.uint32)), _order(c[1:].view(np.uint32))  # rule false at lo, true at hi
+    while np.any(hi - lo > 1):
+        half = (lo + hi) // 2
+        x = _unorder(half).view(np.float32)
+        up = (c[1:] - x) < (x - c[:-1])
+        hi, lo = np.where(up, half, hi), np.where(up, lo, half)
+    return np.append(_unorder(hi).view(np.float32), np.float32("nan"))
 
 
 def nearest_table(code: np.ndarray) -> np.ndarray:
-    """For each bf16 bit pattern, the largest index j with code[j] at or below every float32 that
-    truncates to it (0 when none): where _nearest starts. A negative pattern's floats reach down
-    to the next pattern's value, a positive one's start at its own."""
-    bits = np.arange(1 << 16, dtype=np.uint32)
-    neg = bits >= 0x8000
-    lower = (np.where(neg, np.minimum(bits + 1, 0xFFFF), bits) << 16).view(np.float32)
-    upper = (np.where(neg, bits, np.minimum(bits + 1, 0xFFFF)) << 16).view(np.float32)
-    ok = ~(np.isnan(lower) | np.isnan(upper))
-    # entries in (lower, upper): a positive pattern's upper end belongs to the next pattern
-    top = np.where(neg, np.searchsorted(code, upper, side="right"), np.searchsorted(code, upper, side="left"))
-    inside = top[ok] - np.searchsorted(code, lower[ok], side="right")
-    if inside.max() > 1:  # _nearest's single step would not reach the entry below x
-        raise ValueError("code book has two entries inside one bfloat16 interval")
-    j = np.searchsorted(code, lower, side="right").astype(np.int64) - 1
-    j[~ok] = 0
-    return np.clip(j, 0, 255).astype(np.uint8)
+    """_nearest's table, one entry per bf16 bit pattern (the floats sharing their upper 16 bits):
+    the number of midpoints at or below the lowest of those floats. Raises where two midpoints
+    fall among one pattern's floats, which one compare could not tell apart."""
+    t = midpoints(code)[:-1]
+    p = np.arange(1 << 16, dtype=np.uint32)
+    neg = p >= 0x8000
+    first, last = (p << 16).view(np.float32), ((p << 16) | 0xFFFF).view(np.float32)
+    last = np.where(np.isnan(last), first, last)  # the infinities: their pattern's other floats are NaN
+    lo, hi = np.where(neg, last, first), np.where(neg, first, last)
+    ok = ~np.isnan(lo)
+    base = np.searchsorted(t, lo, side="right")
+    if (np.searchsorted(t, hi, side="right") - base)[ok].max() > 1:
+        raise ValueError("code book has two midpoints inside one bfloat16 interval")
+    return np.where(ok, base, 0).astype(np.uint8)

@@ -41,11 +41,14 @@ class Transfers:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="lisaft-grad-add")
         self.pending: list[Future] = []
 
-    def gradient(self, g: torch.Tensor, acc: torch.Tensor, add: bool) -> None:
+    def gradient(self, g: torch.Tensor, acc: torch.Tensor, add: bool) -> list[torch.cuda.Event | Future]:
         """Queue acc <- g (first micro-batch) or acc += g (later ones), piece by piece, with at
         most `limit` bytes of copies in flight in either case: a freed gradient's memory is
         reused only once the side stream has read it, so when backward outruns the link, copies
-        queued without a bound pile freed blocks up as reserved memory toward the cap."""
+        queued without a bound pile freed blocks up as reserved memory toward the cap. Returns
+        what marks acc complete (`complete` waits for it): a unit stepped as its gradients arrive
+        waits for its own copies only."""
+        marks: list[torch.cuda.Event | Future] = []
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         # Elementwise: piece by piece gives the whole tensor's copy or sum, bit for bit.
         flat_g, flat_acc = g.reshape(-1), acc.view(-1)
@@ -53,14 +56,24 @@ class Transfers:
         for lo in range(0, flat_g.numel(), piece):
             part = flat_g[lo:lo + piece]
             if not add:
-                self._copy(flat_acc[lo:lo + piece], part)
+                marks.append(self._copy(flat_acc[lo:lo + piece], part))
                 continue
             buf = self.slots.get()  # blocks only while every slot still waits for its addition
             staged = buf[: part.numel() * part.element_size()].view(g.dtype)
             copied = self._copy(staged, part)
             self.pending.append(self.worker.submit(self._add, copied, flat_acc[lo:lo + piece], staged, buf))
+            marks.append(self.pending[-1])
         # The caller drops g now; its memory is reused only after the side stream has read it.
         self._hold(g)
+        return marks
+
+    @staticmethod
+    def complete(marks: list) -> None:
+        for mark in marks:
+            if isinstance(mark, Future):
+                mark.result()
+            else:
+                mark.synchronize()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
         """dst <- src on the side stream, once the oldest copies leave room under `limit`."""

@@ -100,6 +100,9 @@ class SingleProcess:
         for p in params:
             p.grad = None
 
+    def before_last_backward(self, controller: LisaController, measure_norm: bool) -> None:
+        """Called before the step's last micro-batch's backward (cpu_offload steps units there)."""
+
     def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
                measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[float | None, int, bool]:
         """Reduce, clip and step the trainable units; returns (grad norm, gradient bytes held,
@@ -170,7 +173,13 @@ class CpuOffload(SingleProcess):
     def optimizers(self, units: list[Unit], device: torch.device, run_dir: Path) -> UnitOptimizers:
         self.offloaded = OffloadedOptimizers(units, self.recipe.optimizer, device, offload_dir=_offload_dir(run_dir),
                                              seed=self.recipe.training.seed)
+        t = self.recipe.training
+        # Exact: where nothing waits for the global norm, each unit steps as its gradients arrive.
+        self.offloaded.step_as_ready = t.max_grad_norm is None and t.on_nonfinite != "skip"
         return self.offloaded
+
+    def before_last_backward(self, controller: LisaController, measure_norm: bool) -> None:
+        self.offloaded.arm(controller.trainable_units(), measure_norm)
 
     def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
                measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[float | None, int, bool]:

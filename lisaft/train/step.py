@@ -43,8 +43,7 @@ _NO_PHASES = Phases()
 
 
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
-               phases: Phases = _NO_PHASES,
-               forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum,
+               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum,
                longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
     measure_activations: what the step's longest micro-batch saves for backward, if it is longer
@@ -86,6 +85,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
                     activation_seq_len = int(batch["input_ids"].shape[1])
                 else:
                     loss = forward(session.model, batch)
+            if i == len(micro) - 1:
+                session.parallel.before_last_backward(controller, measure_norm)
             with phases.phase("backward"):
                 (loss / loss_tokens).backward()
             loss_sum += loss.item()

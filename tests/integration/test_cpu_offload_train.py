@@ -42,3 +42,30 @@ def test_offloaded_run_resumes_exactly(tiny_run):
     assert train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=3) != 0
     assert resume(tiny_run.dir / "cut", show=False) == 0
     assert_same_run(tiny_run.dir / "ref", tiny_run.dir / "cut")
+
+
+def test_units_stepped_as_gradients_arrive_are_the_same_run(tiny_run, monkeypatch):
+    """training.max_grad_norm null: the offloaded units step in the last backward
+    (lisaft/optim/cpu_offload.py's step_as_ready), and the run is still the plain one."""
+    from lisaft.optim.cpu_offload import OffloadedOptimizers
+
+    started = []
+    arm = OffloadedOptimizers.arm
+
+    def counting_arm(self, units, measure_norm):
+        started.append(self.step_as_ready)
+        return arm(self, units, measure_norm)
+
+    monkeypatch.setattr(OffloadedOptimizers, "arm", counting_arm)
+    common = dict(model={"dtype": "bfloat16"}, optimizer={"name": "adamw_8bit", "lr": 1e-3},
+                  training={"max_steps": 4, "grad_accum_steps": 2, "max_grad_norm": None, "save_every": 2})
+    runs = {}
+    for offload in (False, True):
+        tag = "offloaded" if offload else "plain"
+        recipe = tiny_run(f"{tag}.yaml", **{**common, "optimizer": {**common["optimizer"], "cpu_offload": offload}})
+        assert train(recipe, overrides=[f"training.output_dir={tag}"], show=False) == 0
+        runs[tag] = tiny_run.dir / tag
+    assert started == [True] * 4
+    assert_same_run(runs["plain"], runs["offloaded"])
+    ref, off = _train_records(runs["plain"]), _train_records(runs["offloaded"])
+    assert [r["grad_norm"] for r in ref] == [r["grad_norm"] for r in off] and off[0]["grad_norm"] is not None

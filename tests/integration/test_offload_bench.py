@@ -20,3 +20,15 @@ def test_offload_bench_quick(tmp_path):
         assert r["seconds"]["step"] > 0 and all(v >= 0 for v in r["seconds"].values())
         assert r["params"] > 0 and r["seconds_per_1e9_params"]["step"] == r["seconds"]["step"] * 1e9 / r["params"]
     assert "| adamw_8bit | 1 |" in (tmp_path / "offload.md").read_text()
+
+
+def test_hidden_step_bench_small(tmp_path):
+    """benchmarks/hidden_step_bench.py at its smallest: both modes timed, the documented shape."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.hidden_step_bench", "--layers", "2", "--steps", "2",
+                           "--hidden", "128", "--seq", "32", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((tmp_path / "hidden_step_adamw_8bit.json").read_text())
+    assert set(s["modes"]) == {"after", "as_ready"} and s["params"] > 0
+    for m in s["modes"].values():
+        assert 0 < m["tail_s"] <= m["s_per_step"]

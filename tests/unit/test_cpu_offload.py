@@ -286,6 +286,7 @@ def test_gradient_bytes_in_flight_are_bounded_in_every_micro_batch(monkeypatch, 
     time, in the first micro-batch or a later one, do more than `limit` bytes wait for the link,
     and each accumulator ends as the sum of its gradients."""
     import contextlib
+    from concurrent.futures import Future
 
     from lisaft.optim import transfers
 
@@ -319,15 +320,17 @@ def test_gradient_bytes_in_flight_are_bounded_in_every_micro_batch(monkeypatch, 
     grads = [[torch.randn(n) for n in (300, 40, 1000, 64)] for _ in range(accum)]
     accs = [torch.zeros(n) for n in (300, 40, 1000, 64)]
     for m, micro in enumerate(grads):
-        for g, acc in zip(micro, accs):
-            t.gradient(g, acc, add=m > 0)
-    t.drain()
-    assert 0 < peak[0] <= t.limit == 512  # 16 KiB of gradients queued, never more than 512 B
+        marks = [t.gradient(g, acc, add=m > 0) for g, acc in zip(micro, accs)]
     for i, acc in enumerate(accs):
         expect = grads[0][i].clone()
         for micro in grads[1:]:
             expect += micro[i]
+        # What a unit stepped as its gradients arrive waits for: its own accumulators complete.
+        transfers.Transfers.complete(marks[i])
+        assert marks[i] and all(k.done() if isinstance(k, Future) else k.done for k in marks[i])
         assert torch.equal(acc, expect)
+    t.drain()
+    assert 0 < peak[0] <= t.limit == 512  # 16 KiB of gradients queued, never more than 512 B
 
 
 def test_step_workers_share_the_cpus(tmp_path, monkeypatch):

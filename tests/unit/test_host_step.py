@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from _tiny import tiny as _tiny
@@ -24,9 +25,8 @@ N = 3 * 256 + 77  # a partial last block
 OFFSET = 512  # a chunk of a larger tensor: the noise counter starts at its element offset
 
 
-def state(moments: torch.dtype, gen: torch.Generator) -> dict:
+def state(moments: torch.dtype, gen: torch.Generator, n: int = OFFSET + N) -> dict:
     """The whole tensor's state; the chunk steps its elements OFFSET:OFFSET + N."""
-    n = OFFSET + N
     if moments == torch.uint8:
         blocks = -(-n // 256)
         return dict(exp_avg=torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen),
@@ -66,6 +66,24 @@ def test_kernel_is_its_torch_reference_bit_for_bit(monkeypatch, wdt, gdt, moment
     for k in sk:
         assert torch.equal(bits(sk[k]), bits(sr[k])), k
         assert not torch.equal(bits(sk[k]), bits(st0[k])), k
+
+
+@pytest.mark.parametrize("book", [0, 1], ids=["signed", "unsigned"])
+def test_nearest_code_is_the_reference_on_every_float_near_a_midpoint(book):
+    """The one-lookup quantizer against host_reference.nearest_code on all 2^16 floats of each
+    bf16 pattern that holds a midpoint (where the one compare decides), and on the infinities
+    and zeros; elsewhere the table alone gives the index."""
+    from lisaft.optim import host_kernel, host_reference
+    code = MAPS[book].numpy()
+    lut, mid = host_kernel.nearest_table(code), host_kernel.midpoints(code)
+    pats = np.union1d(mid[:-1].view(np.uint32) >> 16, [0x0000, 0x8000, 0x7F80, 0xFF80]).astype(np.uint32)
+    x = ((pats[:, None] << 16) | np.arange(1 << 16, dtype=np.uint32)).ravel().view(np.float32)
+    x = x[~np.isnan(x)]
+    q = np.empty(x.size, np.uint8)
+    host_kernel._block_quantize(q, x, np.float32(1), lut, mid)  # absmax 1: the floats themselves
+    ref = host_reference.nearest_code(MAPS[book], torch.from_numpy(x)).numpy()
+    assert np.array_equal(q, ref)
+    assert len(np.unique(q)) == 256
 
 
 def test_8bit_moments_are_bitsandbytes_format(monkeypatch):
@@ -156,3 +174,27 @@ def test_bf16_moments_key_is_checked():
     with pytest.raises(LisaftError, match="moments_dtype"):
         adamw.build_unit_optimizer(list(model.parameters()), OptimizerSection(moments_dtype="bfloat16"),
                                    torch.device("cuda"), Rounding("stochastic", 0), 0, None)
+
+
+@pytest.mark.parametrize("grab", [0, 1, host_step.TASKS_PER_GRAB], ids=["static", "one", "default"])
+def test_many_tasks_in_any_schedule_are_the_reference(monkeypatch, grab):
+    """Tasks handed out a few at a time (TASKS_PER_GRAB) or split evenly up front (0): whole 8-bit
+    blocks each, so the step is the reference's bit for bit whichever thread takes which."""
+    from lisaft.optim import host_kernel
+
+    monkeypatch.setattr(host_step, "TASKS_PER_GRAB", grab)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    n = 5 * host_kernel.TASK + 300
+    gen = torch.Generator().manual_seed(1)
+    w0, g = torch.randn(n, generator=gen).to(torch.bfloat16), (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+    st0 = state(torch.uint8, gen, n)
+    out = []
+    for kernel in (True, False):
+        monkeypatch.setattr(host_step, "_kernel", host_kernel if kernel else None)
+        w, st = w0.clone(), {k: v.clone() for k, v in st0.items()}
+        host_step.step_chunk(w, g, st, 0, n, host_step.adam_scalars(GROUP, 3), 0x5DEECE66D1234, True, MAPS)
+        out.append((w, st))
+    (wk, sk), (wr, sr) = out
+    assert torch.equal(bits(wk), bits(wr)) and not torch.equal(bits(wk), bits(w0))
+    for k in sk:
+        assert torch.equal(sk[k], sr[k]), k

@@ -144,13 +144,42 @@ def test_the_8b_lora_recipe_fits_and_lists_the_methods_in_learning_order():
     from lisaft.cli import app
 
     recipe = Path(__file__).parents[2] / "recipes" / "llama3.1-8b-lora-24gb.yaml"
-    result = CliRunner().invoke(app, ["estimate-memory", str(recipe), "--budget", "24GiB", "--json"])
+    result = CliRunner().invoke(app, ["estimate-memory", str(recipe), "--budget", "24GiB", "--host-ram", "64GiB",
+                                      "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     assert out["fits"] and out["settings"]["lora"]["rank"] == 8 and out["trainable_params"] == 20_971_520
     names = [m["method"] for m in out["methods"]]
-    assert names.index("full fine-tuning, optimizer on the CPU") < names.index("LoRA r8 (bf16 base)") \
-        < names.index("QLoRA r8 (4-bit base)") < names.index("LISA γ=2")
+    apollo = "APOLLO-Mini, every weight, step in backward"
+    # What docs/learning.md measured, best first: every weight, then APOLLO's projection, LoRA, LISA.
+    assert names == ["full fine-tuning, optimizer on the CPU", "full fine-tuning, paged 8-bit, step in backward",
+                     apollo, "LoRA r8 (bf16 base)", "DoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)", "LISA γ=2"]
     fitting = {m["method"] for m in out["methods"] if m["fits"]}
-    assert {"LoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)"} <= fitting
+    assert fitting == {"LoRA r8 (bf16 base)", "DoRA r8 (bf16 base)", "QLoRA r8 (4-bit base)", apollo,
+                       "full fine-tuning, optimizer on the CPU"}
+    learned = {m["method"]: m["learned"] for m in out["methods"]}
+    assert "70.1%" in learned["LoRA r8 (bf16 base)"] and "78.1%" in learned[apollo]
+    assert all("docs/learning.md" in learned[n] or "not measured" in learned[n] for n in names)
+    apollo_keys = next(m["set"] for m in out["methods"] if m["method"] == apollo)
+    assert apollo_keys["optimizer.name"] == "apollo_mini" and apollo_keys["optimizer.in_backward"]
     assert "lora" in out["optimizers"]["adamw_32bit"]  # the run's adapters beside full and LISA
+
+
+def test_a_method_the_gpu_holds_but_the_host_ram_does_not_says_so():
+    import io
+
+    from rich.console import Console
+
+    from lisaft.memory.estimate import Settings
+    from lisaft.memory.methods import methods
+    from lisaft.memory.render import methods_table
+
+    ways = methods(Settings(model_label="tiny", config=tiny().config, device="cuda", budget_bytes=24 << 30,
+                            host_budget_bytes=1 << 10))
+    offload = next(m for m in ways if m.name == "full fine-tuning, optimizer on the CPU")
+    assert not offload.estimate.fits and offload.estimate.total_bytes <= offload.estimate.budget_bytes
+    buf = io.StringIO()
+    Console(file=buf, width=250).print(methods_table(ways, 24 << 30))
+    row = next(line for line in buf.getvalue().splitlines() if "optimizer on the CPU" in line)
+    assert "no: needs" in row and "of host RAM (--host-ram)" in row, row
+    assert all("fits" in line for line in buf.getvalue().splitlines() if "LoRA r8" in line)

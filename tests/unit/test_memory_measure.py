@@ -141,6 +141,18 @@ def test_meter_counts_views_once_and_skips_parameters():
     z.backward()
 
 
+def test_meter_forgets_what_a_dropped_branch_saved():
+    # DoRA's weight norm: B(A(I)) is built on the graph, then only its detached value is used, so
+    # the identity A saved is freed before backward and is no activation.
+    x = torch.randn(16, 16, requires_grad=True)
+    with saved_activations() as meter:
+        dropped = (x * 3) @ (x * 2)  # saves both products, freed with `dropped`
+        del dropped
+        kept = x.exp()  # saves its 16 x 16 output
+    assert meter.bytes == 16 * 16 * 4
+    kept.sum().backward()
+
+
 @pytest.mark.parametrize("opt_name", ["adamw_32bit", "adamw_8bit"])
 def test_tensor_bytes_match_estimate(opt_name):
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
