@@ -26,7 +26,7 @@ TASKS_PER_GRAB = 4  # host_kernel.TASK elements each (16 KiB of 8-bit moments)
 # already spreads over every core, so callers take turns.
 _lock = threading.Lock()
 
-FALLBACK_COST = ("the CPU optimizer step runs torch's unfused path, measured 4x slower with float32 moments "
+FALLBACK_COST = ("the CPU optimizer step runs torch's unfused path, measured 9x slower with float32 moments "
                  "and 10x with 8-bit (docs/memory.md)")
 
 
