@@ -232,6 +232,12 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except SystemExit as e:
+        from lisaft.distributed import dist
+
+        if dist.launched() and isinstance(e.code, int | None):
+            dist.leave_process(e.code or 0)
+        raise
 
 
 if __name__ == "__main__":

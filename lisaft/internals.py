@@ -144,3 +144,10 @@ def keep_4bit_layout_on_cpu(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             object.__setattr__(module, "support_avx512bf16_for_cpu", False)  # a plain flag, not a tensor
+
+
+def run_exit_handlers() -> None:
+    """What the interpreter runs at exit before its own teardown: the atexit functions."""
+    import atexit
+
+    atexit._run_exitfuncs()

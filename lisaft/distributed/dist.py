@@ -98,6 +98,35 @@ def shutdown() -> None:
         torch_dist.destroy_process_group()
 
 
+def launched() -> bool:
+    """Whether this process is a rank that torchrun started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def leave_process(code: int) -> None:
+    """End a torchrun rank whose command has finished and left the group, without the
+    interpreter's teardown of C++ objects. Objects a collective backend keeps beyond
+    destroy_process_group (FSDP's device mesh keeps gloo's threads alive) are destroyed there in
+    no set order, and a thread still joinable then aborts the finished run ("terminate called
+    without an active exception", SIGABRT, docs/distributed.md). Everything Python's own exit
+    does first is done here: the other threads are waited for, the atexit functions run, the
+    streams are flushed."""
+    import logging
+    import sys
+    import threading
+
+    from lisaft import internals
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    internals.run_exit_handlers()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is True on any: stop decisions must be collective, or the
     ranks would part ways at the next collective."""

@@ -13,16 +13,22 @@ def _train_records(run):
     return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.parametrize("dtype, name", [("float32", "adamw_32bit"), ("bfloat16", "adamw_8bit")])
-def test_train_with_cpu_offload_is_the_same_run(tiny_run, dtype, name):
-    common = dict(model={"dtype": dtype}, optimizer={"name": name, "lr": 1e-3},
-                  training={"max_steps": 4, "grad_accum_steps": 2, "eval_every": 2, "save_every": 2})
+def _plain_and_offloaded(tiny_run, common: dict) -> dict:
+    """The same recipe trained with the optimizer on the device and on the CPU: each run's folder."""
     runs = {}
     for offload in (False, True):
         tag = "offloaded" if offload else "plain"
         recipe = tiny_run(f"{tag}.yaml", **{**common, "optimizer": {**common["optimizer"], "cpu_offload": offload}})
         assert train(recipe, overrides=[f"training.output_dir={tag}"], show=False) == 0
         runs[tag] = tiny_run.dir / tag
+    return runs
+
+
+@pytest.mark.parametrize("dtype, name", [("float32", "adamw_32bit"), ("bfloat16", "adamw_8bit")])
+def test_train_with_cpu_offload_is_the_same_run(tiny_run, dtype, name):
+    common = dict(model={"dtype": dtype}, optimizer={"name": name, "lr": 1e-3},
+                  training={"max_steps": 4, "grad_accum_steps": 2, "eval_every": 2, "save_every": 2})
+    runs = _plain_and_offloaded(tiny_run, common)
     assert_same_run(runs["plain"], runs["offloaded"])
     ref, off = _train_records(runs["plain"]), _train_records(runs["offloaded"])
     assert [r["grad_norm"] for r in ref] == [r["grad_norm"] for r in off]
@@ -59,12 +65,7 @@ def test_units_stepped_as_gradients_arrive_are_the_same_run(tiny_run, monkeypatc
     monkeypatch.setattr(OffloadedOptimizers, "arm", counting_arm)
     common = dict(model={"dtype": "bfloat16"}, optimizer={"name": "adamw_8bit", "lr": 1e-3},
                   training={"max_steps": 4, "grad_accum_steps": 2, "max_grad_norm": None, "save_every": 2})
-    runs = {}
-    for offload in (False, True):
-        tag = "offloaded" if offload else "plain"
-        recipe = tiny_run(f"{tag}.yaml", **{**common, "optimizer": {**common["optimizer"], "cpu_offload": offload}})
-        assert train(recipe, overrides=[f"training.output_dir={tag}"], show=False) == 0
-        runs[tag] = tiny_run.dir / tag
+    runs = _plain_and_offloaded(tiny_run, common)
     assert started == [True] * 4
     assert_same_run(runs["plain"], runs["offloaded"])
     ref, off = _train_records(runs["plain"]), _train_records(runs["offloaded"])

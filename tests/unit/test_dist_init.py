@@ -85,3 +85,51 @@ def test_leaving_the_group_ends_its_threads(tmp_path):
     out = subprocess.run([sys.executable, "-c", LEAVE], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[-2] == "[]"
+
+
+class _Left(Exception):
+    pass
+
+
+def test_a_finished_rank_leaves_after_what_exit_would_do_first(monkeypatch):
+    """dist.leave_process: the other threads are waited for and the atexit functions run, then
+    the process ends without the interpreter's teardown (where gloo's threads abort it)."""
+    import threading
+    import time
+
+    from lisaft import internals
+
+    done, order = threading.Event(), []
+    worker = threading.Thread(target=lambda: (time.sleep(0.2), done.set()))
+    worker.start()
+    monkeypatch.setattr(internals, "run_exit_handlers", lambda: order.append(("atexit", done.is_set())))
+
+    def fake_exit(code):
+        order.append(("exit", code))
+        raise _Left
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(_Left):
+        dist.leave_process(3)
+    assert order == [("atexit", True), ("exit", 3)]
+
+
+@pytest.mark.parametrize("launched", [True, False], ids=["torchrun", "plain"])
+def test_the_cli_leaves_a_torchrun_rank_through_leave_process(monkeypatch, launched):
+    from lisaft import cli
+
+    codes = []
+
+    def leave(code):
+        codes.append(code)
+        raise _Left
+
+    monkeypatch.setattr(dist, "leave_process", leave)
+    if launched:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lisaft", "--help"])
+    with pytest.raises(_Left if launched else SystemExit):
+        cli.main()
+    assert codes == ([0] if launched else [])
