@@ -147,7 +147,11 @@ def keep_4bit_layout_on_cpu(model: torch.nn.Module) -> None:
 
 
 def run_exit_handlers() -> None:
-    """What the interpreter runs at exit before its own teardown: the atexit functions."""
+    """What the interpreter runs at exit before it tears down its objects, in its order: the
+    threading module's own exit work (executors told to stop, every non-daemon thread joined),
+    then the atexit functions."""
     import atexit
+    import threading
 
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()

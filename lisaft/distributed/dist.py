@@ -113,13 +113,9 @@ def leave_process(code: int) -> None:
     streams are flushed."""
     import logging
     import sys
-    import threading
 
     from lisaft import internals
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
     internals.run_exit_handlers()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
