@@ -11,7 +11,7 @@ parameter) as lisaft/optim/rounding.py derives it, the element is the index in t
 the noise is a pure function of the run's position and costs a few integer operations.
 
 The math, in float32 and in this order (lisaft/optim/host_reference.py does the same in torch,
-and the tests hold the two bit for bit):
+and the tests hold the two within an ulp on every CPU, docs/memory.md):
     w = w * decay                       decay = 1 - lr * weight_decay
     m = m * b1 + g * (1 - b1)
     v = v * b2 + (g * (1 - b2)) * g

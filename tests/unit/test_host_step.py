@@ -1,5 +1,13 @@
-"""The fused host kernel (lisaft/optim/host_kernel.py): bit for bit its torch reference for every
-dtype combination, bitsandbytes' 8-bit format, the fallback without numba, and the recipe key."""
+"""The fused host kernel (lisaft/optim/host_kernel.py): within one unit in the last place of its
+torch reference for every dtype combination, bit for bit itself in every schedule, bitsandbytes'
+8-bit format, the fallback without numba, and the recipe key.
+
+Why not bit for bit against the reference: on an AMD EPYC of the project's machine kind one
+float32 weight in about 845 came out one ulp apart (4 of 18 cases), on Intel none. Both sides do
+IEEE float32 operations in one order, yet one CPU's kernels round one of them differently, so the
+guarantee the suite keeps on every x86-64 CPU is: the kernel is bit for bit itself (resume,
+offload and resident on one machine, any thread schedule), and within 1 ulp of the reference on a
+small share of elements (docs/memory.md, "The fused host step")."""
 
 from __future__ import annotations
 
@@ -46,11 +54,31 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place of a's dtype: float32 and bfloat16 through their bits
+    in the floats' order, 8-bit moments as code-book indices (the books are sorted)."""
+    if a.dtype == torch.uint8:
+        return (a.long() - b.long()).abs()
+    width, sign = ((torch.int16, 0x8000) if a.dtype == torch.bfloat16 else (torch.int32, 0x80000000))
+
+    def order(t: torch.Tensor) -> torch.Tensor:
+        i = t.view(width).long()
+        return torch.where(i < 0, -(i & (sign - 1)), i)
+    return (order(a) - order(b)).abs()
+
+
+def assert_near(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """The cross-CPU guarantee: at most 1 ulp apart, on at most 1% of the elements."""
+    d = ulps(a, b)
+    assert int(d.max()) <= 1, (what, int(d.max()))
+    assert float((d > 0).float().mean()) <= 0.01, (what, int((d > 0).sum()))
+
+
 @pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16, torch.uint8], ids=["m32", "m16", "m8"])
 @pytest.mark.parametrize("wdt,gdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                      (torch.float32, torch.bfloat16)], ids=["w32g32", "w16g16", "w32g16"])
-def test_kernel_is_its_torch_reference_bit_for_bit(monkeypatch, wdt, gdt, moments, stochastic):
+def test_kernel_is_within_one_ulp_of_its_torch_reference(monkeypatch, wdt, gdt, moments, stochastic):
     assert host_step.available()
     gen = torch.Generator().manual_seed(0)
     w0, g = torch.randn(N, generator=gen).to(wdt), (torch.randn(N, generator=gen) * 1e-2).to(gdt)
@@ -62,10 +90,29 @@ def test_kernel_is_its_torch_reference_bit_for_bit(monkeypatch, wdt, gdt, moment
         out.append((w, st))
     (wk, sk), (wr, sr) = out
     assert not torch.equal(bits(wk), bits(w0))
-    assert torch.equal(bits(wk), bits(wr))
+    assert_near(wk, wr, "weights")
     for k in sk:
-        assert torch.equal(bits(sk[k]), bits(sr[k])), k
+        assert_near(sk[k], sr[k], k)
         assert not torch.equal(bits(sk[k]), bits(st0[k])), k
+
+
+def test_one_ulp_is_the_tolerance():
+    """assert_near refuses a 2-ulp difference, and a 1-ulp difference on many elements."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for dt in (torch.float32, torch.bfloat16):
+        y = x.to(dt)
+        one, two = y.clone(), y.clone()
+        one.view(torch.int32 if dt == torch.float32 else torch.int16)[0] += 1
+        two.view(torch.int32 if dt == torch.float32 else torch.int16)[0] += 2
+        assert_near(y, one, "one")
+        with pytest.raises(AssertionError):
+            assert_near(y, two, "two")
+        many = y.clone()
+        many.view(torch.int32 if dt == torch.float32 else torch.int16)[:50] += 1
+        with pytest.raises(AssertionError):
+            assert_near(y, many, "many")
+    assert int(ulps(torch.tensor([-0.0]), torch.tensor([0.0]))) == 0
+    assert int(ulps(torch.tensor([-1e-45]), torch.tensor([1e-45]))) == 2
 
 
 @pytest.mark.parametrize("book", [0, 1], ids=["signed", "unsigned"])
@@ -141,7 +188,8 @@ def test_without_numba_one_warning_then_the_torch_path(monkeypatch):
 
 
 def test_bf16_moments_without_numba_are_the_kernel_run(monkeypatch):
-    """The fallback for bf16 moments is the reference: a run may lose numba at resume."""
+    """The fallback for bf16 moments is the reference: a run may lose numba at resume and go on
+    within an ulp of where the kernel would have taken it."""
     runs = []
     for kernel in (host_step._kernel, None):
         monkeypatch.setattr(host_step, "_kernel", kernel)
@@ -152,7 +200,8 @@ def test_bf16_moments_without_numba_are_the_kernel_run(monkeypatch):
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
         runs.append([p.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    for a, b in zip(*runs):
+        assert_near(a, b, "weights")
 
 
 def test_bf16_second_moment_decays():
@@ -176,25 +225,30 @@ def test_bf16_moments_key_is_checked():
                                    torch.device("cuda"), Rounding("stochastic", 0), 0, None)
 
 
-@pytest.mark.parametrize("grab", [0, 1, host_step.TASKS_PER_GRAB], ids=["static", "one", "default"])
-def test_many_tasks_in_any_schedule_are_the_reference(monkeypatch, grab):
-    """Tasks handed out a few at a time (TASKS_PER_GRAB) or split evenly up front (0): whole 8-bit
-    blocks each, so the step is the reference's bit for bit whichever thread takes which."""
+def test_many_tasks_in_any_schedule_are_the_same_bits(monkeypatch):
+    """Tasks handed out a few at a time (TASKS_PER_GRAB), one at a time, or split evenly up front
+    (0), on one thread or two: whole 8-bit blocks each, so the step is bit for bit the same
+    whichever thread takes which, and within an ulp of the reference."""
     from lisaft.optim import host_kernel
 
-    monkeypatch.setattr(host_step, "TASKS_PER_GRAB", grab)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     n = 5 * host_kernel.TASK + 300
     gen = torch.Generator().manual_seed(1)
     w0, g = torch.randn(n, generator=gen).to(torch.bfloat16), (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
     st0 = state(torch.uint8, gen, n)
     out = []
-    for kernel in (True, False):
+    for kernel, grab, threads in ((True, host_step.TASKS_PER_GRAB, 2), (True, 1, 2), (True, 0, 2), (True, 4, 1),
+                                  (False, 0, 2)):
+        monkeypatch.setattr(host_step, "TASKS_PER_GRAB", grab)
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
         monkeypatch.setattr(host_step, "_kernel", host_kernel if kernel else None)
         w, st = w0.clone(), {k: v.clone() for k, v in st0.items()}
         host_step.step_chunk(w, g, st, 0, n, host_step.adam_scalars(GROUP, 3), 0x5DEECE66D1234, True, MAPS)
         out.append((w, st))
-    (wk, sk), (wr, sr) = out
-    assert torch.equal(bits(wk), bits(wr)) and not torch.equal(bits(wk), bits(w0))
+    (wk, sk), *others, (wr, sr) = out
+    assert not torch.equal(bits(wk), bits(w0))
+    for wo, so in others:
+        assert torch.equal(bits(wk), bits(wo))
+        assert all(torch.equal(sk[k], so[k]) for k in sk)
+    assert_near(wk, wr, "weights")
     for k in sk:
-        assert torch.equal(sk[k], sr[k]), k
+        assert_near(sk[k], sr[k], k)
