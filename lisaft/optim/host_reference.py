@@ -1,8 +1,9 @@
 """The host kernel's math (lisaft/optim/host_kernel.py) in plain torch, operation for operation.
 
-It is the oracle the tests hold the kernel to (within an ulp on every CPU: docs/memory.md), and the step for bfloat16 moments
-where numba cannot load (today's torch path has no bf16 moments). It makes a float32 copy of
-each array and several passes, so it is several times slower than the kernel."""
+It is the oracle the tests hold the kernel to (within an ulp on every CPU: docs/memory.md), and
+the step for bfloat16 moments where numba cannot load (today's torch path has no bf16 moments).
+It makes a float32 copy of each array and several passes, so it is several times slower than the
+kernel."""
 
 from __future__ import annotations
 
