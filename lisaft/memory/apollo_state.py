@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.memory.counts import ParamCounts
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
+from lisaft.memory.trainable import end_numels, layers_with_state
 from lisaft.optim.adamw import CHUNK, CHUNK_BYTES_PER_ELEMENT
+from lisaft.optim.apollo import ApolloSettings
 
 if TYPE_CHECKING:
-    from lisaft.memory.estimate import Settings
+    from lisaft.memory.settings import Settings
 
 NON_PROJECTED = "adamw_8bit"  # the rule for everything apollo does not project
 
@@ -34,16 +36,7 @@ def is_apollo(optimizer: str) -> bool:
 
 
 def rank_of(s: Settings) -> int:
-    return 1 if s.optimizer == "apollo_mini" else s.apollo_rank
-
-
-def _layers_with_state(counts: ParamCounts, s: Settings) -> list[int]:
-    """Decoder layers whose moments are on the device (trainable.state_numels' rule): every layer
-    without LISA or under `keep` (and offload_cpu on CPU); else the γ largest."""
-    if not s.lisa or s.state_policy == "keep" or (s.state_policy == "offload_cpu" and s.device == "cpu"):
-        return list(range(counts.layer_count))
-    gamma = min(s.active_layers, counts.layer_count)
-    return sorted(range(counts.layer_count), key=counts.layer_params, reverse=True)[:gamma]
+    return ApolloSettings.of(s.recipe.optimizer).rank
 
 
 def _matrices(counts: ParamCounts, layers: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
@@ -59,16 +52,11 @@ def _matrices(counts: ParamCounts, layers: list[int]) -> tuple[list[tuple[int, i
     return matrices, rest
 
 
-def _outside_layers(counts: ParamCounts, s: Settings) -> list[int]:
-    numels = list(counts.embeddings) if not s.lisa or s.train_embeddings else []
-    return numels + (list(counts.head) if not s.lisa or s.train_head else [])
-
-
 def apollo_state(counts: ParamCounts, s: Settings, dt: int) -> StateBytes:
-    matrices, rest = _matrices(counts, _layers_with_state(counts, s))
+    matrices, rest = _matrices(counts, layers_with_state(counts, s))
     r = rank_of(s)
     projected = sum(2 * 4 * min(r, m, n) * max(m, n) + 4 for m, n in matrices)
-    other = state_bytes(NON_PROJECTED, rest + _outside_layers(counts, s), dt, s.device)
+    other = state_bytes(NON_PROJECTED, rest + end_numels(counts, s), dt, s.device)
     return StateBytes(projected + other.total, 0)
 
 
@@ -80,8 +68,8 @@ def projected_step_bytes(m: int, n: int, rank: int, dt: int) -> int:
 
 
 def apollo_step_temporaries(counts: ParamCounts, s: Settings, dt: int, sparse_numel: int = 0) -> int:
-    matrices, rest = _matrices(counts, _layers_with_state(counts, s))
+    matrices, rest = _matrices(counts, layers_with_state(counts, s))
     projected = max((projected_step_bytes(m, n, rank_of(s), dt) for m, n in matrices), default=0)
-    largest_other = max(rest + _outside_layers(counts, s), default=0)
-    return max(projected, step_temporaries(NON_PROJECTED, largest_other, dt, s.device, s.bf16_update,
+    largest_other = max(rest + end_numels(counts, s), default=0)
+    return max(projected, step_temporaries(NON_PROJECTED, largest_other, dt, s.device, s.recipe.optimizer.bf16_update,
                                            sparse_numel))

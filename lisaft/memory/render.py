@@ -67,18 +67,21 @@ def human(n: int | float | None) -> str:
 
 def settings_line(est: Estimate) -> str:
     s = est.settings
-    gamma = f"auto → {s.active_layers}" if s.active_layers_auto else s.active_layers
-    lisa = f"LISA γ={gamma} ({s.state_policy})" if s.lisa else "full fine-tuning"
-    if s.lora is not None:
-        lisa = (f"{'QLoRA' if s.lora.quantize else 'LoRA'} r{s.lora.rank}{' DoRA' if s.lora.dora else ''}"
-                f"{' on a 4-bit base' if s.lora.quantize else ''}")
+    r = s.recipe
+    gamma = f"auto → {s.active_layers}" if s.auto else s.active_layers
+    lisa = f"LISA γ={gamma} ({r.lisa.state_policy})" if r.lisa.enabled else "full fine-tuning"
+    if r.lora.enabled:
+        four_bit = r.model.quantize is not None
+        lisa = (f"{'QLoRA' if four_bit else 'LoRA'} r{r.lora.rank}{' DoRA' if r.lora.dora else ''}"
+                f"{' on a 4-bit base' if four_bit else ''}")
+    accum = r.training.grad_accum_steps
     return (
         f"{s.model_label}: {est.total_params:,} params, {est.trainable_params:,} trainable; "
-        f"{lisa}; {s.optimizer}{' in backward' if s.in_backward else ''}"
-        f"{' on the CPU (cpu_offload)' if s.cpu_offload else ''}; {s.dtype}; "
-        f"{s.attention}; checkpointing {'on' if s.gradient_checkpointing else 'off'}; "
-        f"batch {s.batch_size} x seq {s.seq_len}"
-        f"{f' x accum {s.grad_accum_steps}' if s.grad_accum_steps > 1 else ''}; device {s.device}"
+        f"{lisa}; {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
+        f"{' on the CPU (cpu_offload)' if r.optimizer.cpu_offload else ''}; {r.model.dtype}; "
+        f"{s.attention}; checkpointing {'on' if r.model.gradient_checkpointing else 'off'}; "
+        f"batch {r.training.batch_size} x seq {r.data.max_seq_len}"
+        f"{f' x accum {accum}' if accum > 1 else ''}; device {s.device}"
         f"{f'; training.fsdp, per rank of {s.ranks}' if s.fsdp else ''}"
     )
 
@@ -182,7 +185,7 @@ def explain_lines(est: Estimate) -> Text:
         return Text(NOTHING_PAGED_CPU)
     if est.host_components:
         return Text(CPU_OFFLOAD_COUNTED)
-    return Text(NOTHING_PAGED.format(optimizer=est.settings.optimizer))
+    return Text(NOTHING_PAGED.format(optimizer=est.settings.recipe.optimizer.name))
 
 
 def advice_table(changes: list[Change], host: bool = False) -> Table:
@@ -256,7 +259,7 @@ def _no_budget_fits(report) -> Text:
     # Only a random init from model.config is built whole; name_or_path is read shard by shard.
     loads_whole = (f": each rank first builds the whole model from model.config ({human(whole)} of weights) "
                    "and only then shards it (lisaft/model/load.py)"
-                   if est.settings.model_from_config and whole > est.budget_bytes else "")
+                   if est.settings.recipe.model.config is not None and whole > est.budget_bytes else "")
     shard = (f" Sharded with training.fsdp, {ranks.ranks} GPUs of this budget hold it: "
              f"{human(ranks.estimate.total_bytes)} per rank (last row above)." if ranks else
              f" Not even {RANKS[-1]} GPUs of this budget hold it with training.fsdp{loads_whole}.")
@@ -290,15 +293,15 @@ def _largest_line(report) -> Text:
     if seq is not None and seq == report.context_length:
         seq_text += " (the model's context length)"
     batch = "none" if report.largest_batch_size is None else str(report.largest_batch_size)
-    return Text(f"Largest sequence length that fits at batch {s.batch_size}: {seq_text}; "
-                f"largest batch at seq {s.seq_len}: {batch}.")
+    return Text(f"Largest sequence length that fits at batch {s.recipe.training.batch_size}: {seq_text}; "
+                f"largest batch at seq {s.recipe.data.max_seq_len}: {batch}.")
 
 
 def render(report, explain: bool = False) -> Group:
     """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
     est = report.estimate
     parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}")]
-    if est.settings.lisa and est.settings.active_layers_auto:
+    if est.settings.auto:
         parts.append(_auto_line(est))
     parts.append(components_table(est))
     if est.peak_phase == "model_load":
