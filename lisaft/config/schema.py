@@ -506,7 +506,7 @@ def format_validation_error(err: ValidationError, source: str, overrides: tuple[
                      if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
         loc = ".".join(map(str, keys))
         line = f"{loc}: {_message(e)}" if loc else _message(e)
-        recipe_wide |= not keys
+        recipe_wide |= len(keys) <= 1  # the recipe or a whole section: a --set may play a part
         by = next((o for o in overrides if keys and o.covers(keys)), None)
         if by is not None and e["type"] == "string_type" and not isinstance(by.value, str):
             # YAML read the text as something else ("Q: {instruction}" is a mapping).

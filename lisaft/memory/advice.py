@@ -172,7 +172,7 @@ def leanest(s: Settings, layer_count: int) -> Change:
 
 def host_is_the_limit(est: Estimate) -> bool:
     """The GPU holds the run, but optimizer.cpu_offload's host memory exceeds the RAM."""
-    return est.total_bytes <= est.budget_bytes and not est.fits_host
+    return est.total_bytes <= est.budget_bytes and not est.fits_host and bool(est.host_components)
 
 
 def advice(est: Estimate, layer_count: int) -> list[Change]:

@@ -260,6 +260,7 @@ class Report:
     smallest_gpu_as_is: str | None  # the smallest catalogue card for the settings as given
     ranks: Change | None = None  # when nothing offered fits one card: training.fsdp over the fewest ranks
     methods: list = field(default_factory=list)  # memory/methods.py: every way to train, learning order
+    host_ram: str | None = None  # --host-ram as given
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -288,7 +289,7 @@ class Report:
         return [*self.changes, *([self.ranks] if self.ranks else [])]
 
 
-def build_report(s: Settings, budget: Budget) -> Report:
+def build_report(s: Settings, budget: Budget, host_ram: str | None = None) -> Report:
     from lisaft.model.load import context_length
 
     est = compute(s)
@@ -305,13 +306,13 @@ def build_report(s: Settings, budget: Budget) -> Report:
     return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "data.max_seq_len"),
                   largest_fitting(s, "training.batch_size"), context_length(s.config), weights_fit, lean,
                   card.name if card else None, as_is.name if as_is else None,
-                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None, methods(s))
+                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None, methods(s), host_ram)
 
 
 def estimate_memory_command(flags: EstimateFlags) -> int:
     b = parse_budget(flags.budget, flags.gpu)
     s = build_settings(flags, b.bytes)
-    report = build_report(s, b)
+    report = build_report(s, b, flags.host_ram)
     if flags.json_out:
         print(json.dumps(report.to_json(), indent=2))
         return 0

@@ -81,14 +81,15 @@ class Estimate:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.host_components.values())
+        """What the run keeps in host memory: cpu_offload's host components, else the pinned layer
+        inputs of model.offload_activations (0 when neither runs)."""
+        return sum(self.host_components.values()) if self.host_components else self.activation_host_bytes
 
     @property
     def fits_host(self) -> bool:
-        """cpu_offload's host memory fits the machine's RAM (True when nothing is offloaded or
-        the RAM is not known)."""
+        """That host memory fits the machine's RAM (the host budget; True when the RAM is not known)."""
         budget = self.settings.host_budget_bytes
-        return not self.host_components or budget is None or self.host_bytes <= budget
+        return budget is None or self.host_bytes <= budget
 
     @property
     def fits(self) -> bool:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from lisaft.memory.advice import AUTO_MARGIN, RANKS, Change, host_is_the_limit
 from lisaft.memory.estimate import Estimate
+from lisaft.memory.methods import shared_settings
 
 _DESCRIPTIONS = {
     "weights": "all parameters and buffers, model dtype",
@@ -124,6 +127,10 @@ def host_table(est: Estimate) -> Table:
 
 
 def verdict(est: Estimate) -> Text:
+    if not est.fits_host and not est.host_components:
+        return Text(f"Does not fit in host memory: model.offload_activations pins {human(est.host_bytes)} of layer "
+                    f"inputs in host memory, the machine has {human(est.settings.host_budget_bytes)} of RAM (the "
+                    f"GPU needs {human(est.total_bytes)} of {human(est.budget_bytes)}).", style="bold red")
     if not est.fits_host:
         return Text(f"Does not fit in host memory: cpu_offload needs {human(est.host_bytes)} of RAM, the "
                     f"machine has {human(est.settings.host_budget_bytes)} (the GPU needs "
@@ -188,18 +195,47 @@ def explain_lines(est: Estimate) -> Text:
     return Text(NOTHING_PAGED.format(optimizer=est.settings.recipe.optimizer.name))
 
 
+def fit_mark(e: Estimate) -> str:
+    """Whether an estimate fits, and when the GPU would hold it but something else does not, what."""
+    if e.fits:
+        return "fits"
+    if e.fits_with_paging and not e.fits_host:
+        return "no (host RAM)"  # the GPU holds it; the host memory it needs is more than the RAM
+    if e.paged_state_bytes and e.fits_with_paging:
+        return "paged"
+    return "no"
+
+
+HOST_RAM_NO = ("no (host RAM): the GPU holds it, but the host memory it needs (moments and copies in RAM with "
+               "optimizer.cpu_offload, offloaded layer inputs) is more than the machine's RAM (--host-ram)")
+
+
+def _change_cell(c: Change) -> Text:
+    """One recipe key a line, then why, dimmed."""
+    lines = [f"{k}: {json.dumps(v)}" for k, v in c.overrides.items()]
+    if c.ranks:
+        lines.append(f"torchrun --nproc-per-node {c.ranks}")
+    cell = Text("\n".join(lines))
+    cell.append("\n" + c.why, style="dim")
+    return cell
+
+
 def advice_table(changes: list[Change], host: bool = False) -> Table:
-    """host: a column of each row's host RAM, when that RAM is what decides."""
+    """host: a column of each row's host RAM, when that RAM is what decides. A key is never cut:
+    the first column is at least as wide as its widest key, and only the why wraps."""
     t = Table(title="What brings it under", title_justify="left")
-    t.add_column("change (recipe keys; --set key=value)")
-    t.add_column("why", style="dim", overflow="fold")  # a recipe path stays readable
-    t.add_column("total", justify="right")
+    cells = [_change_cell(c) for c in changes]
+    widest = max((len(line) for c, cell in zip(changes, cells) for line in cell.plain.splitlines()
+                  if line != c.why), default=10)
+    t.add_column("change (recipe keys; --set key=value), and why", min_width=widest, overflow="fold")
+    t.add_column("total", justify="right", no_wrap=True)
     if host:
-        t.add_column("host RAM", justify="right")
+        t.add_column("host RAM", justify="right", no_wrap=True)
     t.add_column("fits")
-    for c in changes:
-        ram = [human(c.estimate.host_bytes) if c.estimate.host_components else "-"] if host else []
-        t.add_row(c.what, c.why, human(c.estimate.total_bytes), *ram, "yes" if c.estimate.fits else "no")
+    for c, cell in zip(changes, cells):
+        ram = [human(c.estimate.host_bytes) if c.estimate.host_bytes else "-"] if host else []
+        mark = fit_mark(c.estimate)
+        t.add_row(cell, human(c.estimate.total_bytes), *ram, "yes" if mark == "fits" else mark)
     return t
 
 
@@ -211,33 +247,37 @@ def _column_title(key: str) -> str:
 
 def grid_table(grid: dict, budget: int) -> Table:
     columns = sorted({k[1] for k in grid}, key=lambda c: (c != "lora", c != "full", c))
-    t = Table(title=f"Optimizers side by side (budget {human(budget)})", title_justify="left")
-    t.add_column("optimizer")
+    t = Table(title=f"Optimizers side by side (budget {human(budget)})", title_justify="left",
+              caption="each cell: the settings above with its optimizer.name, and lisa.enabled as its column says",
+              caption_justify="left")
+    t.add_column("optimizer", no_wrap=True)
     for c in columns:
         t.add_column(_column_title(c), justify="right")
+    colour = {"fits": "green", "paged": "yellow"}
     for opt in dict.fromkeys(k[0] for k in grid):
         cells = []
         for c in columns:
             e = grid[(opt, c)]
-            mark = "[green]fits[/]" if e.fits else (
-                "[yellow]paged[/]" if e.paged_state_bytes and e.fits_with_paging else "[red]no[/]")
-            cells.append(f"{human(e.total_bytes)} {mark}")
+            mark = fit_mark(e)
+            cells.append(f"{human(e.total_bytes)} [{colour.get(mark, 'red')}]{mark}[/]")
         t.add_row(opt, *cells)
     return t
 
 
-def methods_table(methods: list, budget: int) -> Table:
-    """Every way to train, in the order the learning benchmark ranked them; those that fit first."""
+def methods_table(methods: list, budget: int, shared: str = "") -> Table:
+    """Every way to train, in the order the learning benchmark ranked them; those that fit first.
+    `shared`: the settings every row keeps from the ones it starts from."""
+    caption = (f"each row: {shared}, model.gradient_checkpointing true, and the method's own keys (--json: "
+               "methods[].set)") if shared else None
     t = Table(title=f"Ways to train it in {human(budget)}, by what they learned (fitting first)",
-              title_justify="left")
+              title_justify="left", caption=caption, caption_justify="left")
     t.add_column("method", justify="left")
     t.add_column("peak", justify="right")
     t.add_column("learning", justify="left")
-    # The recipe keys of each are in the --json output (methods[].set).
     for m in sorted(methods, key=lambda m: not m.estimate.fits):
         e = m.estimate
         mark = "[green]fits[/]" if e.fits else "[red]no[/]"
-        if not e.fits and e.total_bytes <= e.budget_bytes:
+        if fit_mark(e) == "no (host RAM)":
             # The GPU would hold it; the moments in host memory would not fit this machine's RAM.
             mark = f"[red]no[/]: needs {human(e.host_bytes)} of host RAM (--host-ram)"
         t.add_row(m.name, f"{human(e.total_bytes)} {mark}", m.learned)
@@ -319,8 +359,12 @@ def render(report, explain: bool = False) -> Group:
     elif not est.fits and est.settings.device == "cuda":
         parts.append(_as_is_line(report))
     if est.activation_host_bytes and not est.host_components:
-        parts.append(Text(f"Host memory for offloaded activation checkpoints: "
-                          f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))
+        parts.append(Text(f"Host memory for offloaded activation checkpoints: {human(est.activation_host_bytes)} "
+                          f"pinned (model.offload_activations), of {human(est.settings.host_budget_bytes)} of RAM."))
+    elif report.host_ram is not None and not est.host_bytes:
+        parts.append(Text(f"--host-ram {report.host_ram}: these settings keep nothing in host memory beyond the "
+                          "process; the RAM decides with optimizer.cpu_offload or model.offload_activations, as in "
+                          "the rows below that use them."))
     if not host_is_the_limit(est):
         parts.append(_largest_line(report))
     if report.advice:
@@ -329,7 +373,10 @@ def render(report, explain: bool = False) -> Group:
         parts.append(_no_budget_fits(report))
     parts.append(grid_table(report.grid, est.budget_bytes))
     if report.methods:
-        parts.append(methods_table(report.methods, est.budget_bytes))
+        parts.append(methods_table(report.methods, est.budget_bytes, shared_settings(est.settings)))
+    marks = [fit_mark(e) for e in (*report.grid.values(), *(c.estimate for c in report.advice))]
+    if "no (host RAM)" in marks:
+        parts.append(Text(HOST_RAM_NO, style="dim"))
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)
