@@ -86,10 +86,21 @@ def test_each_figure_quoted_in_the_readme_is_there_and_every_measured_readme_fig
                 assert all(re.search(rf"(?<![\d.]){re.escape(n)}(?![\d])", readme.replace(",", ""))
                            for n in _numbers(fig)), (fig, row["line"])
     # A figure with a unit of measurement in the README's prose (not in a command) has a row.
-    figures = re.findall(r"(\d[\d,]*\.\d+|\d+)\s?(?:%|x\b|GiB|MiB| s\b)", _prose(REPO / "README.md"))
-    unlisted = sorted({f.replace(",", "") for f in figures} - listed)
+    unlisted = sorted(_measured(_prose(REPO / "README.md"), UNITS) - listed)
     assert not unlisted, unlisted
     assert "docs/results.md" in readme
+    # The recipes' headers quote measured figures (times, ratios, shares) from here too; their
+    # estimates are the estimator's own lines.
+    for recipe in (REPO / "recipes").glob("*.yaml"):
+        header = recipe.read_text().split("\nmodel:")[0]
+        assert not _measured(header, r"\s?%|x\b| s\b") - listed, recipe.name
+
+
+UNITS = r"\s?%|x\b|×|\s?GiB|\s?MiB| s\b"
+
+
+def _measured(text: str, units: str) -> set[str]:
+    return {f.replace(",", "") for f in re.findall(rf"(\d[\d,]*\.\d+|\d+)(?:{units})", text)}
 
 
 def test_the_quickstart_rows_say_what_varies_between_machines():
