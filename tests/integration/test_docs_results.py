@@ -27,7 +27,7 @@ def _rows() -> list[dict]:
             continue
         assert len(cells) == 4, line
         figure, quoted, command, result = cells
-        rows.append({"line": line, "figures": [f for f in re.findall(r"`([^`]+)`", figure) if f[0].isdigit()],
+        rows.append({"line": line, "figures": [f for f in re.findall(r"`([^`]+)`", figure) if re.match(r"[-−+]?\d", f)],
                      "text": figure, "quoted": quoted, "command": command, "result": result})
     return rows
 
@@ -36,13 +36,18 @@ def _numbers(text: str) -> list[str]:
     return [n.replace(",", "") for n in NUMBER.findall(text)]
 
 
+def _signed(text: str) -> list[str]:
+    """Numbers with their sign: a minus right before the digits, not a dash between two figures."""
+    return [n.replace(",", "").replace("−", "-") for n in re.findall(r"(?<![\w.])[-−]?\d[\d,]*(?:\.\d+)?", text)]
+
+
 def _in_file(figure: str, text: str) -> bool:
     """As written, or each of its numbers as a number of the file rounded to the figure's digits
     (as a fraction, or that fraction as a percentage)."""
     if figure in text:
         return True
-    values = [float(n) for n in _numbers(text)]
-    for wanted in _numbers(figure):
+    values = [float(n) for n in _signed(text)]
+    for wanted in _signed(figure):
         digits = len(wanted.split(".")[1]) if "." in wanted else 0
         target = float(wanted)
         if not any(round(v, digits) == target or round(100 * v, digits) == target for v in values):
