@@ -11,8 +11,7 @@ subprocess (so peak RSS belongs to that configuration alone) and compares the es
     python -m benchmarks.memory_accuracy --out results.json
 
 The JSON result (default benchmarks/results/memory_accuracy/memory_accuracy.json) holds every
-configuration's
-estimated and measured figures and whether each target was met.
+configuration's estimated and measured figures and whether each target was met.
 """
 
 from __future__ import annotations
