@@ -84,8 +84,8 @@ def run_one(cfg: dict) -> dict:
         saved_activations,
         weight_bytes,
     )
-    from lisaft.model.load import DTYPES, model_parts
     from lisaft.model.loss import token_loss_sum
+    from lisaft.model.parts import DTYPES, model_parts
 
     torch.manual_seed(0)
     config = LlamaConfig(**cfg["model"], max_position_embeddings=4096, tie_word_embeddings=False)

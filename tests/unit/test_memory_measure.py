@@ -19,7 +19,7 @@ from lisaft.metrics.measure import (
     tensor_bytes,
     weight_bytes,
 )
-from lisaft.model.load import DTYPES, model_parts
+from lisaft.model.parts import DTYPES, model_parts
 
 _BASE = dict(hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=3, vocab_size=96, max_position_embeddings=128)

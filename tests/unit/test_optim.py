@@ -325,7 +325,7 @@ def test_paged_updates_in_backward_wait_on_an_event_not_the_device(tmp_path, mon
     on its stream instead, and a unit's release (its buffers go to the next unit) waits for it."""
     from collections import Counter
 
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
     from lisaft.model.units import model_units
     from lisaft.optim.in_backward import StepInBackward
     from lisaft.optim.unit_optimizers import UnitOptimizers
