@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from lisaft.distributed.fsdp import LocalShards
-    from lisaft.train.step import Phases
+    from lisaft.metrics.phases import Phases
 
 
 def choose(recipe: Recipe) -> Strategy:

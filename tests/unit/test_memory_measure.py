@@ -161,7 +161,8 @@ def test_tensor_bytes_match_estimate(opt_name):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     from lisaft.config.schema import OptimizerSection
-    from lisaft.optim.adamw import Rounding, build_unit_optimizer
+    from lisaft.optim.adamw import Rounding
+    from lisaft.optim.build import build_unit_optimizer
 
     opt = build_unit_optimizer(list(model.parameters()), OptimizerSection(name=opt_name, lr=1e-3),
                                torch.device("cpu"), Rounding("stochastic", 0), 0, None)
