@@ -136,10 +136,11 @@ class DataSection(Section):
     eval_fraction: Float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
     )
-    format: Literal["text", "instruction", "chat"] = Field(
+    format: Literal["text", "instruction", "chat", "preference"] = Field(
         "text",
         description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
-        "chat: `messages` [{role, content}].",
+        "chat: `messages` [{role, content}]; preference: `prompt`, `chosen`, `rejected` (strings or "
+        "messages; needs a `preference` section, docs/preference.md).",
     )
     max_seq_len: Int = Field(
         1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
@@ -354,6 +355,39 @@ class TrainingSection(Section):
         return v
 
 
+PreferenceLoss = Literal["dpo", "simpo", "orpo"]
+
+# Each loss's β when the recipe gives none: DPO's paper (Rafailov et al. 2023) and TRL's DPOConfig
+# 0.1; SimPO's paper (Meng et al. 2024) 2.0-2.5, torchtune's SimPOLoss 2.0; ORPO's paper (Hong et
+# al. 2024) and TRL's ORPOConfig λ = 0.1.
+PREFERENCE_BETA: dict[str, float] = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+
+
+class PreferenceSection(_Section):
+    loss: PreferenceLoss = Field(
+        ..., description="dpo: −log σ(β((logp_c − ref_c) − (logp_r − ref_r))), log-probs summed over "
+        "each completion, the reference's computed once before step 1; simpo: −log σ(β(avg_c − avg_r) − γ), "
+        "avg the mean log-prob per completion token, no reference; orpo: the chosen answers' NLL plus "
+        "β times the odds-ratio loss, no reference. docs/preference.md")
+    beta: Float = Field(
+        0.1, gt=0.0, description="DPO's β, SimPO's β, ORPO's λ (the odds-ratio term's weight). When unset, "
+        "the loss's own default: dpo 0.1 (the DPO paper, TRL's DPOConfig), simpo 2.0 (the SimPO paper, "
+        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig).")
+    gamma: Float = Field(
+        0.5, ge=0.0, description="SimPO's target reward margin γ (TRL's CPOConfig simpo_gamma and torchtune's "
+        "SimPOLoss: 0.5). Read by simpo only.")
+    reference: str | None = Field(
+        None, description="DPO's reference model (a local folder or hub id), loaded only for the one pass "
+        "that computes the reference log-probs before step 1. null: the initial policy itself.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _beta_of_the_loss(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_BETA:
+            data = {**data, "beta": PREFERENCE_BETA[data["loss"]]}
+        return data
+
+
 LoggingBackend = Literal["jsonl", "tensorboard", "wandb"]
 
 
@@ -379,6 +413,8 @@ class Recipe(Section):
     lora: LoraSection = LoraSection()
     training: TrainingSection
     logging: LoggingSection = LoggingSection()
+    preference: PreferenceSection | None = Field(
+        None, description="Preference tuning (DPO, SimPO, ORPO) on data.format preference; null: SFT.")
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
@@ -407,7 +443,7 @@ CADENCE_KEYS = (
 # for a value given with --set.
 _PATH_FIELDS = (
     ("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"),
-    ("data", "train"), ("data", "eval"), ("training", "output_dir"),
+    ("data", "train"), ("data", "eval"), ("training", "output_dir"), ("preference", "reference"),
 )
 
 
@@ -427,10 +463,20 @@ def _resolve_paths(data: dict, base: Path, only: list[Override] | None = None) -
         # A hub id ("name" or "org/name") stays as it is unless something of that name sits beside
         # the recipe; a value that can only be a path ("./x", "a/b/c", "x.jsonl") is resolved
         # even when missing, so the error names the full path.
-        if key in ("name_or_path", "tokenizer", "train", "eval") and not candidate.exists() \
+        if key in ("name_or_path", "tokenizer", "train", "eval", "reference") and not candidate.exists() \
                 and not can_only_be_path(value, data_file=section == "data"):
             continue
         sec[key] = str(candidate.resolve())
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section type a field holds (`X` or an optional `X | None`), or None for a plain key."""
+    from typing import get_args
+
+    for t in (annotation, *get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
 
 
 def _known_keys(loc: tuple) -> list[str]:
@@ -438,9 +484,10 @@ def _known_keys(loc: tuple) -> list[str]:
     model: Any = Recipe
     for part in loc[:-1]:
         field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        section = _section(field.annotation) if field is not None else None
+        if section is None:
             return []
-        model = field.annotation
+        model = section
     return list(model.model_fields)
 
 
@@ -565,9 +612,10 @@ def reference_markdown() -> str:
              "file resolves against the file's folder; one given with `--set` against the current",
              "directory, as any path typed on a command line.", ""]
     for name, f in Recipe.model_fields.items():
-        section = f.annotation
-        assert isinstance(section, type) and issubclass(section, BaseModel)
-        lines += [f"## {name}", "", "| key | default | meaning |", "| --- | --- | --- |"]
+        section = _section(f.annotation)
+        assert section is not None, f"Recipe.{name} is not a section"
+        lines += [f"## {name}", ""] + ([f.description, ""] if f.description else [])
+        lines += ["| key | default | meaning |", "| --- | --- | --- |"]
         for key, field in section.model_fields.items():
             default = "required" if field.is_required() else json.dumps(
                 field.default if not isinstance(field.default, tuple) else list(field.default))
