@@ -43,14 +43,14 @@ def _signed(text: str) -> list[str]:
 
 def _in_file(figure: str, text: str) -> bool:
     """As written, or each of its numbers as a number of the file rounded to the figure's digits
-    (as a fraction, or that fraction as a percentage)."""
+    (as it is, as a fraction's percentage, or in thousandths: seconds as ms)."""
     if figure in text:
         return True
     values = [float(n) for n in _signed(text)]
     for wanted in _signed(figure):
         digits = len(wanted.split(".")[1]) if "." in wanted else 0
         target = float(wanted)
-        if not any(round(v, digits) == target or round(100 * v, digits) == target for v in values):
+        if not any(round(scale * v, digits) == target for v in values for scale in (1, 100, 1000)):
             return False
     return True
 
