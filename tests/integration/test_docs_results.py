@@ -124,6 +124,9 @@ def _estimated(path: Path, overrides: list[str]) -> str:
 
 @pytest.mark.parametrize("name,recipe,overrides", [
     ("apollo-24gb", "llama3.1-8b-apollo-24gb.yaml", []),
+    ("apollo-r32-24gb", "llama3.1-8b-apollo-24gb.yaml",
+     ["optimizer.name=apollo", "optimizer.rank=32", "optimizer.scale=1", "optimizer.scale_type=channel"]),
+    ("full-24gb", "llama3.1-8b-full-24gb.yaml", []),
     ("lisa-24gb", "llama3.1-8b-lisa-24gb.yaml", []),
     ("lisa-16k-24gb", "llama3.1-8b-lisa-16k-24gb.yaml", []),
     ("lora-24gb", "llama3.1-8b-lora-24gb.yaml", []),
