@@ -16,7 +16,7 @@ from lisaft.memory.advice import advice
 from lisaft.memory.command import settings_from_recipe
 from lisaft.memory.estimate import GiB, compute
 from lisaft.memory.settings import settings_for_config
-from lisaft.model.load import model_parts
+from lisaft.model.parts import model_parts
 from lisaft.model.units import model_units
 from lisaft.optim.unit_optimizers import UnitOptimizers
 
