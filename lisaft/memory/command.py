@@ -34,6 +34,7 @@ from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import Estimate, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
 from lisaft.memory.methods import methods
+from lisaft.memory.preference import preference_summary
 from lisaft.memory.settings import GiB, Settings, recipe_for_model
 
 DEFAULT_BUDGET = "24GiB"
@@ -280,6 +281,7 @@ class Report:
                         for opt in OPTIMIZERS if any(o == opt for o, _ in self.grid)},
             methods=[{"method": m.name, "set": m.overrides, "learned": m.learned,
                       "total_bytes": m.estimate.total_bytes, "fits": m.estimate.fits} for m in self.methods],
+            preference=preference_summary(self.estimate),
         )
         return out
 

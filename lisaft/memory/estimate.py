@@ -51,6 +51,8 @@ COMPONENTS = (
     "cublas_workspace", "allocator_overhead", "cuda_context", "cuda_kernels", "process_baseline",
     "host_weight_copies",
 )
+# Moments before the first step: a random init whole on each rank (training.fsdp), DPO's reference pass.
+SETUP_PHASES = ("model_load", "reference_pass")
 # Outside PyTorch's allocator counters (torch.cuda.max_memory_reserved), inside NVML-used.
 OUTSIDE_ALLOCATOR = ("cuda_context", "cuda_kernels")
 
@@ -163,7 +165,7 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     # the device must hold at least everything else; what is left over keeps paged state.
     without_paged = max(fixed.total(parts, False)[0] for parts in phases.values())
     paged_gpu = max(0, min(r.state.paged, s.budget_bytes - without_paged))
-    tokens = (rec.training.batch_size, rec.data.max_seq_len)
+    tokens = (s.sequences, rec.data.max_seq_len)
     activation_host = offloaded_host_bytes(shape, dt, *tokens) if b.offload_act else 0
     return Estimate(
         settings=s, total_params=counts.total, trainable_params=r.trainable_params,
@@ -207,11 +209,27 @@ def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward)
         phases["optimizer_step"] = moment(b.step_phase, 0, 0, b.step_temp, "optimizer_step")
     if "root_backward" in extra:  # the embeddings' backward ends it: every other slice's gradient is kept
         phases["root_backward"] = moment(r.grads_full, 0, 0, 0, "root_backward")
+    if s.reference_pass:
+        phases["reference_pass"] = _reference_pass(moment(0, 0, b.loss_peak, 0, "loss_backward"), r, b)
     if s.fsdp and s.recipe.model.config is not None:
         # Set-up: a random init is whole on the device before fully_shard splits it.
         phases["model_load"] = {**moment(0, 0, 0, 0, "model_load"), "optimizer_states": 0,
                                 "unsharded_load": weight_bytes(counts, dt) - r.weights}
     return phases
+
+
+def _reference_pass(m: dict[str, int], r: Resident, b: Backward) -> dict[str, int]:
+    """DPO's reference log-probs, one pass over the pairs before step 1 (lisaft/train/preference.py):
+    under no_grad nothing is saved for backward and no gradient exists; the optimizer is built
+    after it, so no state; a layer's forward at a time (at most what its recompute holds, the
+    dequantized weight of a 4-bit linear included) and the loss's chunk of log-probs. Under FSDP
+    the units gathered as in the forward, nothing reduced. The weights are the policy's, or a
+    preference.reference of the same architecture, loaded for the pass and freed before it."""
+    forward = b.act.one_layer_full + b.act.mlp_chunk + (r.lora.transient if r.lora is not None else 0)
+    out = {**m, "optimizer_states": 0, "transient": forward}
+    if "gradient_reduce" in out:
+        out["gradient_reduce"] = 0
+    return out
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from rich.table import Table
 from rich.text import Text
 
 from lisaft.memory.advice import AUTO_MARGIN, RANKS, host_is_the_limit
-from lisaft.memory.estimate import Estimate
+from lisaft.memory.estimate import SETUP_PHASES, Estimate
 from lisaft.memory.methods import shared_settings
+from lisaft.memory.preference import preference_lines
 from lisaft.memory.tables import HOST_RAM_NO, advice_table, fit_mark, grid_table, human, methods_table
 
 _DESCRIPTIONS = {
@@ -72,7 +73,8 @@ def settings_line(est: Estimate) -> str:
         f"{lisa}; {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
         f"{' on the CPU (cpu_offload)' if r.optimizer.cpu_offload else ''}; {r.model.dtype}; "
         f"{s.attention}; checkpointing {'on' if r.model.gradient_checkpointing else 'off'}; "
-        f"batch {r.training.batch_size} x seq {r.data.max_seq_len}"
+        f"batch {r.training.batch_size}{' pairs (2 sequences each)' if r.preference is not None else ''} x seq "
+        f"{r.data.max_seq_len}"
         f"{f' x accum {accum}' if accum > 1 else ''}; device {s.device}"
         f"{f'; training.fsdp, per rank of {s.ranks}' if s.fsdp else ''}"
     )
@@ -95,8 +97,8 @@ def components_table(est: Estimate, phase: str | None = None) -> Table:
 
 
 def step_peak_phase(est: Estimate) -> str:
-    """The training step's own peak moment, apart from loading the model (training.fsdp)."""
-    return max((p for p in est.phases if p != "model_load"), key=lambda p: est.phases[p])
+    """The training step's own peak moment, apart from the set-up's (SETUP_PHASES)."""
+    return max((p for p in est.phases if p not in SETUP_PHASES), key=lambda p: est.phases[p])
 
 
 def host_table(est: Estimate) -> Table:
@@ -233,8 +235,9 @@ def _largest_line(report) -> Text:
     if seq is not None and seq == report.context_length:
         seq_text += " (the model's context length)"
     batch = "none" if report.largest_batch_size is None else str(report.largest_batch_size)
-    return Text(f"Largest sequence length that fits at batch {s.recipe.training.batch_size}: {seq_text}; "
-                f"largest batch at seq {s.recipe.data.max_seq_len}: {batch}.")
+    unit = " pairs" if s.recipe.preference is not None else ""
+    return Text(f"Largest sequence length that fits at batch {s.recipe.training.batch_size}{unit}: {seq_text}; "
+                f"largest batch at seq {s.recipe.data.max_seq_len}: {batch}{unit}.")
 
 
 def render(report, explain: bool = False) -> Group:
@@ -244,7 +247,7 @@ def render(report, explain: bool = False) -> Group:
     if est.settings.auto:
         parts.append(_auto_line(est))
     parts.append(components_table(est))
-    if est.peak_phase == "model_load":
+    if est.peak_phase in SETUP_PHASES:
         parts.append(components_table(est, step_peak_phase(est)))
     if est.host_components:
         parts.append(host_table(est))
@@ -277,6 +280,7 @@ def render(report, explain: bool = False) -> Group:
     marks = [fit_mark(e) for e in (*report.grid.values(), *(c.estimate for c in report.advice))]
     if "no (host RAM)" in marks:
         parts.append(Text(HOST_RAM_NO, style="dim"))
+    parts += [Text(line) for line in preference_lines(est)]
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)

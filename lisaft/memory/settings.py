@@ -101,6 +101,17 @@ class Settings:
         return choice
 
     @property
+    def sequences(self) -> int:
+        """Sequences per micro-batch: training.batch_size, twice over for pairs (the chosen and the
+        rejected answer of each go through one forward, lisaft/train/preference.py)."""
+        return self.recipe.training.batch_size * (2 if self.recipe.preference is not None else 1)
+
+    @property
+    def reference_pass(self) -> bool:
+        """DPO computes its reference's log-probs in one pass before step 1 (no other loss has one)."""
+        return self.recipe.preference is not None and self.recipe.preference.loss == "dpo"
+
+    @property
     def clipping(self) -> bool:
         return self.recipe.training.max_grad_norm is not None
 
@@ -155,6 +166,8 @@ class Settings:
             "seq_len": r.data.max_seq_len, "grad_accum_steps": r.training.grad_accum_steps,
             "clipping": self.clipping, "device": self.device, "fsdp": r.training.fsdp, "ranks": self.ranks,
             "model_from_config": r.model.config is not None,
+            "preference": r.preference.loss if r.preference is not None else None,
+            "sequences": self.sequences,
             "lora": {"rank": lora.rank, "targets": targets, "dora": lora.dora, "dropout": lora.dropout,
                      "train_embeddings": lora.train_embeddings, "quantize": r.model.quantize}
             if lora.enabled else None,

@@ -91,7 +91,7 @@ def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Residen
 
 def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Resident) -> Backward:
     rec, model = s.recipe, s.recipe.model
-    batch, seq = rec.training.batch_size, rec.data.max_seq_len
+    batch, seq = s.sequences, rec.data.max_seq_len
     head_weight_trains = s.head_weight_trains(counts.tied)
     # On CPU the host is the device: offloading moves nothing out of the memory that counts.
     offload_act = model.offload_activations and model.gradient_checkpointing and s.device == "cuda"
@@ -130,7 +130,7 @@ def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Residen
 def _with_adapters(act: ActivationBreakdown, lc: LoraCounts, s: Settings, shape: Shape) -> ActivationBreakdown:
     """A LoRA run's activations: frozen layers' plus what the adapters keep, in every layer or, with
     checkpointing, in the one recomputed."""
-    tokens = s.recipe.training.batch_size * s.recipe.data.max_seq_len
+    tokens = s.sequences * s.recipe.data.max_seq_len
     one = tokens * lc.saved_per_token_layer + lc.saved_per_layer
     if s.recipe.model.gradient_checkpointing:
         return replace(act, one_layer_full=act.one_layer_full + one)
@@ -168,7 +168,8 @@ def _step_temporaries(s: Settings, counts: ParamCounts, dt: int, r: Resident) ->
     if r.offload:
         step_temp = 0
     elif is_apollo(opt.name):
-        step_temp = apollo_step_temporaries(counts.sharded(s.ranks) if s.fsdp else counts, s, dt, sparse_numel)
+        # What this process steps: a rank's slices under FSDP, the adapters under LoRA.
+        step_temp = apollo_step_temporaries(r.local, s, dt, sparse_numel)
     else:
         step_temp = step_temporaries(opt.name, r.largest, dt, s.device, opt.bf16_update, sparse_numel)
     in_bwd_step = step_temp if opt.in_backward else 0

@@ -68,7 +68,7 @@ def sparse_embedding_saving(counts: ParamCounts, shape: Shape, s: Settings, dt: 
     if s.fsdp:
         return 0
     r = s.recipe
-    tokens = r.training.batch_size * r.data.max_seq_len * r.training.grad_accum_steps
+    tokens = s.sequences * r.data.max_seq_len * r.training.grad_accum_steps
     if not (r.model.sparse_embedding_grad and s.embeddings_train and not counts.tied and counts.embeddings
             and sparse_grad_is_smaller(shape.vocab, tokens)):
         return 0
