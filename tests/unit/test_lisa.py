@@ -531,7 +531,7 @@ def test_stale_offload_files_are_cleared(tmp_path):
     assert list(folder.iterdir()) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="paged state needs CUDA")
+@pytest.mark.gpu  # paged state needs CUDA
 @pytest.mark.parametrize("name", ["paged_adamw_32bit", "paged_adamw_8bit"])
 @pytest.mark.parametrize("policy", ["discard", "offload_cpu", "offload_disk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
