@@ -18,9 +18,7 @@ import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
-    Strict,
     ValidationError,
     field_validator,
     model_validator,
@@ -28,6 +26,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from lisaft.config.compat import first_exclusion
+from lisaft.config.fields import Bool, Float, Int, Section, whole_number
 from lisaft.config.hub import can_only_be_path
 from lisaft.config.lora import LoraSection, check_lora
 from lisaft.config.optimizers import OptimizerName
@@ -39,31 +38,11 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
 StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
 
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _whole_number(v: Any) -> Any:
-    """A count: `true` is not 1, and `1e3` (which YAML reads as a string) is 1000."""
-    if isinstance(v, bool):
-        raise ValueError("must be a whole number, not true/false")
-    if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
-        f = float(v)
-        if not f.is_integer():
-            raise ValueError(f"must be a whole number, got {v}")
-        return int(f)
-    return v
-
-
-def _real_number(v: Any) -> Any:
-    if isinstance(v, bool):
-        raise ValueError("must be a number, not true/false")
-    return v
-
 
 def _layers_or_auto(v: Any) -> Any:
     if v == "auto":
         return v
-    v = _whole_number(v)
+    v = whole_number(v)
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int):
@@ -73,21 +52,14 @@ def _layers_or_auto(v: Any) -> Any:
     return v
 
 
-Int = Annotated[int, BeforeValidator(_whole_number)]
 # lisa.active_layers: γ, or "auto" (resolved from the memory estimate when a run starts).
 LayersOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_layers_or_auto)]
-Float = Annotated[float, BeforeValidator(_real_number)]
-Bool = Annotated[bool, Strict()]
 
 
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     name_or_path: str | None = Field(
         None, description="Local folder saved with save_pretrained, or a hub id (needs network)."
     )
@@ -115,7 +87,7 @@ class ModelSection(_Section):
         "GPU, copied on a side stream that overlaps compute (long context). Needs "
         "gradient_checkpointing.",
     )
-    mlp_chunk_tokens: int | None = Field(
+    mlp_chunk_tokens: Int | None = Field(
         None, ge=1,
         description="Run each layer's MLP over this many positions at a time, each chunk "
         "checkpointed: its intermediates (4 x intermediate_size per token) exist for one chunk "
@@ -158,7 +130,7 @@ class ModelSection(_Section):
         return self
 
 
-class DataSection(_Section):
+class DataSection(Section):
     train: str = Field(..., description="jsonl/json/csv/parquet file, saved dataset folder, or hub name.")
     eval: str | None = Field(None, description="Eval set, same kinds as train.")
     eval_fraction: Float = Field(
@@ -218,7 +190,7 @@ class DataSection(_Section):
         return v
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(Section):
     name: OptimizerName = Field("adamw_32bit", description="Optimizer; see docs/lisa.md.")
     lr: Float = Field(1e-5, description="Peak learning rate.")
     weight_decay: Float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
@@ -276,13 +248,13 @@ class OptimizerSection(_Section):
         return self
 
 
-class SchedulerSection(_Section):
+class SchedulerSection(Section):
     name: Literal["constant", "linear", "cosine"] = Field("cosine", description="LR decay shape.")
     warmup_steps: Int = Field(0, ge=0, description="Linear warmup from 0 over this many steps.")
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, x peak lr.")
 
 
-class LisaSection(_Section):
+class LisaSection(Section):
     enabled: Bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
     active_layers: LayersOrAuto = Field(
         2, description="γ: decoder layers trained per interval. auto: the largest γ whose estimated peak fits "
@@ -302,7 +274,7 @@ class LisaSection(_Section):
     )
 
 
-class TrainingSection(_Section):
+class TrainingSection(Section):
     seed: Int = Field(42, description="Seeds model init, data order, LISA sampling, dropout.")
     batch_size: Int = Field(1, ge=1, description="Sequences per micro-batch (per rank).")
     grad_accum_steps: Int = Field(1, ge=1, description="Micro-batches per optimizer step.")
@@ -368,7 +340,7 @@ class TrainingSection(_Section):
         if v == "auto":
             return v
         try:
-            n = _whole_number(v)
+            n = whole_number(v)
         except ValueError:
             n = None
         if not isinstance(n, int) or n < 1:
@@ -391,7 +363,7 @@ PreferenceLoss = Literal["dpo", "simpo", "orpo"]
 PREFERENCE_BETA: dict[str, float] = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
 
 
-class PreferenceSection(_Section):
+class PreferenceSection(Section):
     loss: PreferenceLoss = Field(
         ..., description="dpo: −log σ(β((logp_c − ref_c) − (logp_r − ref_r))), log-probs summed over "
         "each completion, the reference's computed once before step 1; simpo: −log σ(β(avg_c − avg_r) − γ), "
@@ -419,7 +391,7 @@ class PreferenceSection(_Section):
 LoggingBackend = Literal["jsonl", "tensorboard", "wandb"]
 
 
-class LoggingSection(_Section):
+class LoggingSection(Section):
     backends: list[LoggingBackend] = Field(
         ["jsonl"],
         description="Where records go: jsonl (RUN/metrics.jsonl, always on), tensorboard "
@@ -432,7 +404,7 @@ class LoggingSection(_Section):
     )
 
 
-class Recipe(_Section):
+class Recipe(Section):
     model: ModelSection
     data: DataSection
     optimizer: OptimizerSection = OptimizerSection()

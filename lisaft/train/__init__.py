@@ -13,8 +13,9 @@ A name here is never a module's: `lisaft.train.resume` is resume.py (the `lisaft
 point is `lisaft.train.commands.resume`), `lisaft.train.evaluate` is evaluate.py.
 """
 
+from lisaft.metrics.phases import Phases
 from lisaft.train.commands import train
 from lisaft.train.session import Session, build_session
-from lisaft.train.step import Phases, StepResult, train_step
+from lisaft.train.step import StepResult, train_step
 
 __all__ = ["Phases", "Session", "StepResult", "build_session", "train", "train_step"]

@@ -28,7 +28,8 @@ from lisaft.config.schema import Recipe
 from lisaft.distributed import dist
 from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
-from lisaft.model.load import ModelParts, load_model, model_parts, pretrained
+from lisaft.model.load import load_model
+from lisaft.model.parts import ModelParts, model_parts, pretrained
 from lisaft.model.units import Unit
 from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.optim.gradients import clip_grad_norm
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from lisaft.distributed.fsdp import LocalShards
-    from lisaft.train.step import Phases
+    from lisaft.metrics.phases import Phases
 
 
 def choose(recipe: Recipe) -> Strategy:

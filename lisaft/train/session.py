@@ -26,7 +26,7 @@ from lisaft.data.packing import Packing, pack_examples
 from lisaft.distributed import dist
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
-from lisaft.model.load import ModelParts
+from lisaft.model.parts import ModelParts
 from lisaft.model.preference import PairObjective
 from lisaft.model.units import Unit
 from lisaft.optim.in_backward import StepInBackward
@@ -147,11 +147,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     tokenizer (anything with pad_token_id) and tokenized examples to skip loading. A DPO run
     not `resuming` computes its reference log-probs here, before the optimizer exists."""
     from lisaft.env.threads import apply_threads
-    from lisaft.model.load import load_tokenizer, resolve_device
+    from lisaft.model.load import load_tokenizer
     from lisaft.model.units import model_units
 
     t = recipe.training
-    device = resolve_device(t.device)
+    device = dist.resolve_device(t.device)
     dist.init_from_env(device)  # a torchrun launch: the backend of the training device
     parallel = choose(recipe)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
@@ -212,7 +212,8 @@ def _model(recipe: Recipe, parallel: Strategy,
            device: torch.device) -> tuple[nn.Module, ModelParts, Adapters | None]:
     """The model, loaded and placed as the parallel strategy says, its parts, and its adapters
     (lora.enabled)."""
-    from lisaft.model.load import check_context_length, compile_layers, model_parts, use_sparse_embedding_grad
+    from lisaft.model.load import check_context_length, compile_layers, use_sparse_embedding_grad
+    from lisaft.model.parts import model_parts
 
     t = recipe.training
     model = parallel.load_model(device)

@@ -18,7 +18,7 @@ from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.config.schema import LisaSection, OptimizerSection
 from lisaft.errors import LisaftError
 from lisaft.lisa import LayerSampler, LisaController
-from lisaft.model.load import model_parts
+from lisaft.model.parts import model_parts
 from lisaft.model.units import model_units
 from lisaft.optim.adamw import is_paged
 from lisaft.optim.in_backward import StepInBackward
