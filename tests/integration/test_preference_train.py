@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 import lisaft.train.preference as preference
 from lisaft.cli import app
-from lisaft.metrics.log import read_metrics
+from lisaft.metrics.log import read_metrics, scalars
+from lisaft.metrics.plot import RunData, plot_command
 from lisaft.model.preference import METRICS
 from lisaft.train import train
 from lisaft.train.commands import resume
@@ -76,6 +77,10 @@ def test_each_objective_trains_and_reports_its_rewards(pref_run, passes, loss):
         assert eval_recs[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
         assert train_recs[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)
         assert passes == [32, 8]
+        # TensorBoard and W&B get every field; `lisaft plot` draws the reward accuracy.
+        assert {"train/reward_margin", "train/logp_chosen"} <= set(scalars(train_recs[-1])[1])
+        assert set(scalars(eval_recs[-1])[1]) == {"eval/loss", "eval/reward_accuracy", "eval/reward_margin"}
+        assert RunData(run, "dpo").pairs and plot_command([run]) == 0 and (run / "plot.png").is_file()
     else:
         assert passes == []  # SimPO and ORPO use no reference
 
