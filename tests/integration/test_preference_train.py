@@ -134,3 +134,35 @@ def test_two_ranks_normalise_by_the_global_pairs_as_one_process_at_twice_the_bat
     assert grad_norms(pref_run.dir / "dp") == pytest.approx(grad_norms(pref_run.dir / "one"), rel=1e-4)
     assert [r["eval_loss"] for r in dp_eval] == pytest.approx([r["eval_loss"] for r in one_eval], rel=1e-5)
     assert dp_train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the shared reference pass is whole
+
+
+@pytest.mark.parametrize("method", [
+    {"lora": {"enabled": True}}, {"optimizer": {"cpu_offload": True}}, {"optimizer": {"name": "apollo_mini"}},
+    {"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}}, {"lisa": {"enabled": True}},
+], ids=["lora", "cpu_offload", "apollo_mini", "in_backward", "lisa"])
+def test_dpo_runs_with_every_way_to_train(tiny_run, method):
+    _write_pairs(tiny_run.dir / "pairs.jsonl", 16, 1)
+    sections = {"data": {"train": "pairs.jsonl", "eval": None, "format": "preference"},
+                "lisa": {"enabled": False}, "preference": {"loss": "dpo"},
+                "training": {"max_steps": 2, "eval_every": 0}}
+    for section, values in method.items():
+        sections[section] = {**sections.get(section, {}), **values}
+    assert train(tiny_run(**sections), show=False) == 0
+    first, second = _records(tiny_run.dir / "run")[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert second["loss"] != first["loss"] and second["reward_margin"] != 0  # the first update moved the policy
+
+
+def test_a_reference_model_is_loaded_for_the_pass(pref_run, passes):
+    assert train(pref_run("orpo.yaml", loss="orpo", max_steps=2, eval_every=0, output_dir="orpo"), show=False) == 0
+    trained = str(pref_run.dir / "orpo" / "final")
+    # Its own weights as policy and reference: no difference at the start.
+    same = pref_run("same.yaml", max_steps=1, eval_every=0, output_dir="same")
+    assert train(same, overrides=["model.config=null", f"model.name_or_path={trained}",
+                                  f"preference.reference={trained}"], show=False) == 0
+    assert _records(pref_run.dir / "same")[0][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    # A random-init policy against the trained reference: the rewards start apart.
+    other = pref_run("other.yaml", max_steps=1, eval_every=0, output_dir="other")
+    assert train(other, overrides=[f"preference.reference={trained}"], show=False) == 0
+    assert abs(_records(pref_run.dir / "other")[0][0]["reward_margin"]) > 1e-4
+    assert passes == [32, 8, 32, 8]
