@@ -81,6 +81,10 @@ def test_each_objective_trains_and_reports_its_rewards(pref_run, passes, loss):
         assert {"train/reward_margin", "train/logp_chosen"} <= set(scalars(train_recs[-1])[1])
         assert set(scalars(eval_recs[-1])[1]) == {"eval/loss", "eval/reward_accuracy", "eval/reward_margin"}
         assert RunData(run, "dpo").pairs and plot_command([run]) == 0 and (run / "plot.png").is_file()
+        # `lisaft generate` prompts the result as its pairs' prompts were laid out.
+        out = runner.invoke(app, ["generate", str(run), "--input-file", str(pref_run.dir / "pairs_eval.jsonl"),
+                                  "--limit", "2", "--max-new-tokens", "3"])
+        assert out.exit_code == 0 and "preference prompts" in out.output and "exact match:" in out.output, out.output
     else:
         assert passes == []  # SimPO and ORPO use no reference
 
