@@ -123,21 +123,25 @@ def test_the_nonfinite_guard_covers_pairs(pref_run):
 
 
 def test_two_ranks_normalise_by_the_global_pairs_as_one_process_at_twice_the_batch(pref_run):
+    """Data parallel and FSDP2, two gloo ranks of batch 2, against one process of batch 4."""
     from test_distributed import grad_norms, torchrun
 
     common = dict(max_steps=4)  # every eval pair, whatever the batch
-    dp = pref_run("dp.yaml", batch_size=2, output_dir="dp", **common)
-    result = torchrun("train", str(dp), cwd=pref_run.dir)
-    assert result.returncode == 0, result.stdout + result.stderr
     assert train(pref_run("one.yaml", batch_size=4, output_dir="one", **common), show=False) == 0
-    (dp_train, dp_eval), (one_train, one_eval) = _records(pref_run.dir / "dp"), _records(pref_run.dir / "one")
-    # Float tolerance: the ranks' sums are added in another order. A rank that divided by its own
-    # pairs would halve the gradient, which the norm before clipping shows.
-    for key in ("loss", "reward_margin", "reward_accuracy", "logp_chosen"):
-        assert [r[key] for r in dp_train] == pytest.approx([r[key] for r in one_train], rel=1e-4, abs=1e-5), key
-    assert grad_norms(pref_run.dir / "dp") == pytest.approx(grad_norms(pref_run.dir / "one"), rel=1e-4)
-    assert [r["eval_loss"] for r in dp_eval] == pytest.approx([r["eval_loss"] for r in one_eval], rel=1e-5)
-    assert dp_train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the shared reference pass is whole
+    one_train, one_eval = _records(pref_run.dir / "one")
+    for name, fsdp in (("dp", False), ("fsdp", True)):
+        result = torchrun("train", str(pref_run(f"{name}.yaml", batch_size=2, output_dir=name, fsdp=fsdp, **common)),
+                          cwd=pref_run.dir)
+        assert result.returncode == 0, result.stdout + result.stderr
+        two_train, two_eval = _records(pref_run.dir / name)
+        # Float tolerance: the ranks' sums are added in another order. A rank that divided by its
+        # own pairs would halve the gradient, which the norm before clipping shows.
+        for key in ("loss", "reward_margin", "reward_accuracy", "logp_chosen"):
+            assert [r[key] for r in two_train] == pytest.approx([r[key] for r in one_train], rel=1e-4, abs=1e-5), \
+                (name, key)
+        assert grad_norms(pref_run.dir / name) == pytest.approx(grad_norms(pref_run.dir / "one"), rel=1e-4), name
+        assert [r["eval_loss"] for r in two_eval] == pytest.approx([r["eval_loss"] for r in one_eval], rel=1e-5)
+        assert two_train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the shared reference pass is whole
 
 
 @pytest.mark.parametrize("method", [
