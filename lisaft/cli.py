@@ -104,6 +104,23 @@ def resume(
     raise typer.Exit(code)
 
 
+@app.command()
+def data(
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe YAML."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    examples: int = typer.Option(3, "--examples", metavar="N", help="Train examples to show."),
+    json_out: bool = typer.Option(False, "--json", help="Print the audit as JSON.", metavar=""),
+) -> None:
+    """Audit RECIPE's data as it will train: examples, lengths, loss tokens."""
+    from lisaft.metrics.data_report import data_command
+
+    try:
+        code = data_command(recipe, set_ or [], json_out=json_out, shown=examples)
+    except LisaftError as e:
+        _fail(str(e), e.exit_code)
+    raise typer.Exit(code)
+
+
 @app.command("estimate-memory")
 def estimate_memory(
     recipe: Optional[Path] = typer.Argument(None, metavar="RECIPE",
