@@ -42,6 +42,7 @@ class Sequences:
     tokens: int                    # positions of the sequences that train, after the cut
     loss_tokens: int               # their targets that carry loss
     stop_examples: int             # sequences that train in which EOS or a turn-end token carries loss
+    stop_tokens: int               # loss tokens that are EOS or a turn-end token
     unk_tokens: int | None         # loss tokens that are the unknown token; None: the tokenizer has none
     unk_rows: list[int] = field(default_factory=list)  # indices of the rows that hold one
 
@@ -52,7 +53,8 @@ class Sequences:
             "truncated": self.truncated, "truncated_share": _share(self.truncated, self.count),
             "no_loss": self.no_loss, "trained_tokens": self.tokens, "loss_tokens": self.loss_tokens,
             "loss_share": _share(self.loss_tokens, self.tokens), "stop_examples": self.stop_examples,
-            "stop_share": _share(self.stop_examples, trains), "unk_tokens": self.unk_tokens,
+            "stop_tokens": self.stop_tokens, "stop_share": _share(self.stop_examples, trains),
+            "unk_tokens": self.unk_tokens,
             "unk_share": None if self.unk_tokens is None else _share(self.unk_tokens, self.loss_tokens),
         }
 
@@ -96,7 +98,7 @@ def _sequences(raw: list[Example], cut: list[Example], dropped: set[int], stops:
                unk: int | None) -> Sequences:
     lengths = sorted(len(ex["input_ids"]) for ex in raw)
     truncated = sum(len(c["input_ids"]) < len(r["input_ids"]) for r, c in zip(raw, cut))
-    tokens = loss = stopping = unk_count = 0
+    tokens = loss = stopping = stop_count = unk_count = 0
     unk_rows = []
     for i, ex in enumerate(cut):
         if i in dropped:
@@ -105,12 +107,14 @@ def _sequences(raw: list[Example], cut: list[Example], dropped: set[int], stops:
         targets = ex["labels"][1:]
         tokens += len(ex["input_ids"])
         loss += len(targets) - targets.count(IGNORE_INDEX)
-        stopping += any(targets.count(s) for s in stops)
+        stops_here = sum(targets.count(s) for s in stops)
+        stop_count += stops_here
+        stopping += stops_here > 0
         if unk is not None and (n := targets.count(unk)):
             unk_count += n
             unk_rows.append(i)
     return Sequences(len(raw), nearest_rank(lengths, 50), nearest_rank(lengths, 95), lengths[-1], truncated,
-                     len(dropped), tokens, loss, stopping, None if unk is None else unk_count, unk_rows)
+                     len(dropped), tokens, loss, stopping, stop_count, None if unk is None else unk_count, unk_rows)
 
 
 def audit_split(fmt: DataFormat, rows: Rows, examples: list[Example], fit: Fit, tokenizer) -> SplitAudit:
@@ -140,9 +144,9 @@ def check_split(audit: SplitAudit, rows: Rows, tokenizer) -> None:
     seqs = list(audit.sequences.values())
     loss = sum(s.loss_tokens for s in seqs)
     unk = sum(s.unk_tokens or 0 for s in seqs)
-    if unk and unk == loss:
-        raise LisaftError(f"{where}: nothing to train on: every loss token is the tokenizer's unknown token "
-                          f"{tokenizer.unk_token}; the tokenizer does not cover this data")
+    if unk and unk == loss - sum(s.stop_tokens for s in seqs):
+        raise LisaftError(f"{where}: nothing to train on: every loss token but EOS and turn ends is the "
+                          f"tokenizer's unknown token {tokenizer.unk_token}; the tokenizer does not cover this data")
     if unk > UNK_WARN_SHARE * loss:
         at = sorted({i for s in seqs for i in s.unk_rows})
         warn(f"{where}: {unk:,} of {loss:,} loss tokens ({unk / loss:.1%}) are the tokenizer's unknown token "
