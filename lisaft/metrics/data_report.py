@@ -72,9 +72,10 @@ def render(report: dict) -> str:
                      f"{split['same_answers']:,} with the same chosen and rejected tokens once cut")
         lines.append(line)
         for name, seq in split["sequences"].items():
-            lines.append(f"  {name}: " + _counts(seq, report["tokenizer"]))
-    lines.append(f"\n{len(report['examples'])} train examples as they train; loss-carrying tokens between "
-                 f"{LOSS_OPEN} and {LOSS_CLOSE}:")
+            lines += [f"  {'' if name == 'examples' else name + ' '}{line}" for line in _counts(seq, report)]
+    shown = len(report["examples"])
+    as_trained = f"{shown} train examples as they train" if shown != 1 else "1 train example as it trains"
+    lines.append(f"\n{as_trained}; the tokens that carry loss are between {LOSS_OPEN} and {LOSS_CLOSE}:")
     for ex in report["examples"]:
         lines.append("")
         if "prompt" in ex:
@@ -93,10 +94,11 @@ def _about(seq: dict) -> str:
     return f"{seq['tokens']} tokens, {seq['loss_tokens']} carry loss" + (", cut" if seq["truncated"] else "")
 
 
-def _counts(seq: dict, tok: dict) -> str:
-    unk = ("no unknown token" if seq["unk_tokens"] is None
-           else f"{seq['unk_tokens']:,} loss tokens are {tok['unk']} ({seq['unk_share']:.2%})")
-    return (f"tokens p50 {seq['tokens_p50']:,}, p95 {seq['tokens_p95']:,}, max {seq['tokens_max']:,}; "
-            f"{seq['truncated']:,} cut ({seq['truncated_share']:.1%}); loss on {seq['loss_tokens']:,} of "
-            f"{seq['trained_tokens']:,} tokens ({seq['loss_share']:.1%}); EOS or a turn end carries loss in "
-            f"{seq['stop_examples']:,} ({seq['stop_share']:.1%}); {unk}")
+def _counts(seq: dict, report: dict) -> list[str]:
+    unk = ("the tokenizer has no unknown token" if seq["unk_tokens"] is None else
+           f"{seq['unk_tokens']:,} of them {report['tokenizer']['unk']} ({seq['unk_share']:.2%})")
+    trains = seq["count"] - seq["no_loss"]
+    return [f"length in tokens: p50 {seq['tokens_p50']:,}, p95 {seq['tokens_p95']:,}, max {seq['tokens_max']:,}; "
+            f"{seq['truncated']:,} cut to {report['max_seq_len']:,} ({seq['truncated_share']:.1%})",
+            f"loss on {seq['loss_tokens']:,} of {seq['trained_tokens']:,} tokens ({seq['loss_share']:.1%}), {unk}; "
+            f"EOS or a turn end carries loss in {seq['stop_examples']:,} of {trains:,} ({seq['stop_share']:.1%})"]
