@@ -15,6 +15,7 @@ from lisaft.data.audit import marked
 from lisaft.data.examples import Split, data_splits
 from lisaft.data.formats.base import IGNORE_INDEX
 from lisaft.data.formats.preference import prompt_length
+from lisaft.data.packing import pack_examples
 
 # Around the tokens that carry loss in the text view.
 LOSS_OPEN, LOSS_CLOSE = "[[", "]]"
@@ -32,10 +33,19 @@ def data_command(recipe_path: Path, overrides: list[str], json_out: bool = False
         "recipe": str(recipe_path), "format": recipe.data.format, "max_seq_len": recipe.data.max_seq_len,
         "tokenizer": {"eos": tokenizer.eos_token, "unk": tokenizer.unk_token},
         "splits": [s.audit.as_json() for s in splits],
+        "packing": _packing(recipe, splits[0]),
         "examples": [_example(splits[0], i, tokenizer) for i in range(min(shown, len(splits[0].examples)))],
     }
     print(json.dumps(report, indent=1) if json_out else render(report), flush=True)
     return 0
+
+
+def _packing(recipe, train: Split) -> dict | None:
+    """data.packing's rows, as `lisaft train` packs the train examples (eval is never packed)."""
+    if not recipe.data.packing:
+        return None
+    packing = pack_examples(train.fit.kept, recipe.data.max_seq_len, recipe.training.seed)
+    return {"examples": packing.n_examples, "rows": len(packing.rows), "fill": packing.fill}
 
 
 def _sequence(example: dict, raw: dict, tokenizer, start: int = 0) -> dict:
@@ -73,9 +83,14 @@ def render(report: dict) -> str:
         lines.append(line)
         for name, seq in split["sequences"].items():
             lines += [f"  {'' if name == 'examples' else name + ' '}{line}" for line in _counts(seq, report)]
+    if report["packing"]:
+        p = report["packing"]
+        lines.append(f"data.packing: {p['examples']:,} train examples in {p['rows']:,} rows, "
+                     f"{p['fill']:.1%} of positions real")
     shown = len(report["examples"])
-    as_trained = f"{shown} train examples as they train" if shown != 1 else "1 train example as it trains"
-    lines.append(f"\n{as_trained}; the tokens that carry loss are between {LOSS_OPEN} and {LOSS_CLOSE}:")
+    if shown:
+        as_trained = f"{shown} train examples as they train" if shown != 1 else "1 train example as it trains"
+        lines.append(f"\n{as_trained}; the tokens that carry loss are between {LOSS_OPEN} and {LOSS_CLOSE}:")
     for ex in report["examples"]:
         lines.append("")
         if "prompt" in ex:

@@ -3,6 +3,7 @@ quickstart data and tokenizer, the loss tokens marked in what it shows, unknown 
 and data that would train on nothing refused by it and by `lisaft train` alike."""
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -76,6 +77,12 @@ def test_counts_match_arithmetic_on_the_quickstart_eval_set(tok):
     # EOS is the last token: it survives the cut only in the examples that were not cut.
     assert seq["stop_examples"] == int((lengths <= max_len).sum())
     assert seq["unk_tokens"] == 0 and report["tokenizer"] == {"eos": "</s>", "unk": "<unk>"}
+    assert report["packing"] is None
+    packed = audit(f"data.train={QUICKSTART / 'eval.jsonl'}", "data.eval=null", f"data.max_seq_len={max_len}",
+                   "data.packing=true", examples=0)["packing"]
+    # Every kept example is whole in one row: the rows hold exactly the trained tokens.
+    assert packed["examples"] == kept.sum() and packed["rows"] >= math.ceil(seq["trained_tokens"] / max_len)
+    assert packed["fill"] * packed["rows"] * max_len == pytest.approx(seq["trained_tokens"])
 
 
 def test_nearest_rank_is_the_inverted_cdf_percentile():
