@@ -70,10 +70,12 @@ class SplitAudit:
     truncated: int                 # rows cut (a pair: either answer)
     dropped: list[int]             # indices of rows dropped for having no loss token left
     same_answers: list[int]        # pairs whose two answers are the same tokens once cut: no signal
+    numbers: list[int]             # each row's line (or row) number in its file
 
     def as_json(self) -> dict:
         return {"key": self.key, "source": self.source, "rows": self.rows, "truncated": self.truncated,
                 "truncated_share": _share(self.truncated, self.rows), "dropped": len(self.dropped),
+                "dropped_rows": [self.numbers[i] for i in self.dropped],
                 "same_answers": len(self.same_answers),
                 "sequences": {k: s.as_json() for k, s in self.sequences.items()}}
 
@@ -129,7 +131,7 @@ def audit_split(fmt: DataFormat, rows: Rows, examples: list[Example], fit: Fit, 
                      for k in ("chosen", "rejected")}
         same = [i for i, p in enumerate(fit.cut) if p["chosen"]["input_ids"] == p["rejected"]["input_ids"]]
     return SplitAudit(rows.key, str(rows.source), len(examples), sequences, len(fit.truncated),
-                      list(fit.dropped), same)
+                      list(fit.dropped), same, list(rows.numbers))
 
 
 def check_split(audit: SplitAudit, rows: Rows, tokenizer) -> None:

@@ -136,6 +136,20 @@ def test_chat_that_loses_every_assistant_turn_is_refused_by_data_and_by_train(tm
     assert [p.name for p in run.iterdir()] == ["recipe.yaml"] and (run / "recipe.yaml").read_text() == "kept"
 
 
+def test_examples_left_without_loss_are_flagged_by_line(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": "ok"}]}
+            for u in ("hi", "a long question that fills the whole window", "yo")]
+    data = write_jsonl(tmp_path / "c.jsonl", rows)
+    result = runner.invoke(app, ["data", RECIPE, "--json", "--set", f"data.train={data}", "--set", "data.eval=null",
+                                 "--set", "data.format=chat", "--set", "data.max_seq_len=24"])
+    assert result.exit_code == 0 and "dropped 1 of 3 examples" in result.stderr and "turn): line 2" in result.stderr
+    report = json.loads(result.stdout)
+    split = report["splits"][0]
+    assert split["dropped"] == split["sequences"]["examples"]["no_loss"] == 1 and split["dropped_rows"] == [2]
+    assert [ex["dropped"] for ex in report["examples"]] == [False, True, False]
+    assert not any(s["loss"] for s in report["examples"][1]["segments"])
+
+
 def test_unknown_tokens_are_counted_warned_of_and_refused_when_they_are_all(tmp_path, tok):
     rows = [{"instruction": "Copy", "input": "x", "output": "çaé"},
             {"instruction": "Copy", "input": "y", "output": "y"}]
