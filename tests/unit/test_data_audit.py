@@ -207,3 +207,16 @@ def test_pairs_whose_answers_are_the_same_once_cut_are_refused(tmp_path):
     line = refusal(["data", RECIPE, "--set", f"data.train={data}", "--set", "data.eval=null",
                     "--set", "data.format=preference", "--set", "preference.loss=simpo", "--set", "data.max_seq_len=8"])
     assert "p.jsonl" in line and "nothing to train on" in line and "same" in line
+
+
+def test_the_docs_example_is_what_the_command_prints(monkeypatch):
+    doc = (QUICKSTART.parents[1] / "docs" / "data.md").read_text()
+    command, *shown = doc.split("    $ lisaft data ", 1)[1].split("\n\nThe checks", 1)[0].splitlines()
+    shown = [line[4:] for line in shown]
+    monkeypatch.chdir(QUICKSTART.parent)
+    printed = runner.invoke(app, ["data", *command.split()]).stdout.replace(str(QUICKSTART.parent), "...")
+    # The docs leave out the eval split's lines.
+    cut = shown.index("data.eval: ...")
+    lines = printed.splitlines()
+    assert lines[:cut] == shown[:cut] and lines[cut].startswith("data.eval: ")
+    assert lines[-(len(shown) - cut - 1):] == shown[cut + 1:]
