@@ -71,10 +71,12 @@ def _evaluate(session: Session, metrics: RunLog, display: Display) -> None:
 
 
 @clean_write_failures
-def run(session: Session, base: Path | None, show: bool, stop_at: int | None) -> int:
+def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
+        recipe_file: Path | None = None) -> int:
     """Train from session.progress to training.max_steps; returns the exit code. `base` is the
     checkpoint the run continues from (None for a new run); `stop_at` (tests) stops as a signal
-    would after that many optimizer steps."""
+    would after that many optimizer steps; `recipe_file` is the recipe a failure before the first
+    checkpoint says to start over with (default: the run's own copy)."""
     t = session.recipe.training
     assert t.max_steps is not None  # build_session resolves training.epochs into it
     progress = session.progress

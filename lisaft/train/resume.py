@@ -95,10 +95,12 @@ def _check_global_batch(saved, now, saved_world: int) -> None:
 
 
 def check_resumable(run_dir: Path, ckpt: Path, recipe: Recipe, max_steps_given: int | None = None) -> None:
-    """Refuse before any set-up a run already at the step it would stop at."""
+    """Refuse before any set-up a run already at the step it would stop at, unless it lacks
+    final/ (its export failed, or final/ was removed): the resume then writes final/ from the
+    newest checkpoint that loads."""
     progress = read_components(ckpt).get("progress", {})
     done = nothing_left(run_dir, progress.get("step", 0), recipe.training.max_steps, max_steps_given)
-    if done is not None:
+    if done is not None and (max_steps_given is not None or (run_dir / "final").exists()):
         raise done
 
 
