@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import string
 from pathlib import Path
@@ -55,8 +56,16 @@ def _whole_number(v: Any) -> Any:
 
 
 def _real_number(v: Any) -> Any:
+    """A real number, and a finite one: a NaN or inf learning rate (or norm, or ratio) trains only
+    NaN, step after step."""
     if isinstance(v, bool):
         raise ValueError("must be a number, not true/false")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v  # pydantic names what it is instead
+    if not math.isfinite(f):
+        raise ValueError(f"must be a finite number, got {v}")
     return v
 
 
@@ -476,6 +485,9 @@ def _message(e: ErrorDetails) -> str:
     if e["type"] == "extra_forbidden":
         close = difflib.get_close_matches(str(e["loc"][-1]), _known_keys(e["loc"]), n=1, cutoff=0.6)
         prefix = "".join(f"{p}." for p in e["loc"][:-1])
+        if not close and len(e["loc"]) == 1:  # a section's key given without its section
+            close = [f"{name}.{e['loc'][0]}" for name in _known_keys(e["loc"])
+                     if e["loc"][0] in _known_keys((name, e["loc"][0]))][:1]
         return "unknown key" + (f"; did you mean {prefix}{close[0]}?" if close else "")
     if e["type"] == "missing":
         return "required key is missing"

@@ -38,9 +38,9 @@ def stopped(session: Session, step: int, what: str, base: Path | None) -> RunFai
     kept = (f"checkpoint {base.name} (written before it) is kept" if base is not None
             else "no checkpoint was written before it")
     run = session.run_dir
-    resume = (f"`lisaft resume {run} --set training.on_nonfinite=skip` continues from it skipping such steps, "
-              if base is not None else "")
+    start_over = "start over with a lower optimizer.lr (`lisaft train RECIPE --overwrite --set optimizer.lr=...`)"
+    go_on = (f"`lisaft resume {run} --set training.on_nonfinite=skip` continues from it skipping such steps, "
+             f"or {start_over}" if base is not None else start_over[0].upper() + start_over[1:])
     return RunFailed(
         f"step {step}: {what}; stopped with no final/ written and {kept}. Likely causes: a learning rate too "
-        f"high for this model (optimizer.lr {lr:g}), a bad data row, or overflow in low precision. {resume}"
-        f"or start over with a lower optimizer.lr (`lisaft train RECIPE --overwrite --set optimizer.lr=...`)")
+        f"high for this model (optimizer.lr {lr:g}), a bad data row, or overflow in low precision. {go_on}")

@@ -77,3 +77,14 @@ def test_the_signal_note_is_printed_by_rank_0_only(monkeypatch, capsys):
             stop._handle(signal.SIGINT, None)
         out = capsys.readouterr()
         assert stop.requested and (expected in out.out + out.err if expected else out.out + out.err == "")
+
+
+def test_the_nonfinite_stop_reads_as_sentences_with_or_without_a_checkpoint(tmp_path):
+    from lisaft.train.nonfinite import stopped
+
+    session = SimpleNamespace(recipe=SimpleNamespace(optimizer=SimpleNamespace(lr=1e-3)), run_dir=tmp_path)
+    first = str(stopped(session, 1, "loss nan", None))
+    assert "low precision. Start over with a lower optimizer.lr" in first, first
+    later = str(stopped(session, 5, "loss nan", tmp_path / "step-000004"))
+    assert "skipping such steps, or start over with a lower optimizer.lr" in later, later
+    assert ". or" not in first + later
