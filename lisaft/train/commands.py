@@ -58,6 +58,8 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
         runfiles.check_output_dir(run_dir, overwrite, force)
         check_host_memory(recipe, str(recipe_path))
         session = build_session(recipe, run_dir)
+        if dist.is_main() and (warmup := session.schedule.warmup_note()):
+            warn(warmup)
         dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
         if dist.is_main():
             with runfiles.writes_end_cleanly(run_dir, recipe_file=Path(recipe_path)):

@@ -61,6 +61,7 @@ def _record_peaks(session: Session, result: StepResult) -> None:
 def _save(session: Session, checkpointer: Checkpointer, base: Path | None) -> Path:
     # A failed write leaves the older checkpoints untouched; run()'s guard reports it.
     session.optimizers.wait()  # the weights read here are the last step's
+    nonfinite.check_weights(session, session.progress.step, base)
     return checkpointer.save(session.progress.step, base)
 
 
@@ -85,6 +86,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
         remove_temporaries(session.run_dir)  # what a killed run left half written
     window = {**_EMPTY_WINDOW, **progress.window}
     window_t0 = time.perf_counter()
+    dead = nonfinite.DeadRun(session)
     with StopRequest() as stop, Display(t.max_steps, progress.step, enabled=show) as display, \
             RunLog(session.run_dir, session.recipe, progress.step) as metrics:
         report.announce(session, display)
@@ -101,6 +103,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
             except torch.OutOfMemoryError:
                 raise report.out_of_memory(session, step, base) from None
             nonfinite.check_step(session, step, result, base)
+            dead.see(step, result)
             _record_peaks(session, result)
             progress.step += 1
             progress.tokens_seen += result.tokens
@@ -124,7 +127,11 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
                 return 128 + stop.signum if stop.signum else 3
 
         session.optimizers.wait()
+        nonfinite.check_weights(session, progress.step, base)
         export.save_final(session)
+        if dist.is_main():
+            nonfinite.say_skipped_tail(session)
+        dead.at_end()
         if dist.is_main() and show:
             report.memory_report(session, metrics)
             display.print(f"done: {progress.step} steps; model saved to {session.run_dir / 'final'}")
