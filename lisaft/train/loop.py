@@ -126,13 +126,19 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
                 display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 
-        session.optimizers.wait()
-        nonfinite.check_weights(session, progress.step, base)
-        export.save_final(session)
-        if dist.is_main():
-            nonfinite.say_skipped_tail(session)
-        dead.at_end()
-        if dist.is_main() and show:
-            report.memory_report(session, metrics)
-            display.print(f"done: {progress.step} steps; model saved to {session.run_dir / 'final'}")
+        _finish(session, base, metrics, display, dead, show)
     return 0
+
+
+def _finish(session: Session, base: Path | None, metrics: RunLog, display: Display, dead: nonfinite.DeadRun,
+            show: bool) -> None:
+    """The final export, of finite weights only, and what the run says as it ends."""
+    session.optimizers.wait()
+    nonfinite.check_weights(session, session.progress.step, base)
+    export.save_final(session)
+    if dist.is_main():
+        nonfinite.say_skipped_tail(session)
+    dead.at_end()
+    if dist.is_main() and show:
+        report.memory_report(session, metrics)
+        display.print(f"done: {session.progress.step} steps; model saved to {session.run_dir / 'final'}")
