@@ -179,6 +179,20 @@ def test_a_resume_over_changed_data_is_refused_packed_or_not(tiny_run):
             (tiny_run.dir / "train.jsonl").write_text(original)
 
 
+def test_a_moved_data_file_resumes_and_the_digest_decides(tiny_run):
+    recipe = tiny_run(training={"max_steps": 2, "eval_every": 0})
+    train(recipe, show=False, _stop_at=1)
+    run = tiny_run.dir / "run"
+    (tiny_run.dir / "train.jsonl").rename(tiny_run.dir / "moved.jsonl")
+    moved = (tiny_run.dir / "moved.jsonl").read_text()
+    (tiny_run.dir / "edited.jsonl").write_text(moved.replace('"output": "', '"output": "x', 1))
+    out = _one_line(runner.invoke(app, ["resume", str(run), "--set", "data.train=edited.jsonl"]), 2)
+    assert out.startswith("error: data.train: the training data changed since the checkpoint"), out
+    result = runner.invoke(app, ["resume", str(run), "--set", "data.train=moved.jsonl"])
+    assert result.exit_code == 0, result.output
+    assert "changed: data.train" in result.output and "moved.jsonl" in result.output, result.output
+
+
 def test_extending_past_a_zero_floor_is_refused_with_the_fix_named(tiny_run):
     recipe = tiny_run(training={"max_steps": 4, "eval_every": 0}, scheduler={"min_lr_ratio": 0.0})
     train(recipe, show=False, _stop_at=2)
