@@ -85,6 +85,10 @@ TINY_SEQ = {512: 32, 2048: 64, 8192: 96, 16384: 128, 32768: 160}
 TINY_MLP_CHUNK = 32
 
 
+PEER = ("training.grad_accum_steps=1", "data.max_seq_len=2048", "model.offload_activations=false",
+        "model.mlp_chunk_tokens=null", "training.max_grad_norm=null")
+
+
 @dataclass(frozen=True)
 class Config:
     name: str
@@ -133,6 +137,9 @@ CONFIGS = [
     # micro-batch a step: the peak is a micro-batch's, the adapters' gradients are small.
     Config("lora-8b", recipe=RECIPE_LORA, overrides=("training.grad_accum_steps=1",), steps=3),
     Config("qlora-8b", recipe=RECIPE_QLORA, overrides=("training.grad_accum_steps=1",), steps=1, pretrained=True),
+    # lisaft's side of the peer comparison (benchmarks/gpu_peer.py): the LoRA recipe at 2,048
+    # tokens, one row a step, as HF Trainer runs the same.
+    Config("peer-lisaft", recipe=RECIPE_LORA, overrides=PEER, steps=8),
     _table_cell(2, 8192, steps=6),
     Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6),
     *[_table_cell(g, s) for g, s in ((1, 512), (4, 2048), (1, 8192), (4, 8192), (2, 512), (4, 512), (1, 2048))],
