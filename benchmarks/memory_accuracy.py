@@ -60,7 +60,8 @@ def _make_optimizer(name: str, params, lr: float = 1e-4):
     """lisaft's own optimizer (one unit over the trainable set), so the state measured is
     what a lisaft run keeps."""
     from lisaft.config.schema import OptimizerSection
-    from lisaft.optim.adamw import Rounding, build_unit_optimizer
+    from lisaft.optim.adamw import Rounding
+    from lisaft.optim.build import build_unit_optimizer
 
     params = list(params)
     return build_unit_optimizer(params, OptimizerSection(name=name, lr=lr), params[0].device,
@@ -84,8 +85,8 @@ def run_one(cfg: dict) -> dict:
         saved_activations,
         weight_bytes,
     )
-    from lisaft.model.load import DTYPES, model_parts
     from lisaft.model.loss import token_loss_sum
+    from lisaft.model.parts import DTYPES, model_parts
 
     torch.manual_seed(0)
     config = LlamaConfig(**cfg["model"], max_position_embeddings=4096, tie_word_embeddings=False)

@@ -16,7 +16,7 @@ from torch import nn
 
 from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import Checkpointer
-from lisaft.checkpoint.components import Optional, OwnFile, PerRank
+from lisaft.checkpoint.components import OptionalComponent, OwnFile, PerRank
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.checkpoint.run_state import RECIPE, RecipeRecord, RngState
 from lisaft.config.schema import Recipe
@@ -26,12 +26,12 @@ from lisaft.data.packing import Packing, pack_examples
 from lisaft.distributed import dist
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
-from lisaft.model.load import ModelParts
+from lisaft.model.parts import ModelParts
 from lisaft.model.units import Unit
 from lisaft.optim.in_backward import StepInBackward
 from lisaft.optim.lr_schedule import Schedule
 from lisaft.optim.unit_optimizers import UnitOptimizers
-from lisaft.train.parallel import SingleProcess, choose
+from lisaft.train.parallel import Strategy, choose
 
 if TYPE_CHECKING:
     from lisaft.model.lora import Adapters
@@ -91,7 +91,7 @@ class Session:
     order: DataOrder
     schedule: Schedule
     progress: Progress
-    parallel: SingleProcess               # one process, data parallel, CPU offload or FSDP (train/parallel.py)
+    parallel: Strategy                    # one process, data parallel, CPU offload or FSDP (train/parallel.py)
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
@@ -113,7 +113,7 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
     (the CPU-offload optimizer copies them when its files are read), the LISA position before the
     optimizer files (which place moments by it), the RNG last. A new stateful piece of a run is
     one more line here (lisaft/checkpoint/components.py: how each kind is stored);
-    Optional(component, default) lets checkpoints written before it still resume."""
+    OptionalComponent(component, default) lets checkpoints written before it still resume."""
     parallel = session.parallel
     return {
         # A LoRA run's checkpoint holds the adapters, never the frozen base (checkpoint/adapters.py).
@@ -129,7 +129,7 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
         "optimizer": OptimizerFiles(session.optimizers, session.controller,
                                     per_rank=parallel.optimizer_files_per_rank),
         # A resume on more ranks than wrote the checkpoint has none for the new ranks.
-        "rng": Optional(PerRank(RngState()), warning=f"no RNG state for rank {dist.rank()}"),
+        "rng": OptionalComponent(PerRank(RngState()), warning=f"no RNG state for rank {dist.rank()}"),
     }
 
 
@@ -139,11 +139,11 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
     tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
     from lisaft.env.threads import apply_threads
-    from lisaft.model.load import load_tokenizer, resolve_device
+    from lisaft.model.load import load_tokenizer
     from lisaft.model.units import model_units
 
     t = recipe.training
-    device = resolve_device(t.device)
+    device = dist.resolve_device(t.device)
     dist.init_from_env(device)  # a torchrun launch: the backend of the training device
     parallel = choose(recipe)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
@@ -191,11 +191,12 @@ def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
     return train_examples, eval_examples, packing
 
 
-def _model(recipe: Recipe, parallel: SingleProcess,
+def _model(recipe: Recipe, parallel: Strategy,
            device: torch.device) -> tuple[nn.Module, ModelParts, Adapters | None]:
     """The model, loaded and placed as the parallel strategy says, its parts, and its adapters
     (lora.enabled)."""
-    from lisaft.model.load import check_context_length, compile_layers, model_parts, use_sparse_embedding_grad
+    from lisaft.model.load import check_context_length, compile_layers, use_sparse_embedding_grad
+    from lisaft.model.parts import model_parts
 
     t = recipe.training
     model = parallel.load_model(device)

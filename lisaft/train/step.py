@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.distributed import dist
+from lisaft.metrics.phases import Phases
 from lisaft.model.attention import varlen_attention
 from lisaft.model.loss import token_loss_sum
 from lisaft.train.session import Session
@@ -28,15 +29,6 @@ class StepResult:
     activation_bytes: int | None = None  # saved for backward by the longest micro-batch, when measured
     activation_seq_len: int = 0          # that micro-batch's padded length
     skipped: bool = False                # training.on_nonfinite: skip dropped a non-finite update
-
-
-class Phases:
-    """The step's seam for profilers: `train_step` runs each phase inside `phase(name)`. Names:
-    lisa, collate, forward, backward, clip, optimizer. This one times nothing."""
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        yield
 
 
 _NO_PHASES = Phases()

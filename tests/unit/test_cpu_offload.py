@@ -16,7 +16,7 @@ from _tiny import tiny as _tiny
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.config.schema import LisaSection, OptimizerSection
 from lisaft.lisa import LisaController
-from lisaft.model.load import model_parts
+from lisaft.model.parts import model_parts
 from lisaft.model.units import model_units
 from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.optim.gradients import clip_grad_norm
