@@ -260,7 +260,7 @@ def _train(session, steps: int, cuda: bool, result: dict, partial: Path | None) 
     result["optimizer_state_bytes"], result["offloaded_state_bytes"] = session.optimizers.state_bytes()
 
 
-def _cap(budget: int) -> int:
+def cap_allocator(budget: int) -> int:
     """Cap PyTorch's allocator at the budget less what NVML shows once the context exists (a
     24 GB card holds the context too); returns that baseline."""
     import torch
@@ -301,7 +301,7 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Pat
               "steps_planned": cfg.steps, "steps_done": 0, "oom": False, "step_times_s": [], "step_parts": [],
               "active_layers": []}
     if cuda:
-        result["nvml_baseline_bytes"] = _cap(budget)  # the context alone
+        result["nvml_baseline_bytes"] = cap_allocator(budget)  # the context alone
         result["allocator_cap_bytes"] = budget - result["nvml_baseline_bytes"]
     vocab = json.loads(_config_of(recipe).read_text())["vocab_size"]
     examples = synthetic_examples(cfg.steps * t.batch_size * t.grad_accum_steps, recipe.data.max_seq_len, vocab, t.seed)

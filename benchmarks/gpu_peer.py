@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import synthetic_examples
-from benchmarks.gpu_8b_24gb import BY_NAME, CONFIG_8B, GiB, TINY_CONFIG, TINY_SEQ, _cap
+from benchmarks.gpu_8b_24gb import BY_NAME, CONFIG_8B, TINY_CONFIG, TINY_SEQ, Config, GiB, cap_allocator, one_run
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = BY_NAME["peer-lisaft"]
@@ -37,7 +37,7 @@ def hf_trainer_run(tiny: bool, steps: int, cap_gib: float) -> dict:
 
     cuda = torch.cuda.is_available() and not tiny
     if cuda:
-        _cap(int(cap_gib * GiB))
+        cap_allocator(int(cap_gib * GiB))
     config = LlamaConfig(**TINY_CONFIG) if tiny else AutoConfig.from_pretrained(str(CONFIG_8B))
     seq = TINY_SEQ[2048] if tiny else 2048
     with torch.device("cuda" if cuda else "cpu"):
@@ -78,6 +78,16 @@ def hf_trainer_run(tiny: bool, steps: int, cap_gib: float) -> dict:
 
 
 def _side(cmd: list[str], tiny: bool) -> dict:
+    """One side in a fresh process on CUDA (its own cap and peaks); in this one in a dry run,
+    which has neither and would pay the imports twice more."""
+    if tiny:
+        try:
+            if "--hf-only" in cmd:
+                return hf_trainer_run(True, int(cmd[cmd.index("--steps") + 1]), 24.0)
+            steps, workdir = int(cmd[cmd.index("--steps") + 1]), Path(cmd[cmd.index("--workdir") + 1])
+            return one_run(Config(**{**PEER.__dict__, "steps": steps}), True, 24.0, workdir)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
     proc = subprocess.run([sys.executable, "-m", *cmd, *(["--tiny"] if tiny else [])], cwd=REPO,
                           capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -43,6 +43,7 @@ class Step:
     args: tuple[str, ...] = ()
     dry_args: tuple[str, ...] = ("--dry-run",)
     configs: tuple[str, ...] = ()  # gpu_8b_24gb runs: their expected times are the step's
+    writes_out: bool = True  # takes --out (pytest writes only its log)
 
     def expected(self) -> dict:
         if self.configs:
@@ -58,6 +59,8 @@ class Step:
             inner = self.budget_s - 2  # the box's own 2 s for the process to end
             return [sys.executable, "-m", self.module, *(["--tiny"] if dry else []), "--configs",
                     ",".join(self.configs), "--budget-s", str(inner), "--out", str(out / f"{self.name}.json")]
+        if not self.writes_out:
+            return [sys.executable, "-m", self.module, *self.args]
         return [sys.executable, "-m", self.module, *(self.dry_args if dry else self.args),
                 "--out", str(out / (self.name if self.name == "packing" else f"{self.name}.json"))]
 
@@ -73,6 +76,10 @@ def _small(name: str) -> dict:
         # 2 variants x 3 runs of the quickstart model (8 steps of 32 x 64 tokens): 2 s each on a
         # GPU (assumed), and cpu_offload's host kernel compiled once (gpu_times' 10 s).
         "resume": {"start_s": start, "runs_s": 6 * 2.0, "host_kernel_s": 10.0},
+        # pytest over the test files that hold a CUDA-only (`gpu`) test: collecting
+        # tests/unit/test_lisa.py took 4.3 s of CPU here (/usr/bin/time), its 12 cases 0.5 s each
+        # on a GPU (assumed).
+        "gpu-tests": {"start_s": 6.6, "collect_s": 4.3 * len(gpu_test_files()), "tests_s": 12 * 0.5},
         # gpu_8b_24gb's peer-lisaft run, and HF Trainer's process: the same start and steps.
         "peer": None,
         # packing_bench --gpu-size: 1 seed, 5 contenders, one epoch of 384 documents each (about
@@ -90,16 +97,24 @@ def _small(name: str) -> dict:
     return {"seconds": sum(parts.values()), "how": "parts", "parts": parts}
 
 
+def gpu_test_files() -> list[str]:
+    """The test files with a CUDA-only test (marker `gpu`, which tests/conftest.py skips on CPU)."""
+    return sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").rglob("test_*.py")
+                  if "pytest.mark.gpu" in f.read_text())
+
+
 STEPS = (
-    Step("lisa", 40, "benchmarks.gpu_8b_24gb", configs=("lisa-8b",)),
+    Step("lisa", 35, "benchmarks.gpu_8b_24gb", configs=("lisa-8b",)),
     Step("offload", 135, "benchmarks.gpu_8b_24gb", configs=("offload-full-ga4",)),
-    Step("apollo", 35, "benchmarks.gpu_8b_24gb", configs=("apollo-8b",)),
+    Step("apollo", 33, "benchmarks.gpu_8b_24gb", configs=("apollo-8b",)),
     Step("lora", 120, "benchmarks.gpu_8b_24gb", configs=("lora-8b", "qlora-8b")),
-    Step("equality", 60, "benchmarks.gpu_equality"),
+    Step("equality", 55, "benchmarks.gpu_equality"),
     Step("resume", 35, "benchmarks.gpu_resume"),
-    Step("peer", 50, "benchmarks.gpu_peer"),
+    Step("peer", 45, "benchmarks.gpu_peer"),
     Step("packing", 60, "benchmarks.packing_bench", args=("--gpu-size", "--device", "cuda"),
          dry_args=("--quick", "--device", "cpu")),
+    Step("gpu-tests", 20, "pytest", args=("-q", "-p", "no:cacheprovider", "-m", "gpu", *gpu_test_files()),
+         writes_out=False),
 )
 
 

@@ -3,12 +3,12 @@
 recipes/quickstart.yaml (its shipped model config, tokenizer and data) trained by `lisaft train`'s
 own entry point, 8 steps with LISA re-sampling every 3, three times in one process: straight
 through; stopped after step 5 as a signal stops it (a checkpoint then, inside an interval);
-resumed from that checkpoint to the end. Its losses of steps 6-8 must equal the straight run's, bit for bit: deterministic algorithms are on
-(torch.use_deterministic_algorithms, the cuBLAS workspace setting it needs), so a difference is
-the resume's, not the kernels' scheduling. Each variant runs twice: the recipe's optimizer
-(AdamW 32-bit on the device), then the optimizer on the CPU (optimizer.cpu_offload, CUDA only:
-the host copies and pinned buffers come back from the checkpoint). The result is written after
-each variant.
+resumed from that checkpoint to the end. Its losses of steps 6-8 must equal the straight run's,
+bit for bit: deterministic algorithms are on (torch.use_deterministic_algorithms, the cuBLAS
+workspace setting it needs), so a difference is the resume's, not the kernels' scheduling. Two
+variants: the recipe's optimizer (AdamW 32-bit on the device), then, on CUDA only, the optimizer
+on the CPU (optimizer.cpu_offload: the host copies and pinned buffers come back from the
+checkpoint). The result is written after each variant.
 
     python -m benchmarks.gpu_resume --out benchmarks/results/gpu/resume.json
     python -m benchmarks.gpu_resume --dry-run --out /tmp/resume.json      # the same on CPU
@@ -37,7 +37,7 @@ def _losses(run: Path) -> dict[int, float]:
 
 def variant(device: str, extra: list[str], work: Path) -> dict:
     """Straight, stopped, resumed: the losses of each and whether they agree."""
-    from lisaft.train import resume, train
+    from lisaft.train.commands import resume, train
 
     common = [f"training.device={device}", f"training.max_steps={STEPS}", f"training.save_every={SAVE_EVERY}",
               "training.eval_every=0", "training.log_every=1", "lisa.interval_steps=3", "training.keep_last=2",

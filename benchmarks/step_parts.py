@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 
-from lisaft.train.step import Phases
+from lisaft.train import Phases
 
 # (object path from the offloaded optimizers, method name, what it is)
 OFFLOAD_CALLS = (("transfers", "gradient"), ("transfers", "_add"), ("", "drain"), ("", "_step_unit"),
