@@ -163,3 +163,30 @@ def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
     assert summary["complete"] and [r["run"] for r in summary["runs"]] == [c.name for c in suite.CONFIGS]
     assert [r["run"] for r in summary["runs"][:3]] == ["lisa-8b", "headroom", "table-g2-s2048"]
     assert all(r["skipped"].startswith("budget") for r in summary["runs"])
+
+
+def test_expected_times_add_up_from_their_parts():
+    """An offload run's time: per micro-batch the longer of compute and the gradients' copy, plus
+    the host's accumulation; per step the host step and the weights back; the start once."""
+    from benchmarks.gpu_8b_24gb import CONFIG_8B, RECIPE_FULL
+    from benchmarks.gpu_times import START_S, run_seconds
+
+    ga4, ga8 = (run_seconds(RECIPE_FULL, (f"training.grad_accum_steps={n}",), 3, CONFIG_8B) for n in (4, 8))
+    p = ga4["parts"]
+    per_micro = max(p["compute_per_micro_batch_s"], p["transfer_per_micro_batch_s"]) + p["accumulate_per_micro_batch_s"]
+    assert ga8["seconds"] - ga4["seconds"] == pytest.approx(3 * 4 * per_micro)
+    assert ga4["seconds"] == pytest.approx(START_S + p["extra_s"] + 3 * (4 * per_micro + p["host_step_s"]
+                                                                        + p["weights_back_s"]))
+    assert 7.9e9 < p["host_step_s"] / 1.61 * 1e9 < 8.1e9  # 1.61 s per 10^9 parameters, 8.03 x 10^9 of them
+
+
+def test_packing_at_gpu_size_makes_its_data_in_a_moment():
+    """The GPU size's documents draw on 1,024 ids (an 8 MB chain), not 32,000 (8.2 GB)."""
+    import time
+
+    from benchmarks.packing_bench import GPU, make_data
+
+    t0 = time.process_time()
+    train, evals = make_data(GPU, 0)
+    assert time.process_time() - t0 < 20
+    assert len(train) == GPU["n_train"] and max(t for d in train for t in d["input_ids"]) < GPU["data_vocab"]
