@@ -84,3 +84,40 @@ def test_the_ways_to_train_rows_say_which_settings_they_use():
     assert "each row: data.max_seq_len 2048, training.batch_size 1" in text
     assert "model.offload_activations true" in text.split("Ways to train it")[1]
     assert "model.offload_activations" not in " ".join(_text(APOLLO).split()).split("Ways to train it")[1]
+
+
+def test_the_json_of_every_shipped_recipe_keeps_its_keys_and_adds_up():
+    """The --json contract on every shipped recipe: the keys scripts read, the components summing to
+    the total at every moment, the settings read back from the recipe's own keys, and the weights
+    and trainable counts against arithmetic from the model's config."""
+    from lisaft.config.schema import load_recipe
+    from lisaft.memory.catalogue import resolve_model
+
+    top = {"total_bytes", "budget_bytes", "fits", "fits_with_paging", "components", "sizes", "peak_phase", "phases",
+           "phase_components", "paged_state_bytes", "paged_gpu_bytes", "paged_host_bytes", "saved_activation_bytes",
+           "activation_host_bytes", "host_bytes", "host_components", "host_budget_bytes", "fits_host",
+           "total_params", "trainable_params", "settings", "notes", "budget", "largest_seq_len",
+           "largest_batch_size", "context_length", "weights_fit", "advice", "fewest_ranks", "smallest_budget_bytes",
+           "smallest_gpu", "smallest_gpu_as_is", "optimizers", "methods", "preference"}
+    for path in sorted((REPO / "recipes").glob("llama3.1-8b-*.yaml")):
+        recipe, out = load_recipe(path), _json(str(path), "--host-ram", "64GiB")
+        assert set(out) == top, (path.name, set(out) ^ top)
+        assert out["total_bytes"] == out["phases"][out["peak_phase"]] == max(out["phases"].values())
+        assert out["components"] == out["phase_components"][out["peak_phase"]]
+        for phase, parts in out["phase_components"].items():
+            assert sum(parts.values()) == out["phases"][phase], (path.name, phase)
+        s = out["settings"]
+        assert (s["seq_len"], s["batch_size"], s["optimizer"], s["lisa"], s["cpu_offload"], s["in_backward"]) == (
+            recipe.data.max_seq_len, recipe.training.batch_size, recipe.optimizer.name, recipe.lisa.enabled,
+            recipe.optimizer.cpu_offload, recipe.optimizer.in_backward), path.name
+        assert s["clipping"] == (recipe.training.max_grad_norm is not None)
+        assert (s["lora"] is not None) == recipe.lora.enabled and s["sequences"] == recipe.training.batch_size * (
+            2 if recipe.preference is not None else 1)
+        config = resolve_model("llama-3.1-8b")[0]
+        assert out["total_params"] == 8_030_261_248
+        if not recipe.lora.enabled:
+            # bf16 parameters plus the float32 rotary tables (inv_freq and its original copy: head_dim / 2 each)
+            assert out["sizes"]["weights"] == 2 * 8_030_261_248 + 2 * 4 * (config.head_dim // 2)
+        if not recipe.lisa.enabled and not recipe.lora.enabled:
+            assert out["trainable_params"] == out["total_params"]
+        assert out["fits"] and out["total_bytes"] <= 24 * 2**30, path.name
