@@ -363,7 +363,7 @@ PreferenceLoss = Literal["dpo", "simpo", "orpo"]
 PREFERENCE_BETA: dict[str, float] = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
 
 
-class PreferenceSection(_Section):
+class PreferenceSection(Section):
     loss: PreferenceLoss = Field(
         ..., description="dpo: −log σ(β((logp_c − ref_c) − (logp_r − ref_r))), log-probs summed over "
         "each completion, the reference's computed once before step 1; simpo: −log σ(β(avg_c − avg_r) − γ), "
