@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lisaft.config.optimizers import APOLLO_NAMES, optimizer_kind
+from lisaft.config.optimizers import OptimizerKind, names_where, optimizer_kind
 from lisaft.errors import LisaftError
 
 if TYPE_CHECKING:
@@ -29,22 +29,36 @@ def _fixed(text: str) -> Callable[[Recipe], str]:
     return lambda r: text
 
 
+def _kind(r: Recipe) -> OptimizerKind:
+    return optimizer_kind(r.optimizer.name)
+
+
 def _loss(r: Recipe) -> str | None:
     """preference.loss, or None for an SFT recipe."""
     return r.preference.loss if r.preference is not None else None
 
 
+# The optimizer's own rules first, then LoRA's, then the rest: the first row hit is the message.
 EXCLUSIONS: tuple[Exclusion, ...] = (
+    Exclusion(lambda r: _kind(r).rank is not None and r.optimizer.rank not in (None, _kind(r).rank), lambda r: (
+        f"optimizer.rank: {r.optimizer.name} is rank {_kind(r).rank} by definition; for another rank use "
+        f"optimizer.name {names_where(lambda k: k.projected and k.rank is None)[0]}")),
+    Exclusion(lambda r: _kind(r).scale_type is not None and r.optimizer.scale_type not in (None, _kind(r).scale_type),
+              lambda r: (
+        f"optimizer.scale_type: {r.optimizer.name} scales each matrix by one factor ({_kind(r).scale_type}); for "
+        f"{r.optimizer.scale_type} scaling use optimizer.name "
+        f"{names_where(lambda k: k.projected and k.scale_type is None)[0]}")),
     Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
         "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
         "gradient stays on the device anyway; set in_backward false")),
-    Exclusion(lambda r: r.optimizer.moments_dtype == "bfloat16" and r.optimizer.name != "adamw_32bit", lambda r: (
-        f"optimizer.moments_dtype bfloat16 is for adamw_32bit; {r.optimizer.name} keeps its own moments (8-bit "
+    Exclusion(lambda r: r.optimizer.moments_dtype == "bfloat16" and not _kind(r).own_adamw, lambda r: (
+        f"optimizer.moments_dtype bfloat16 is for {', '.join(names_where(lambda k: k.own_adamw))}; "
+        f"{r.optimizer.name} keeps its own moments (8-bit "
         "ones: adamw_8bit); set moments_dtype float32")),
-    Exclusion(lambda r: r.optimizer.name in APOLLO_NAMES and r.optimizer.cpu_offload, lambda r: (
+    Exclusion(lambda r: _kind(r).projected and r.optimizer.cpu_offload, lambda r: (
         f"optimizer.name {r.optimizer.name} cannot be combined with optimizer.cpu_offload: its state is a few MiB "
         "and steps on the GPU; set cpu_offload false")),
-    Exclusion(lambda r: r.optimizer.name in APOLLO_NAMES and r.training.fsdp, lambda r: (
+    Exclusion(lambda r: _kind(r).projected and r.training.fsdp, lambda r: (
         f"optimizer.name {r.optimizer.name} cannot be combined with training.fsdp: the projection needs each "
         "matrix's whole gradient and a rank holds a slice; use data parallel")),
     Exclusion(lambda r: r.training.on_nonfinite == "skip" and r.optimizer.in_backward, _fixed(
@@ -56,9 +70,9 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.optimizer.in_backward and r.training.max_grad_norm is not None, _fixed(
         "optimizer.in_backward cannot be combined with training.max_grad_norm: the total norm is known only "
         "after every parameter was already updated; set training.max_grad_norm: null")),
-    Exclusion(lambda r: r.training.fsdp and optimizer_kind(r.optimizer.name).paged, lambda r: (
+    Exclusion(lambda r: r.training.fsdp and _kind(r).paged, lambda r: (
         f"optimizer.name {r.optimizer.name} is not supported with training.fsdp (paging of one rank's slices "
-        f"is untested on CUDA); use {optimizer_kind(r.optimizer.name).unpaged}")),
+        f"is untested on CUDA); use {_kind(r).unpaged}")),
     Exclusion(lambda r: r.training.fsdp and r.optimizer.in_backward, _fixed(
         "optimizer.in_backward cannot run with training.fsdp: the update would run before the gradient "
         "reduce-scatter; set it false")),

@@ -237,16 +237,6 @@ class OptimizerSection(Section):
             raise ValueError("must be > 0")
         return v
 
-    @model_validator(mode="after")
-    def _apollo_mini_is_rank_one(self) -> OptimizerSection:
-        if self.name == "apollo_mini" and self.rank not in (None, 1):
-            raise ValueError("optimizer.rank: apollo_mini is rank 1 by definition; for another rank use "
-                             "optimizer.name apollo")
-        if self.name == "apollo_mini" and self.scale_type not in (None, "tensor"):
-            raise ValueError("optimizer.scale_type: apollo_mini scales each matrix by one factor (tensor); "
-                             "for channel scaling use optimizer.name apollo")
-        return self
-
 
 class SchedulerSection(Section):
     name: Literal["constant", "linear", "cosine"] = Field("cosine", description="LR decay shape.")

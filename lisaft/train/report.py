@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
@@ -61,7 +62,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     peak = peak_memory(session.device)
     if session.device.type == "cuda":
         # Paged optimizer state lives in unified memory, outside the allocator's counters.
-        paged = peaks.state_bytes if "paged" in session.recipe.optimizer.name else 0
+        paged = peaks.state_bytes if optimizer_kind(session.recipe.optimizer.name).paged else 0
         assert peak.cuda_reserved_bytes is not None  # measured on CUDA
         peak_bytes = peak.cuda_reserved_bytes + paged
     else:
