@@ -2,7 +2,8 @@
 of the rules that depend on how many processes were launched.
 
 The recipe's schema refuses a row of `EXCLUSIONS` when it validates (so `lisaft train` writes
-nothing for it); `check_world` runs once at set-up, when the number of ranks is known.
+nothing for it); `check_world` runs once at set-up, when the number of ranks and the training
+device are known, before the model loads. Nothing else refuses a combination.
 docs/distributed.md says why each FSDP row exists.
 """
 
@@ -48,6 +49,24 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         f"optimizer.scale_type: {r.optimizer.name} scales each matrix by one factor ({_kind(r).scale_type}); for "
         f"{r.optimizer.scale_type} scaling use optimizer.name "
         f"{names_where(lambda k: k.projected and k.scale_type is None)[0]}")),
+    # LoRA's (config/lora.py): adapters train on a frozen base, which only they can train on in 4-bit.
+    Exclusion(lambda r: r.model.quantize is not None and not r.lora.enabled, lambda r: (
+        f"model.quantize: {r.model.quantize} freezes the base in 4-bit, which only adapters can train on; set "
+        "lora.enabled: true (QLoRA) or model.quantize: null")),
+    Exclusion(lambda r: r.lora.enabled and r.lora.export == "adapter" and r.lora.train_embeddings, _fixed(
+        "lora.export: adapter holds the adapters only, not the embeddings and head that lora.train_embeddings "
+        "trains; use lora.export: merged")),
+    Exclusion(lambda r: r.lora.enabled and r.lisa.enabled, _fixed(
+        "lora.enabled and lisa.enabled are two ways to choose what trains; enable one")),
+    Exclusion(lambda r: r.lora.enabled and r.training.fsdp, _fixed(
+        "lora.enabled with training.fsdp is not supported (the adapters of an 8B model fit one card; the frozen "
+        "base could be sharded, lisaft does not); use data parallel (training.fsdp: false)")),
+    Exclusion(lambda r: r.lora.enabled and r.optimizer.cpu_offload, _fixed(
+        "lora.enabled with optimizer.cpu_offload: the adapters' moments are a few MiB, moving them to the CPU "
+        "saves nothing; set optimizer.cpu_offload: false")),
+    Exclusion(lambda r: r.lora.enabled and r.model.quantize is not None and r.model.config is not None, _fixed(
+        "model.quantize needs pretrained weights (model.name_or_path) to quantize; a random init from "
+        "model.config has nothing worth freezing in 4-bit")),
     Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
         "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
         "gradient stays on the device anyway; set in_backward false")),
@@ -105,14 +124,19 @@ def first_exclusion(recipe: Recipe) -> str | None:
     return next((x.message(recipe) for x in EXCLUSIONS if x.when(recipe)), None)
 
 
-def check_world(recipe: Recipe, world_size: int, launched: bool) -> None:
-    """The rules that depend on the launch: `world_size` ranks, `launched` under torchrun."""
+def check_world(recipe: Recipe, world_size: int, launched: bool, device: str) -> None:
+    """The rules that depend on the launch: `world_size` ranks, `launched` under torchrun, on the
+    training `device` (its type: cpu, cuda) that training.device resolved to."""
     if recipe.preference is not None:
         raise LisaftError(f"preference.loss {recipe.preference.loss}: preference training is not implemented yet")
     if recipe.training.fsdp and not launched:
         # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU).
         raise LisaftError("training.fsdp needs torchrun: launch with torchrun --nproc-per-node N, "
                           "or set training.fsdp false")
+    if recipe.optimizer.moments_dtype == "bfloat16" and not recipe.optimizer.cpu_offload and device != "cpu":
+        # The bfloat16 moments' update is the host step's (optim/host_step.py).
+        raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
+                          "true or training.device cpu")
     if recipe.training.fsdp or world_size == 1:
         return
     if recipe.optimizer.in_backward:

@@ -28,7 +28,7 @@ from pydantic_core import ErrorDetails
 from lisaft.config.compat import first_exclusion
 from lisaft.config.fields import Bool, Float, Int, Section, whole_number
 from lisaft.config.hub import can_only_be_path
-from lisaft.config.lora import LoraSection, check_lora
+from lisaft.config.lora import LoraSection
 from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parse_override
 from lisaft.console import first_line
@@ -408,7 +408,6 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
-        check_lora(self)
         # The table lives in config/compat.py, beside the rules that depend on the number of ranks.
         if (message := first_exclusion(self)) is not None:
             raise ValueError(message)

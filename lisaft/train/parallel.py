@@ -26,7 +26,6 @@ from lisaft.checkpoint.components import FolderComponent
 from lisaft.config.compat import check_world
 from lisaft.config.schema import Recipe
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
 from lisaft.model.load import load_model
 from lisaft.model.parts import ModelParts, model_parts, pretrained
@@ -42,10 +41,10 @@ if TYPE_CHECKING:
     from lisaft.metrics.phases import Phases
 
 
-def choose(recipe: Recipe) -> Strategy:
+def choose(recipe: Recipe, device: torch.device) -> Strategy:
     """The strategy the recipe and the process group ask for; refuses what it cannot run, before
     anything is loaded (the rules that depend on the launch: config/compat.py check_world)."""
-    check_world(recipe, dist.world_size(), dist.is_initialized())
+    check_world(recipe, dist.world_size(), dist.is_initialized(), device.type)
     if recipe.training.fsdp:
         return Fsdp(recipe)
     if recipe.optimizer.cpu_offload:
@@ -154,12 +153,6 @@ class SingleProcess(Strategy):
 
 class DataParallel(Strategy):
     """torchrun ranks, each holding the whole model; the gradients are summed over ranks."""
-
-    def __init__(self, recipe: Recipe) -> None:
-        if recipe.optimizer.in_backward:
-            raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
-                              "before the gradient all-reduce; set it false")
-        super().__init__(recipe)
 
     def optimizers(self, units: list[Unit], device: torch.device, run_dir: Path) -> UnitOptimizers:
         # Sharded state: each unit's owner is its index modulo the world size, stable across LISA

@@ -145,7 +145,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     t = recipe.training
     device = dist.resolve_device(t.device)
     dist.init_from_env(device)  # a torchrun launch: the backend of the training device
-    parallel = choose(recipe)  # refuses what it cannot run before anything loads
+    parallel = choose(recipe, device)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)

@@ -220,10 +220,17 @@ def test_bf16_moments_key_is_checked():
         Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"train": "t.jsonl"},
                                "training": {"output_dir": "r", "max_steps": 1},
                                "optimizer": {"name": "adamw_8bit", "moments_dtype": "bfloat16"}})
-    model = _tiny(0, 1)
-    with pytest.raises(LisaftError, match="moments_dtype"):
-        build_unit_optimizer(list(model.parameters()), OptimizerSection(moments_dtype="bfloat16"),
-                             torch.device("cuda"), Rounding("stochastic", 0), 0, None)
+    # Refused at set-up, before the model loads, where the step would not run on the CPU.
+    from lisaft.config.compat import check_world
+
+    bf16 = Recipe.model_validate({"model": {"name_or_path": "x"}, "data": {"train": "t.jsonl"},
+                                  "training": {"output_dir": "r", "max_steps": 1},
+                                  "optimizer": {"moments_dtype": "bfloat16"}})
+    with pytest.raises(LisaftError, match="moments_dtype bfloat16 needs the step on the CPU"):
+        check_world(bf16, world_size=1, launched=False, device="cuda")
+    check_world(bf16, world_size=1, launched=False, device="cpu")
+    bf16.optimizer.cpu_offload = True
+    check_world(bf16, world_size=1, launched=False, device="cuda")
 
 
 def test_many_tasks_in_any_schedule_are_the_same_bits(monkeypatch):

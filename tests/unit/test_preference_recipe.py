@@ -62,4 +62,4 @@ def test_dpo_takes_a_reference_and_gamma_off_simpo_is_named():
 
 def test_training_refuses_until_the_trainer_lands():
     with pytest.raises(LisaftError, match="not implemented yet"):
-        check_world(_recipe({"loss": "dpo"}), world_size=1, launched=False)
+        check_world(_recipe({"loss": "dpo"}), world_size=1, launched=False, device="cpu")
