@@ -8,7 +8,6 @@ from lisaft.data.collate import collate, to_device
 from lisaft.data.order import eval_index_batches
 from lisaft.distributed import dist
 from lisaft.model.attention import varlen_attention
-from lisaft.model.loss import eval_sums
 from lisaft.train.session import Session
 
 
@@ -27,7 +26,7 @@ def evaluate(session: Session) -> dict:
     for n, idx in enumerate(mine):
         batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id, varlen_attention(model))
         batch = to_device(batch, session.device)
-        loss_sum, n_tokens, n_correct = eval_sums(model, batch)
+        loss_sum, n_tokens, n_correct = session.parallel.eval_sums(model, batch)
         if n < counted:
             totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
     model.train()

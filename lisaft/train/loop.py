@@ -118,7 +118,8 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 base = _save(session, checkpointer, base)
             if stopping and progress.step < t.max_steps:
                 assert base is not None  # saved just above: a stop always checkpoints
-                display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
+                display.print(stop.message(progress.step, base.name, session.parallel.resume_command(session.run_dir),
+                                           asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 
         session.optimizers.wait()

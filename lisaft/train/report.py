@@ -9,7 +9,6 @@ from lisaft.config.optimizers import optimizer_kind
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
-from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.train.session import Session
 
 
@@ -38,7 +37,6 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     """The run's own memory, measured, beside what `lisaft estimate-memory` predicts for it."""
     from rich.console import Console
 
-    from lisaft.distributed.fsdp import local_tensor
     from lisaft.memory.command import estimate_for_recipe
     from lisaft.memory.render import estimated_vs_measured_table
     from lisaft.metrics.measure import peak_memory
@@ -68,8 +66,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     else:
         peak_bytes = peak.rss_bytes
     measured = {
-        # Under training.fsdp a parameter is a DTensor: this rank holds its local slice.
-        "weights_bytes": sum(local_tensor(p).numel() * p.element_size() for p in session.model.parameters()),
+        "weights_bytes": session.parallel.weights_bytes(session.model),
         "grad_bytes": peaks.grad_bytes,
         "optimizer_state_bytes": peaks.state_bytes,
         "activation_bytes": peaks.activation_bytes,
@@ -77,22 +74,10 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     }
     metrics.memory(estimate, measured)
     console = Console(highlight=False, soft_wrap=True)
-    console.print(estimated_vs_measured_table(estimate, measured, host_rows(estimate, session.optimizers)))
+    console.print(estimated_vs_measured_table(estimate, measured, session.parallel.host_rows(estimate)))
     console.print(f"(estimated for the run's longest batch, {recipe.training.batch_size} x {seq_len} tokens, "
                   f"where its activations were measured; data.max_seq_len is {session.recipe.data.max_seq_len})",
                   markup=False)
-
-
-def host_rows(estimate, optimizers) -> list[tuple[str, int | None, int | None]]:
-    """optimizer.cpu_offload's host memory, estimated and held: the moments, the weights' host copy
-    and the gradient accumulators (the GPU rows show no gradients or moments for such a run)."""
-    if not isinstance(optimizers, OffloadedOptimizers):
-        return []
-    held = optimizers.host_bytes()
-    est = estimate.host_components
-    return [("host: optimizer states", est.get("moments"), optimizers.state_bytes()[1]),
-            ("host: weight copies", est.get("host_weights"), held["host_weights"]),
-            ("host: gradient accumulators", est.get("gradient_accumulators"), held["grad_accumulators"])]
 
 
 def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:

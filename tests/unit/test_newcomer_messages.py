@@ -50,7 +50,7 @@ def test_a_stopped_torchrun_run_prints_the_launch_that_continues_it(monkeypatch)
     assert "`lisaft resume RUN --set training.batch_size=8`" in line  # 4 x 2 ranks on one process
     # training.fsdp needs a process group even on one rank.
     assert "`torchrun --nproc-per-node 1 -m lisaft resume RUN --set training.batch_size=8`" in \
-        resume_command("RUN", 4, fsdp=True)
+        resume_command("RUN", 4, torchrun=True)
 
 
 def test_a_run_that_trains_every_layer_gets_no_raster():
