@@ -127,8 +127,6 @@ def first_exclusion(recipe: Recipe) -> str | None:
 def check_world(recipe: Recipe, world_size: int, launched: bool, device: str) -> None:
     """The rules that depend on the launch: `world_size` ranks, `launched` under torchrun, on the
     training `device` (its type: cpu, cuda) that training.device resolved to."""
-    if recipe.preference is not None:
-        raise LisaftError(f"preference.loss {recipe.preference.loss}: preference training is not implemented yet")
     if recipe.training.fsdp and not launched:
         # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU).
         raise LisaftError("training.fsdp needs torchrun: launch with torchrun --nproc-per-node N, "

@@ -315,7 +315,7 @@ class TrainingSection(Section):
     threads: int | Literal["auto"] = Field(
         "auto", description="CPU threads for torch's kernels. auto: the CPUs this process may use "
         "(affinity and container quota), shared among data-parallel processes on the machine; "
-        "OMP_NUM_THREADS, when set, counts instead. See README: threads on a busy CPU.")
+        "OMP_NUM_THREADS, when set, counts instead. See docs/threads.md.")
 
     @model_validator(mode="after")
     def _length(self) -> TrainingSection:

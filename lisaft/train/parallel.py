@@ -76,6 +76,9 @@ class Strategy:
     optimizer_files_per_rank = False
     # A resume needs a process group (torchrun) even on one rank.
     resumes_under_torchrun = False
+    # The model's forward hooks gather its weights, so model/loss.py runs its own forward and the
+    # head as a module (the losses' `sharded`).
+    sharded_forward = False
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
@@ -113,11 +116,11 @@ class Strategy:
 
     def token_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         """The micro-batch's summed token loss (model/loss.py)."""
-        return token_loss_sum(model, batch)
+        return token_loss_sum(model, batch, self.sharded_forward)
 
     def eval_sums(self, model: nn.Module, batch: dict) -> tuple[float, int, int]:
         """An eval batch's (loss sum, response tokens, argmax-correct ones)."""
-        return eval_sums(model, batch)
+        return eval_sums(model, batch, self.sharded_forward)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -269,6 +272,7 @@ class Fsdp(Strategy):
     sparse_embedding_grad = False
     optimizer_files_per_rank = True
     resumes_under_torchrun = True
+    sharded_forward = True
 
     def __init__(self, recipe: Recipe) -> None:
         super().__init__(recipe)
@@ -304,13 +308,6 @@ class Fsdp(Strategy):
 
     def layer_agreement(self) -> Callable[[int, list[int]], None] | None:
         return self._local().check_same_layers
-
-    # The model's own forward and the head as a module must run: their hooks gather the weights.
-    def token_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        return token_loss_sum(model, batch, sharded=True)
-
-    def eval_sums(self, model: nn.Module, batch: dict) -> tuple[float, int, int]:
-        return eval_sums(model, batch, sharded=True)
 
     def reduce_grads(self, params: list[nn.Parameter]) -> None:
         pass  # the reduce-scatter in backward summed them
