@@ -124,9 +124,6 @@ class ModelSection(Section):
             raise ValueError("set exactly one of model.name_or_path and model.config")
         if self.config is not None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required when model.config is used (random init)")
-        if self.offload_activations and not self.gradient_checkpointing:
-            raise ValueError("model.offload_activations offloads checkpointed layer inputs: "
-                             "set model.gradient_checkpointing: true as well")
         return self
 
 
