@@ -39,8 +39,12 @@ def _loss(r: Recipe) -> str | None:
     return r.preference.loss if r.preference is not None else None
 
 
-# The optimizer's own rules first, then LoRA's, then the rest: the first row hit is the message.
+# The model's and the optimizer's own rules first, then LoRA's, then the rest: the first row hit
+# is the message.
 EXCLUSIONS: tuple[Exclusion, ...] = (
+    Exclusion(lambda r: r.model.offload_activations and not r.model.gradient_checkpointing, _fixed(
+        "model.offload_activations offloads checkpointed layer inputs: set model.gradient_checkpointing: true "
+        "as well")),
     Exclusion(lambda r: _kind(r).rank is not None and r.optimizer.rank not in (None, _kind(r).rank), lambda r: (
         f"optimizer.rank: {r.optimizer.name} is rank {_kind(r).rank} by definition; for another rank use "
         f"optimizer.name {names_where(lambda k: k.projected and k.rank is None)[0]}")),
@@ -67,9 +71,6 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.lora.enabled and r.model.quantize is not None and r.model.config is not None, _fixed(
         "model.quantize needs pretrained weights (model.name_or_path) to quantize; a random init from "
         "model.config has nothing worth freezing in 4-bit")),
-    Exclusion(lambda r: r.model.offload_activations and not r.model.gradient_checkpointing, _fixed(
-        "model.offload_activations offloads checkpointed layer inputs: set model.gradient_checkpointing: true "
-        "as well")),
     Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
         "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
         "gradient stays on the device anyway; set in_backward false")),
