@@ -26,6 +26,7 @@ from lisaft.optim.adamw import CHUNK, CHUNK_BYTES_PER_ELEMENT
 if TYPE_CHECKING:
     from lisaft.memory.estimate import Settings
 
+
 def is_apollo(optimizer: str) -> bool:
     return optimizer_kind(optimizer).projected
 
