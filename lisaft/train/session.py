@@ -53,6 +53,7 @@ class Progress:
     world_size: int = 1               # processes of this run now (a resume may change it)
     window: dict = field(default_factory=dict)  # the logging window not yet written (loss sums)
     skipped_steps: int = 0            # steps training.on_nonfinite: skip dropped
+    updated_step: int = 0             # the last step that updated the weights (not skipped)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +63,7 @@ class Progress:
         self.tokens_seen = int(sd.get("tokens_seen", 0))
         self.window = dict(sd.get("window") or {})
         self.skipped_steps = int(sd.get("skipped_steps", 0))
+        self.updated_step = int(sd.get("updated_step", self.step))
 
 
 @dataclass
