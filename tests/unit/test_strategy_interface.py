@@ -53,3 +53,20 @@ def test_the_check_sees_each_way_of_asking():
     for source in ('x = session.parallel.weights_bytes(model)', 'x = hasattr(model.config, "use_cache")',
                    'x = isinstance(mod, nn.Module)'):
         assert not questions(source), source
+
+
+def test_each_strategy_answers_for_itself():
+    from lisaft.config.schema import recipe_from_dict
+    from lisaft.train.parallel import Fsdp, SingleProcess, Strategy
+
+    def recipe(**training):
+        return recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train": "t.jsonl"},
+                                 "training": {"max_steps": 1, "output_dir": "r", **training}})
+
+    one, sharded = SingleProcess(recipe()), Fsdp(recipe(fsdp=True))
+    assert isinstance(one, Strategy) and isinstance(sharded, Strategy)
+    # FSDP needs a process group even on one rank, and its losses run the model's own forward.
+    assert one.resume_command(Path("RUN")) == "lisaft resume RUN"
+    assert sharded.resume_command(Path("RUN")) == "torchrun --nproc-per-node 1 -m lisaft resume RUN"
+    assert not one.sharded_forward and sharded.sharded_forward
+    assert one.host_rows(estimate=None) == []  # cpu_offload's: tests/integration/test_run_guards.py
