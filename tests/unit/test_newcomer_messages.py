@@ -94,3 +94,29 @@ def test_the_nonfinite_stop_reads_as_sentences_with_or_without_a_checkpoint(tmp_
     later = str(stopped(session, 5, "loss nan", tmp_path / "step-000004"))
     assert "skipping such steps, or start over with a lower optimizer.lr" in later, later
     assert ". or" not in first + later
+
+
+def _announced(recipe, auto_layers=None) -> list[str]:
+    from lisaft.train.report import announce
+
+    lines: list[str] = []
+    session = SimpleNamespace(recipe=recipe, model=torch.nn.Linear(2, 2), parts=SimpleNamespace(layers=[0] * 4),
+                              auto_layers=auto_layers, device=torch.device("cpu"), train_examples=[{}] * 3,
+                              eval_examples=[], packing=None, progress=SimpleNamespace(step=0), run_dir="RUN")
+    announce(session, SimpleNamespace(print=lines.append))
+    return lines
+
+
+def test_the_banner_names_adapters_and_the_auto_choice_in_a_sentence():
+    from lisaft.config.schema import recipe_from_dict
+    from lisaft.memory.auto_layers import LayerChoice
+
+    base = {"model": {"config": "cfg/config.json", "tokenizer": "tok"},
+            "data": {"train": "data/train.jsonl", "format": "instruction"},
+            "training": {"max_steps": 10, "output_dir": "runs/x"}}
+    lora = recipe_from_dict({**base, "lisa": {"enabled": False}, "lora": {"enabled": True, "rank": 8, "dora": True}})
+    assert "DoRA rank 8 on a frozen base, adamw_32bit" in _announced(lora)[-1]
+    auto = _announced(recipe_from_dict({**base, "lisa": {"enabled": True, "active_layers": 2}}),
+                      LayerChoice(active_layers=2, total_bytes=3 * 2**30, budget_bytes=8 * 2**30, layer_count=4))
+    assert auto[0] == ("lisa.active_layers auto chose the largest γ that fits the cpu memory at its estimated "
+                       "peak: γ=2: 3.0 of 8.0 GiB (5% kept free)"), auto[0]
