@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, get_args
 
 import typer
 
 from lisaft.config.optimizers import OPTIMIZERS
-from lisaft.config.schema import CADENCE_KEYS
+from lisaft.config.schema import CADENCE_KEYS, DataSection
 from lisaft.errors import LisaftError
+
+FORMAT_NAMES: tuple[str, ...] = get_args(DataSection.model_fields["format"].annotation)
 
 app = typer.Typer(
     add_completion=False,
@@ -115,6 +117,23 @@ def resume(
     raise typer.Exit(code)
 
 
+@app.command()
+def data(
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe YAML."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    examples: int = typer.Option(3, "--examples", metavar="N", help="Train examples to show."),
+    json_out: bool = typer.Option(False, "--json", help="Print the audit as JSON.", metavar=""),
+) -> None:
+    """Audit RECIPE's data as it will train: examples, lengths, loss tokens."""
+    from lisaft.metrics.data_report import data_command
+
+    try:
+        code = data_command(recipe, set_ or [], json_out=json_out, shown=examples)
+    except LisaftError as e:
+        _fail(str(e), e.exit_code)
+    raise typer.Exit(code)
+
+
 @app.command("estimate-memory")
 def estimate_memory(
     recipe: Optional[Path] = typer.Argument(None, metavar="RECIPE",
@@ -208,7 +227,7 @@ def generate(
              "apply); answers given are compared."),
     limit: Optional[int] = typer.Option(None, "--limit", metavar="N", help="Only the first N rows of --input-file."),
     fmt: Optional[str] = typer.Option(None, "--format", metavar="FORMAT",
-                                      help="instruction, chat or text. Default: the run's data.format."),
+                                      help=f"{', '.join(FORMAT_NAMES)}. Default: the run's data.format."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", metavar="N", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", metavar="T", help="0: greedy; above 0: sample."),
     top_p: float = typer.Option(1.0, "--top-p", metavar="P", help="Nucleus sampling mass (with --temperature)."),
