@@ -120,3 +120,17 @@ def test_the_banner_names_adapters_and_the_auto_choice_in_a_sentence():
                       LayerChoice(active_layers=2, total_bytes=3 * 2**30, budget_bytes=8 * 2**30, layer_count=4))
     assert auto[0] == ("lisa.active_layers auto chose the largest γ that fits the cpu memory at its estimated "
                        "peak: γ=2: 3.0 of 8.0 GiB (5% kept free)"), auto[0]
+
+
+def test_the_eval_set_is_the_same_examples_on_any_number_of_ranks(monkeypatch):
+    from lisaft.distributed import dist
+    from lisaft.train.evaluate import eval_set
+
+    def examples(world: int, batch_size: int, eval_batches=2) -> list:
+        monkeypatch.setattr(dist, "world_size", lambda: world)
+        t = SimpleNamespace(eval_batches=eval_batches, batch_size=batch_size, grad_accum_steps=1)
+        return eval_set(SimpleNamespace(eval_examples=list(range(100)), recipe=SimpleNamespace(training=t)))
+
+    # A 2-rank run at batch 2 resumed on one process at batch 4: the same global batch, the same examples.
+    assert examples(2, 2) == examples(1, 4) == list(range(8))
+    assert examples(1, 4, eval_batches=None) == list(range(100))
