@@ -134,3 +134,48 @@ def test_the_eval_set_is_the_same_examples_on_any_number_of_ranks(monkeypatch):
     # A 2-rank run at batch 2 resumed on one process at batch 4: the same global batch, the same examples.
     assert examples(2, 2) == examples(1, 4) == list(range(8))
     assert examples(1, 4, eval_batches=None) == list(range(100))
+
+
+def test_data_mistakes_name_the_way_out(tmp_path):
+    import json
+
+    from lisaft.data.read import read_rows
+
+    def error(rows, fmt: str, text: str | None = None) -> str:
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_text(text if text is not None else "".join(json.dumps(r) + "\n" for r in rows))
+        from lisaft.data.formats import data_format
+
+        try:
+            data_format(fmt).examples(read_rows(str(path), "data.train"), _tokenizer(), None, {})
+        except LisaftError as e:
+            return str(e)
+        raise AssertionError("accepted")
+
+    sharegpt = error([{"conversations": [{"from": "human", "value": "hi"}]}], "chat")
+    assert "(fields: conversations); ShareGPT data: set data.columns {conversations: messages" in sharegpt
+    alpaca = error([{"instruction": "a", "input": "b", "output": "c"}], "chat")
+    assert "these are data.format instruction's fields: set data.format: instruction" in alpaca, alpaca
+    broken = error([], "text", '{"text": "a"}\n{"text": \n{"text": "b"}\n{oops\n{"text"\n')
+    assert "line 2: not valid JSON" in broken and "after it, 2 more not valid JSON (lines 4, 5)" in broken, broken
+
+
+def _tokenizer():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(__file__).parents[2] / "recipes" / "quickstart" / "tokenizer")
+
+
+def test_resume_pointed_inside_a_run_names_the_run(tmp_path):
+    from lisaft.checkpoint.missing import run_recipe_file
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "checkpoints" / "step-000004").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("x")
+    with pytest.raises(LisaftError, match=rf"is the run's exported model, not the run; .*`lisaft resume {run}`"):
+        run_recipe_file(run / "final")
+    with pytest.raises(LisaftError, match=rf"is the run's folder, not the run; .*`lisaft resume {run}`"):
+        run_recipe_file(run / "checkpoints" / "step-000004")

@@ -149,6 +149,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict], where: str) -> list[int]:
 
 class Chat(DataFormat):
     name = "chat"
+    required = ("messages",)
     fields = "`messages`, a list of {role, content} (loss on assistant turns only)"
     input_note = "--input is ignored for chat prompts (it fills an instruction's input); put the whole " \
                  "user message in --prompt"
