@@ -179,3 +179,11 @@ def test_resume_pointed_inside_a_run_names_the_run(tmp_path):
         run_recipe_file(run / "final")
     with pytest.raises(LisaftError, match=rf"is the run's folder, not the run; .*`lisaft resume {run}`"):
         run_recipe_file(run / "checkpoints" / "step-000004")
+
+
+def test_a_tokenizer_without_a_chat_template_names_the_way_out():
+    from lisaft.data.formats.chat import need_chat_template
+
+    with pytest.raises(LisaftError, match="no chat template; point model.tokenizer at one that has .*"
+                                          "data.format: instruction"):
+        need_chat_template(SimpleNamespace(chat_template=None), "data.train", "chat")
