@@ -287,7 +287,8 @@ class TrainingSection(Section):
     log_every: Int = Field(1, ge=1, description="Write a train record every N steps.")
     eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); without "
                             "an eval set (data.eval, data.eval_fraction) nothing is evaluated and a warning says so.")
-    eval_batches: Int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
+    eval_batches: Int | None = Field(None, ge=1, description="Cap eval at the first N global batches of data.eval "
+                                      "(batch_size x grad_accum_steps x ranks examples each; null: all).")
     save_every: Int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
     keep_last: Int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
     output_dir: str = Field(..., description="Run directory; a relative path means the recipe file's "

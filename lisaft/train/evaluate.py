@@ -12,14 +12,23 @@ from lisaft.train.preference import evaluate_pairs
 from lisaft.train.session import Session
 
 
+def eval_set(session: Session) -> list[dict]:
+    """The examples evaluated: all of data.eval, or the first training.eval_batches global batches
+    of it (batch_size x grad_accum_steps x ranks examples each, which a resume on another number of
+    ranks keeps), so the same examples are scored however the ranks share them out."""
+    examples = session.eval_examples or []
+    t = session.recipe.training
+    if t.eval_batches is None:
+        return examples
+    return examples[: t.eval_batches * t.batch_size * t.grad_accum_steps * dist.world_size()]
+
+
 @torch.no_grad()
 def evaluate(session: Session) -> dict:
     """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
     examples = session.eval_examples or []
     t = session.recipe.training
-    batches = eval_index_batches(len(examples), t.batch_size)
-    if t.eval_batches is not None:
-        batches = batches[: t.eval_batches]
+    batches = eval_index_batches(len(eval_set(session)), t.batch_size)
     mine, counted = session.parallel.eval_batches(batches)
     model = session.model
     model.eval()

@@ -116,7 +116,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
             if logs:
                 rec = _train_record(session, result, window, time.perf_counter() - window_t0)
                 metrics.write(rec)
-                display.train(rec)
+                display.train(rec if session.recipe.lisa.enabled else {**rec, "active_layers": None})  # `all`
                 window, window_t0 = dict(_EMPTY_WINDOW), time.perf_counter()
             if session.eval_examples and (
                 (t.eval_every and progress.step % t.eval_every == 0) or progress.step == t.max_steps

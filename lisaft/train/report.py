@@ -18,10 +18,10 @@ def announce(session: Session, display: Display) -> None:
     n_params = sum(p.numel() for p in session.model.parameters())
     lisa = (f"LISA γ={r.lisa.active_layers} of {len(session.parts.layers)} layers every "
             f"{r.lisa.interval_steps} steps, {r.lisa.sampling}, state {r.lisa.state_policy}"
-            if r.lisa.enabled else "full fine-tuning")
+            if r.lisa.enabled else _adapters(r) if r.lora.enabled else "full fine-tuning")
     if session.auto_layers is not None:
-        display.print(f"lisa.active_layers auto: {session.auto_layers.line()} estimated at the peak, the largest "
-                      f"γ that fits the {session.device.type} memory")
+        display.print(f"lisa.active_layers auto chose the largest γ that fits the {session.device.type} memory "
+                      f"at its estimated peak: {session.auto_layers.line()}")
     display.print(
         f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
         f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
@@ -33,6 +33,12 @@ def announce(session: Session, display: Display) -> None:
     )
     if session.packing is not None:
         display.print(session.packing.summary())
+
+
+def _adapters(r: Recipe) -> str:
+    kind = "DoRA" if r.lora.dora else "LoRA"
+    base = f" on a 4-bit {r.model.quantize} base (Q{kind})" if r.model.quantize else " on a frozen base"
+    return f"{kind} rank {r.lora.rank}{base}"
 
 
 def _unit(recipe: Recipe) -> str:
