@@ -37,7 +37,7 @@ def pref_run(tiny_run):
 
     def make(name="recipe.yaml", loss="dpo", **training):
         return tiny_run(name, data={"train": "pairs.jsonl", "eval": "pairs_eval.jsonl", "format": "preference"},
-                        lisa={"enabled": False}, preference={"loss": loss},
+                        lisa={"enabled": False}, preference={"loss": loss}, scheduler={"warmup_steps": 0},
                         training={"max_steps": 6, "eval_every": 3, "eval_batches": None, **training})
 
     make.dir = tiny_run.dir
