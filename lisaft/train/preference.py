@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lisaft.config.schema import Recipe
-from lisaft.data.digest import DataChanged, changed_message, examples_digest
+from lisaft.data.digest import ACCEPT_KEY, DataChanged, examples_digest
 from lisaft.data.order import eval_index_batches
 from lisaft.distributed import dist
 from lisaft.metrics.display import PassBar
@@ -41,8 +41,10 @@ class ReferenceLogps:
     def load_state_dict(self, sd: dict) -> None:
         if sd["digest"] != self.digest:
             # Reference log-probs of other pairs cannot serve, and the run's reference may be gone.
-            raise DataChanged(changed_message(f"reference log-probs of digest {sd['digest']}, data {self.digest} "
-                                              "now; a DPO run cannot continue over other pairs"))
+            raise DataChanged(f"data: the pairs changed since the checkpoint (reference log-probs for digest "
+                              f"{sd['digest']}, pairs of {self.digest} now): DPO's reference log-probs belong to "
+                              "the pairs they were computed for, so this run cannot continue over other pairs, "
+                              f"not even with {ACCEPT_KEY}; start a new run")
         for pairs, refs in ((self.train, sd["train"]), (self.evals, sd["eval"])):
             for p, ref in zip(pairs, refs, strict=True):
                 p["ref"] = [float(ref[0]), float(ref[1])]
