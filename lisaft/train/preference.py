@@ -50,7 +50,7 @@ class ReferenceLogps:
                 p["ref"] = [float(ref[0]), float(ref[1])]
 
 
-def _reference_model(recipe: Recipe, parallel: Strategy, device: torch.device):
+def _reference_model(recipe: Recipe, device: torch.device):
     assert recipe.preference is not None and recipe.preference.reference is not None
     from lisaft.model.load import load_model
 
@@ -89,7 +89,7 @@ def compute_reference(recipe: Recipe, model, train: list[dict], evals: list[dict
     or, when `model` is None, with preference.reference loaded for it and freed after."""
     own = model is None
     if own:
-        model = _reference_model(recipe, parallel, device)
+        model = _reference_model(recipe, device)
     for pairs in (train, evals or []):
         reference_pass(model, pairs, pad_id, recipe.training.batch_size, parallel, device)
     if own:
