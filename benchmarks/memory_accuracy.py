@@ -10,8 +10,8 @@ subprocess (so peak RSS belongs to that configuration alone) and compares the es
     python -m benchmarks.memory_accuracy --quick         # one tiny configuration, seconds
     python -m benchmarks.memory_accuracy --out results.json
 
-The JSON result (default benchmarks/results/memory_accuracy.json) holds every configuration's
-estimated and measured figures and whether each target was met.
+The JSON result (default benchmarks/results/memory_accuracy/memory_accuracy.json) holds every
+configuration's estimated and measured figures and whether each target was met.
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def _print_table(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one tiny configuration (for tests)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_accuracy.json")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "memory_accuracy" / "memory_accuracy.json")
     parser.add_argument("--only", help="run the configurations whose name contains this")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

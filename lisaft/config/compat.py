@@ -93,12 +93,14 @@ def first_exclusion(recipe: Recipe) -> str | None:
 
 def check_world(recipe: Recipe, world_size: int, launched: bool) -> None:
     """The rules that depend on the launch: `world_size` ranks, `launched` under torchrun."""
-    if recipe.preference is not None:
-        raise LisaftError(f"preference.loss {recipe.preference.loss}: preference training is not implemented yet")
-    if recipe.training.fsdp and not launched:
-        # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU).
-        raise LisaftError("training.fsdp needs torchrun: launch with torchrun --nproc-per-node N, "
-                          "or set training.fsdp false")
+    # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU). A
+    # resume cannot change either key, so the way out named first is the launch.
+    for key, on in (("training.fsdp", recipe.training.fsdp),
+                    ("training.shard_optimizer_state", recipe.training.shard_optimizer_state)):
+        if on and not launched:
+            raise LisaftError(f"{key} shards over torchrun's ranks: launch with torchrun --nproc-per-node N "
+                              "(a resume too: `torchrun --nproc-per-node N -m lisaft resume RUN`), or, for a new "
+                              f"run, set {key} false")
     if recipe.training.fsdp or world_size == 1:
         return
     if recipe.optimizer.in_backward:

@@ -325,7 +325,7 @@ class TrainingSection(Section):
     threads: int | Literal["auto"] = Field(
         "auto", description="CPU threads for torch's kernels. auto: the CPUs this process may use "
         "(affinity and container quota), shared among data-parallel processes on the machine; "
-        "OMP_NUM_THREADS, when set, counts instead. See README: threads on a busy CPU.")
+        "OMP_NUM_THREADS, when set, counts instead. See docs/threads.md.")
 
     @model_validator(mode="after")
     def _length(self) -> TrainingSection:
@@ -495,6 +495,9 @@ def _message(e: ErrorDetails) -> str:
     if e["type"] == "extra_forbidden":
         close = difflib.get_close_matches(str(e["loc"][-1]), _known_keys(e["loc"]), n=1, cutoff=0.6)
         prefix = "".join(f"{p}." for p in e["loc"][:-1])
+        if not close and len(e["loc"]) == 1:  # a section's key given without its section
+            close = [f"{name}.{e['loc'][0]}" for name in _known_keys(e["loc"])
+                     if e["loc"][0] in _known_keys((name, e["loc"][0]))][:1]
         return "unknown key" + (f"; did you mean {prefix}{close[0]}?" if close else "")
     if e["type"] == "missing":
         return "required key is missing"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lisaft.config.schema import Recipe
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
@@ -25,12 +26,17 @@ def announce(session: Session, display: Display) -> None:
         f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
         f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
         f"{' on the CPU' if r.optimizer.cpu_offload else ''}; "
-        f"{len(session.train_examples)} train {'rows' if session.packing else 'examples'}"
+        + (f"{r.preference.loss} β={r.preference.beta:g}; " if r.preference is not None else "")
+        + f"{len(session.train_examples)} train {'rows' if session.packing else _unit(r)}"
         + (f", {len(session.eval_examples)} eval" if session.eval_examples else "")
         + f"; steps {session.progress.step}->{r.training.max_steps}; run {session.run_dir}"
     )
     if session.packing is not None:
         display.print(session.packing.summary())
+
+
+def _unit(recipe: Recipe) -> str:
+    return "pairs" if recipe.preference is not None else "examples"
 
 
 def memory_report(session: Session, metrics: RunLog) -> None:

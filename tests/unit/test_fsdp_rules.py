@@ -43,6 +43,15 @@ def test_fsdp_without_torchrun_is_refused_in_one_line():
     check_world(recipe(), world_size=1, launched=True)  # one rank under torchrun: allowed
 
 
+def test_sharded_optimizer_state_without_torchrun_is_refused_like_fsdp_naming_the_resume_launch():
+    data = {k: dict(v) for k, v in BASE.items()}
+    data["training"].update(fsdp=False, shard_optimizer_state=True)
+    with pytest.raises(LisaftError, match=r"training.shard_optimizer_state shards over torchrun's ranks") as e:
+        check_world(recipe_from_dict(data), world_size=1, launched=False)
+    assert "-m lisaft resume RUN`" in str(e.value) and "for a new run, set" in str(e.value)
+    check_world(recipe_from_dict(data), world_size=1, launched=True)
+
+
 @pytest.mark.parametrize("optimizer, words", [
     ({"in_backward": True}, "optimizer.in_backward cannot run data parallel"),
     ({"cpu_offload": True}, "optimizer.cpu_offload runs on one device"),

@@ -22,13 +22,19 @@ def test_a_damaged_optimizer_file_says_so_without_torchs_advice(tmp_path):
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_refusal_under_torchrun_is_printed_by_rank_0_only(monkeypatch, capsys):
+def test_a_refusal_under_torchrun_is_printed_by_rank_0_first(monkeypatch, capsys):
+    import lisaft.cli as cli
     from lisaft.cli import _fail
 
+    waited = []
+    monkeypatch.setattr("time.sleep", waited.append)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(typer.Exit):
         _fail("training.seed: bad", 2)
-    assert capsys.readouterr().err == ""
+    # Rank 1 leaves only after rank 0 had the time to print (torchrun stops it when rank 0 exits);
+    # still running then, the refusal was its own.
+    assert waited == [cli.RANK_WAIT_S] and cli.RANK_WAIT_S >= 5
+    assert "rank 1: training.seed: bad" in capsys.readouterr().err
     with pytest.raises(typer.Exit):
         _fail("could not write the checkpoint", 1)  # a failure may be this rank's alone
     assert "could not write" in capsys.readouterr().err
@@ -77,3 +83,14 @@ def test_the_signal_note_is_printed_by_rank_0_only(monkeypatch, capsys):
             stop._handle(signal.SIGINT, None)
         out = capsys.readouterr()
         assert stop.requested and (expected in out.out + out.err if expected else out.out + out.err == "")
+
+
+def test_the_nonfinite_stop_reads_as_sentences_with_or_without_a_checkpoint(tmp_path):
+    from lisaft.train.nonfinite import stopped
+
+    session = SimpleNamespace(recipe=SimpleNamespace(optimizer=SimpleNamespace(lr=1e-3)), run_dir=tmp_path)
+    first = str(stopped(session, 1, "loss nan", None))
+    assert "low precision. Start over with a lower optimizer.lr" in first, first
+    later = str(stopped(session, 5, "loss nan", tmp_path / "step-000004"))
+    assert "skipping such steps, or start over with a lower optimizer.lr" in later, later
+    assert ". or" not in first + later

@@ -25,6 +25,7 @@ from lisaft.data.formats.base import (
     DataFormat,
     DataWarning,
     Example,
+    Fit,
     Prompt,
     Tokens,
     encode,
@@ -124,7 +125,7 @@ class Preference(DataFormat):
             pairs[i] = _conversational_pair(rows, i, tokenizer, tokens, special, roles)
         return [pairs[i] for i in range(len(rows.rows))]
 
-    def fit(self, examples: list[Example], max_seq_len: int, rows: Rows) -> list[Example]:
+    def fitted(self, examples: list[Example], max_seq_len: int, rows: Rows) -> Fit:
         cut = []
         out = []
         for i, pair in enumerate(examples):
@@ -141,7 +142,7 @@ class Preference(DataFormat):
                 f"{rows.key}: {rows.source}: {len(cut)} of {len(examples)} pairs were longer than data.max_seq_len="
                 f"{max_seq_len}; their answers were cut at the end, their prompts kept ({numbers(rows, cut)})",
                 DataWarning, stacklevel=4)
-        return out
+        return Fit(out, cut, [])
 
     def prompt(self, tokenizer, rows: Rows, i: int, template: str | None, roles: dict[str, str]) -> Prompt:
         row = rows.rows[i]
