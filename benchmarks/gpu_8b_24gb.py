@@ -86,7 +86,8 @@ TINY_MLP_CHUNK = 32
 
 
 PEER = ("training.grad_accum_steps=1", "data.max_seq_len=2048", "model.offload_activations=false",
-        "model.mlp_chunk_tokens=null", "training.max_grad_norm=null")
+        "model.mlp_chunk_tokens=null", "training.max_grad_norm=null", "scheduler.name=constant",
+        "scheduler.warmup_steps=0")
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,7 @@ def cap_allocator(budget: int) -> int:
     import torch
 
     torch.zeros(1, device="cuda")
+    torch.cuda.reset_peak_memory_stats()  # a random-weights folder built before does not count
     baseline = NvmlPeak.read() or 0
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (budget - baseline) / total)), 0)

@@ -14,7 +14,10 @@ timed cumulatively per step:
     wait         the training loop waiting for host steps still running
     weights_ready  the step waiting for the new weights to be back on the device
 
-A name the code no longer has is left out of `timed` (and the run still measures the rest).
+A name the code no longer has is left out of `timed` (and the run still measures the rest). A
+call is counted in the step whose time it took: with the host step overlapping the next
+forward (cpu_offload's `overlap`), step k's `step_unit` shows in step k+1's parts, and the wait
+for it in that step's first forward.
 """
 
 from __future__ import annotations

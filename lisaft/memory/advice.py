@@ -101,9 +101,10 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
     if s.attention == "eager":
         attention = "flash_attention_2" if s.device == "cuda" else "sdpa"
         groups.append([Option({"model.attention": attention}, "no s x s score matrix", FREE)])
-    if r.optimizer.name != "paged_adamw_8bit" and s.device == "cuda" and not s.fsdp:
+    kind = optimizer_kind(r.optimizer.name)
+    if not (kind.paged and kind.eight_bit) and s.device == "cuda" and not s.fsdp:
         groups.append([Option(_eight_bit("paged_adamw_8bit", s), "2 B/param of moments, paged on pressure", SLOWER)])
-    elif not optimizer_kind(r.optimizer.name).eight_bit:
+    elif not kind.eight_bit:
         groups.append([Option(_eight_bit("adamw_8bit", s), "2 B/param of moments", SLOWER)])
     if not s.lora:  # a LoRA run's ways to train less are in the methods table (memory/methods.py)
         groups.append(_lisa_options(s, layer_count))

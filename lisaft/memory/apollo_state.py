@@ -28,15 +28,21 @@ from lisaft.optim.apollo import ApolloSettings
 if TYPE_CHECKING:
     from lisaft.memory.settings import Settings
 
-NON_PROJECTED = "adamw_8bit"  # the rule for everything apollo does not project
-
 
 def is_apollo(optimizer: str) -> bool:
     return optimizer_kind(optimizer).projected
 
 
 def rank_of(s: Settings) -> int:
-    return ApolloSettings.of(s.recipe.optimizer).rank
+    return optimizer_kind(s.recipe.optimizer.name).rank or ApolloSettings.of(s.recipe.optimizer).rank
+
+
+def _rest(s: Settings) -> str:
+    """The optimizer whose rule the tensors apollo does not project follow."""
+    name = s.recipe.optimizer.name
+    rest = optimizer_kind(name).rest
+    assert rest is not None, f"{name} projects no tensor"  # is_apollo(name) holds here
+    return rest
 
 
 def _matrices(counts: ParamCounts, layers: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
@@ -56,7 +62,7 @@ def apollo_state(counts: ParamCounts, s: Settings, dt: int) -> StateBytes:
     matrices, rest = _matrices(counts, layers_with_state(counts, s))
     r = rank_of(s)
     projected = sum(2 * 4 * min(r, m, n) * max(m, n) + 4 for m, n in matrices)
-    other = state_bytes(NON_PROJECTED, rest + end_numels(counts, s), dt, s.device)
+    other = state_bytes(_rest(s), rest + end_numels(counts, s), dt, s.device)
     return StateBytes(projected + other.total, 0)
 
 
@@ -71,5 +77,5 @@ def apollo_step_temporaries(counts: ParamCounts, s: Settings, dt: int, sparse_nu
     matrices, rest = _matrices(counts, layers_with_state(counts, s))
     projected = max((projected_step_bytes(m, n, rank_of(s), dt) for m, n in matrices), default=0)
     largest_other = max(rest + end_numels(counts, s), default=0)
-    return max(projected, step_temporaries(NON_PROJECTED, largest_other, dt, s.device, s.recipe.optimizer.bf16_update,
+    return max(projected, step_temporaries(_rest(s), largest_other, dt, s.device, s.recipe.optimizer.bf16_update,
                                            sparse_numel))

@@ -249,7 +249,7 @@ class _Fixed:
         if cuda:
             outside = {"cuda_context": CUDA_CONTEXT_BYTES, "cuda_kernels": CUDA_KERNELS_BYTES}
         else:
-            bnb = imports_bitsandbytes(s.recipe.optimizer.name) or s.lora
+            bnb = optimizer_kind(s.recipe.optimizer.name).imports_bitsandbytes or s.lora
             baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if bnb else 0) + \
                 (PEFT_IMPORT_BYTES if s.lora else 0)
             outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
@@ -284,15 +284,9 @@ def _host(s: Settings, counts: ParamCounts, dt: int, r: Resident, activation_hos
     opt = s.recipe.optimizer
     return offload_host_bytes(opt.name, host_state, all_numels, r.trainable, dt, opt.bf16_update,
                               activation_host, CPU_PROCESS_BASELINE_BYTES
-                              + (BITSANDBYTES_IMPORT_BYTES if imports_bitsandbytes(opt.name) else 0),
+                              + (BITSANDBYTES_IMPORT_BYTES if optimizer_kind(opt.name).imports_bitsandbytes else 0),
                               sparse_numel=sparse, sparse_bytes=sparse * dt - r.sparse_saving if sparse else 0,
                               moment_bytes=moment_bytes(opt.moments_dtype))
-
-
-def imports_bitsandbytes(optimizer: str) -> bool:
-    """bitsandbytes keeps the moments, or (APOLLO) the moments of what it does not project."""
-    kind = optimizer_kind(optimizer)
-    return kind.bnb or kind.projected
 
 
 def _notes(s: Settings, r: Resident, b: Backward, peak_phase: str) -> list[str]:

@@ -66,7 +66,9 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     assert len({tuple(a) for a in lisa["active_layers"][2:]}) > 1  # a layer switch inside the timed steps
     offload = runs["offload-full-ga4"]
     assert offload["cpu_offload"] and {"drain", "step_unit"} <= set(offload["offload_parts_timed"])
-    assert all(len(p["backward"]) == 4 and "offload_step_unit" in p for p in offload["step_parts"])
+    assert all(len(p["backward"]) == len(p["forward"]) == 4 for p in offload["step_parts"])
+    # The host steps overlap the next step's forward: each shows in the step whose time it took.
+    assert sum(p.get("offload_step_unit", 0) for p in offload["step_parts"]) > 0
     assert runs["apollo-8b"]["optimizer"] == "apollo_mini" and runs["apollo-8b"]["in_backward"]
     assert runs["lora-8b"]["lora"] and runs["qlora-8b"]["quantize"] == "nf4"
     assert set(checks) == {"offload-vs-resident", "activation-offload", "packed-sdpa", "packed-varlen",

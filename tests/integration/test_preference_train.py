@@ -37,7 +37,7 @@ def pref_run(tiny_run):
 
     def make(name="recipe.yaml", loss="dpo", **training):
         return tiny_run(name, data={"train": "pairs.jsonl", "eval": "pairs_eval.jsonl", "format": "preference"},
-                        lisa={"enabled": False}, preference={"loss": loss},
+                        lisa={"enabled": False}, preference={"loss": loss}, scheduler={"warmup_steps": 0},
                         training={"max_steps": 6, "eval_every": 3, "eval_batches": None, **training})
 
     make.dir = tiny_run.dir
@@ -110,6 +110,10 @@ def test_a_resume_over_changed_pairs_is_refused(pref_run):
     result = runner.invoke(app, ["resume", str(pref_run.dir / "run")])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "the training data changed since the checkpoint" in result.output
+    # The data order may continue over new data on purpose; DPO's reference log-probs cannot.
+    result = runner.invoke(app, ["resume", str(pref_run.dir / "run"), "--set", "training.accept_data_change=true"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "cannot continue over other pairs, not even with training.accept_data_change" in result.output
 
 
 def test_the_nonfinite_guard_covers_pairs(pref_run):
