@@ -13,8 +13,10 @@ A step, for each parameter:
    are added into one host accumulator. On CUDA the copy runs on a side stream into pinned
    memory: the first micro-batch's lands in the accumulator itself, later ones in a small ring of
    pinned staging buffers that a worker thread adds into the accumulator once the copy is done,
-   so the autograd thread never waits for the CPU. In every micro-batch at most 1 GiB of copies
-   is in flight: past it, backward waits for the link rather than pile up freed gradients.
+   so the autograd thread never waits for the CPU. The addition is the host kernel's one pass
+   over every core (host_step.accumulate; torch's add_ without numba, the same bits). In every
+   micro-batch at most 1 GiB of copies is in flight: past it, backward waits for the link rather
+   than pile up freed gradients.
 2. the step: clipping by the true global norm over the host gradients (the same clip_grad_norm
    as the device path), then the unit optimizers' step on the CPU: torch's fused AdamW kernel
    (or bitsandbytes' CPU kernels for 8-bit moments) over whole tensors or chunks, never a Python
@@ -163,7 +165,7 @@ class OffloadedOptimizers(UnitOptimizers):
         elif first:
             acc.copy_(g)
         else:
-            acc.add_(g)
+            host_step.accumulate(acc, g)
 
     def drain(self) -> None:
         if self.transfers is not None:

@@ -10,6 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from lisaft.optim import host_step
+
 # Gradients of later micro-batches go through STAGING_SLOTS pinned buffers of at most
 # STAGING_SLOT_BYTES, a large gradient in several pieces: the copy of one piece overlaps the
 # worker's addition of the previous one, and staging costs 1 GiB whatever the model.
@@ -95,7 +97,7 @@ class Transfers:
 
     def _add(self, copied: torch.cuda.Event, acc: torch.Tensor, staged: torch.Tensor, buf: torch.Tensor) -> None:
         copied.synchronize()
-        acc.add_(staged)
+        host_step.accumulate(acc, staged)
         self.slots.put(buf)
 
     def drain(self) -> None:
