@@ -32,3 +32,19 @@ def test_hidden_step_bench_small(tmp_path):
     assert set(s["modes"]) == {"after", "as_ready"} and s["params"] > 0
     for m in s["modes"].values():
         assert 0 < m["tail_s"] <= m["s_per_step"]
+
+
+def test_host_step_bench_small(tmp_path):
+    """benchmarks/host_step_bench.py at its smallest: every moment type and accumulator timed
+    beside the triad, the documented keys, and float32 accumulators the more precise."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_step_bench", "--params", "65536", "--reps", "1",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "host_step.json").read_text())
+    assert r["triad_gb_s"] > 0 and "load_avg_1min" in r
+    acc = r["accumulate"]
+    assert set(acc) == {"bfloat16", "float32"}
+    for row in acc.values():
+        assert row["s_per_1e9_params"] > 0 and row["share_of_triad"] > 0 and row["torch"]["share_of_triad"] > 0
+    assert acc["bfloat16"]["bytes_per_param"] == 6 and acc["float32"]["bytes_per_param"] == 10
+    assert 0 < acc["float32"]["rel_error_32_micro_batches"] < acc["bfloat16"]["rel_error_32_micro_batches"] < 0.05
