@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not host_step.available():
         raise SystemExit("numba is not installed: pip install 'lisaft[host-step]'")
     n = args.params
+    load_before = os.getloadavg()[0]
     # The triad before and after every timing, its best kept: on a shared machine one
     # measurement can land in a busy moment, and the best one makes every share a lower bound.
     triads = [triad_gbs(n, args.reps)]
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
             row[path] = None if t is None else _share(BYTES[moments], n, t, triad)
         rows[moments] = row
     result = {"params": n, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-              "machine": platform.processor() or platform.machine(), "load_avg_1min": round(os.getloadavg()[0], 2),
+              "machine": platform.processor() or platform.machine(), "load_avg_1min_before": round(load_before, 2),
+              "load_avg_1min": round(os.getloadavg()[0], 2),
               "triad_gb_s": round(triad, 2),
               "triad_gb_s_all": [round(t, 2) for t in triads], "moments": rows, "accumulate": accumulate}
     if args.out:
