@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class StepResult:
     activation_bytes: int | None = None  # saved for backward by the longest micro-batch, when measured
     activation_seq_len: int = 0          # that micro-batch's padded length
     skipped: bool = False                # training.on_nonfinite: skip dropped a non-finite update
+    stats: dict[str, float] = field(default_factory=dict)  # the objective's own sums (ForwardResult)
 
 
 class Phases:
@@ -41,36 +42,76 @@ class Phases:
 
 _NO_PHASES = Phases()
 
+# What a `forward` returns: the micro-batch's loss sum, or that and the objective's own statistics
+# (device tensors), which the step sums over micro-batches and ranks into StepResult.stats.
+ForwardResult = torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+class StepTotals:
+    """The step's sums on the training device, read by the host once, when the step ends: a read
+    after every micro-batch would leave the device idle until the host queued the next forward
+    (torchtitan reads its loss only when it logs). The loss is one sum; an objective adds its own
+    statistics the same way (`add`); the token counts and the gradient norm join them at `read`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        # float64, as the host summed the loss before: the same sum bit for bit.
+        v = value.detach().to(self.device, torch.float64, non_blocking=True)
+        self.sums[name] = self.sums[name] + v if name in self.sums else v
+
+    def read(self, known: dict[str, torch.Tensor | float | None]) -> dict[str, float]:
+        """The sums over ranks and `known` (global already; None stays None) on the host, in one read."""
+        names = list(self.sums)
+        values = [dist.all_reduce_sum(torch.stack([self.sums[n] for n in names]))]
+        values += [torch.as_tensor(v).detach().to(self.device, torch.float64, non_blocking=True).reshape(1)
+                   for v in known.values() if v is not None]
+        host = iter(torch.cat(values).tolist())  # the step's one host read
+        out = {n: next(host) for n in names}
+        out.update({k: next(host) for k, v in known.items() if v is not None})
+        return out
+
+
+def _collate(session: Session, n: int) -> tuple[list[dict], torch.Tensor]:
+    """The step's micro-batches, and the global (label tokens, real tokens, positions) summed on
+    the device: the loss is divided by every rank's label tokens before the host reads anything."""
+    # With a varlen attention kernel a micro-batch is one row of documents, no padding at all.
+    flatten = varlen_attention(session.model)
+    micro, real = [], 0
+    for _ in range(n):
+        examples = [session.train_examples[i] for i in session.order.next_indices()]
+        micro.append(collate(examples, session.tokenizer.pad_token_id, flatten))
+        real += real_positions(examples)
+    labels = torch.stack([(b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro]).sum()
+    positions = sum(b["input_ids"].numel() for b in micro)
+    counts = torch.stack([labels.to(torch.float64), torch.tensor(float(real), dtype=torch.float64),
+                          torch.tensor(float(positions), dtype=torch.float64)])
+    return micro, dist.all_reduce_sum(counts.to(session.device, non_blocking=True))
+
 
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
-               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum,
+               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], ForwardResult] = token_loss_sum,
                longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
     measure_activations: what the step's longest micro-batch saves for backward, if it is longer
-    than `longer_than` positions (the hooks only observe)."""
+    than `longer_than` positions (the hooks only observe). The host reads the device once, at the
+    end (with training.on_nonfinite: skip, the norm once more before the update)."""
     t = session.recipe.training
     controller = session.controller
     with phases.phase("lisa"):
         controller.activate_for_step(step)
     with phases.phase("collate"):
-        # With a varlen attention kernel a micro-batch is one row of documents, no padding at all.
-        flatten = varlen_attention(session.model)
-        micro, real = [], 0
-        for _ in range(t.grad_accum_steps):
-            examples = [session.train_examples[i] for i in session.order.next_indices()]
-            micro.append(collate(examples, session.tokenizer.pad_token_id, flatten))
-            real += real_positions(examples)
-    counts = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro), real,
-                           sum(b["input_ids"].numel() for b in micro)], dtype=torch.float64)
-    counts = dist.all_reduce_sum(counts.to(session.device)).cpu()
-    loss_tokens = max(counts[0].item(), 1.0)
+        micro, counts = _collate(session, t.grad_accum_steps)
+    loss_tokens = counts[0].clamp(min=1.0)
     # The learning rate is set before backward: with optimizer.in_backward the update runs there.
     lr = session.schedule.lr(step)
     session.optimizers.set_lr(lr, step)
     activation_bytes, activation_seq_len = None, 0
     widths = [int(b["input_ids"].shape[1]) for b in micro]
     measured = widths.index(max(widths)) if measure_activations and max(widths) > longer_than else None
-    loss_sum = 0.0
+    totals = StepTotals(session.device)
     in_backward = session.in_backward.step(measure_norm) if session.in_backward else contextlib.nullcontext()
     with in_backward as norm:
         for i, batch in enumerate(micro):
@@ -80,25 +121,32 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
                     from lisaft.metrics.measure import saved_activations
 
                     with saved_activations(session.model) as meter:
-                        loss = forward(session.model, batch)
+                        out = forward(session.model, batch)
                     activation_bytes = meter.bytes
                     activation_seq_len = int(batch["input_ids"].shape[1])
                 else:
-                    loss = forward(session.model, batch)
+                    out = forward(session.model, batch)
+            loss, extra = out if isinstance(out, tuple) else (out, {})
             if i == len(micro) - 1:
                 session.parallel.before_last_backward(controller, measure_norm)
             with phases.phase("backward"):
-                (loss / loss_tokens).backward()
-            loss_sum += loss.item()
+                (loss / loss_tokens.to(loss.dtype)).backward()
+            totals.add("loss", loss)
+            for name, value in extra.items():
+                totals.add(name, value)
     skipped = False
+    grad_norm: torch.Tensor | float | None
     if norm is not None:
         grad_norm, grad_bytes = norm.value, 0
     else:
         grad_norm, grad_bytes, skipped = session.parallel.update(
             session.controller, session.optimizers, t.max_grad_norm, measure_norm, phases,
             skip_nonfinite=t.on_nonfinite == "skip")
-    loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
-    return StepResult(loss=loss_total / loss_tokens, tokens=int(counts[1].item()),
-                      padding=int(counts[2].item() - counts[1].item()), lr=lr, grad_norm=grad_norm,
+    known: dict[str, torch.Tensor | float | None] = {
+        "label_tokens": counts[0], "tokens": counts[1], "positions": counts[2], "grad_norm": grad_norm}
+    read = totals.read(known)
+    stats = {name: read[name] for name in totals.sums if name != "loss"}
+    return StepResult(loss=read["loss"] / max(read["label_tokens"], 1.0), tokens=int(read["tokens"]),
+                      padding=int(read["positions"] - read["tokens"]), lr=lr, grad_norm=read.get("grad_norm"),
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
-                      activation_seq_len=activation_seq_len, skipped=skipped)
+                      activation_seq_len=activation_seq_len, skipped=skipped, stats=stats)
