@@ -1,0 +1,30 @@
+"""Gradient checkpointing (model.gradient_checkpointing): transformers' own, non-reentrant, and
+no recompute of the frozen layers below the lowest trainable one."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    from lisaft.model.load import pretrained
+
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen_inputs(model)
+
+
+def frozen_inputs(model: nn.Module) -> None:
+    """Undo enable_input_require_grads, which transformers' checkpointing (and peft's wrapping)
+    call: it makes the embeddings' output require grad, so backward recomputes and
+    back-propagates every frozen layer below LISA's lowest active layer for nothing. Reentrant
+    checkpointing needed it; the non-reentrant kind works with inputs that do not require grad,
+    and trainable embeddings make their output require grad themselves."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.disable_input_require_grads()
