@@ -31,7 +31,7 @@ from lisaft.config.schema import recipe_from_dict
 from lisaft.train import build_session, train_step
 
 REPO = Path(__file__).resolve().parents[1]
-FULL = {"hidden": 512, "layers": 8, "vocab": 4096, "seq": 256, "batch": 2, "accum": 8, "steps": 8, "warmup": 2}
+FULL = {"hidden": 384, "layers": 6, "vocab": 4096, "seq": 256, "batch": 1, "accum": 8, "steps": 6, "warmup": 1}
 QUICK = {"hidden": 64, "layers": 2, "vocab": 256, "seq": 32, "batch": 1, "accum": 2, "steps": 2, "warmup": 1}
 
 
