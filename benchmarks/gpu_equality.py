@@ -52,7 +52,7 @@ def _offload_run(device, offload: bool, compiled: bool, tmp: Path) -> tuple[list
 
     from lisaft.config.schema import LisaSection, OptimizerSection
     from lisaft.lisa import LisaController
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
     from lisaft.model.units import model_units
     from lisaft.optim.cpu_offload import OffloadedOptimizers
     from lisaft.optim.gradients import clip_grad_norm
@@ -169,7 +169,7 @@ def _in_backward_run(device, name: str, in_backward: bool, tmp: Path) -> tuple[l
     import torch
 
     from lisaft.config.schema import OptimizerSection
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
     from lisaft.model.units import model_units
     from lisaft.optim.adamw import is_paged
     from lisaft.optim.in_backward import StepInBackward

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from lisaft.config.schema import OptimizerSection
-from lisaft.model.load import model_parts
+from lisaft.model.parts import model_parts
 from lisaft.model.units import model_units
 from lisaft.optim import host_step
 from lisaft.optim.cpu_offload import OffloadedOptimizers

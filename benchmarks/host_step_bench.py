@@ -32,7 +32,8 @@ from torch import nn
 
 from lisaft.config.schema import OptimizerSection
 from lisaft.optim import host_step
-from lisaft.optim.adamw import BLOCKSIZE, Rounding, build_unit_optimizer
+from lisaft.optim.adamw import BLOCKSIZE, Rounding
+from lisaft.optim.build import build_unit_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ subprocess (so peak RSS belongs to that configuration alone) and compares the es
     python -m benchmarks.memory_accuracy --quick         # one tiny configuration, seconds
     python -m benchmarks.memory_accuracy --out results.json
 
-The JSON result (default benchmarks/results/memory_accuracy.json) holds every configuration's
-estimated and measured figures and whether each target was met.
+The JSON result (default benchmarks/results/memory_accuracy/memory_accuracy.json) holds every
+configuration's estimated and measured figures and whether each target was met.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _make_optimizer(name: str, params, lr: float = 1e-4):
     """lisaft's own optimizer (one unit over the trainable set), so the state measured is
     what a lisaft run keeps."""
     from lisaft.config.schema import OptimizerSection
-    from lisaft.optim.adamw import Rounding, build_unit_optimizer
+    from lisaft.optim.adamw import Rounding
+    from lisaft.optim.build import build_unit_optimizer
 
     params = list(params)
     return build_unit_optimizer(params, OptimizerSection(name=name, lr=lr), params[0].device,
@@ -84,8 +85,8 @@ def run_one(cfg: dict) -> dict:
         saved_activations,
         weight_bytes,
     )
-    from lisaft.model.load import DTYPES, model_parts
     from lisaft.model.loss import token_loss_sum
+    from lisaft.model.parts import DTYPES, model_parts
 
     torch.manual_seed(0)
     config = LlamaConfig(**cfg["model"], max_position_embeddings=4096, tie_word_embeddings=False)
@@ -190,7 +191,8 @@ def _print_table(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one tiny configuration (for tests)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_accuracy.json")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "memory_accuracy" / "memory_accuracy.json")
     parser.add_argument("--only", help="run the configurations whose name contains this")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from benchmarks import precision_bench as pb
 from lisaft.config.schema import recipe_from_dict
-from lisaft.train import build_session, evaluate, train_step
+from lisaft.train import build_session, train_step
+from lisaft.train.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -41,8 +41,10 @@ import torch
 
 from lisaft.config.optimizers import OPTIMIZERS
 from lisaft.config.schema import recipe_from_dict
-from lisaft.optim.adamw import Rounding, build_unit_optimizer
-from lisaft.train import build_session, evaluate, train_step
+from lisaft.optim.adamw import Rounding
+from lisaft.optim.build import build_unit_optimizer
+from lisaft.train import build_session, train_step
+from lisaft.train.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 

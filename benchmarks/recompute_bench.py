@@ -34,7 +34,8 @@ import torch
 
 from lisaft.config.schema import ModelSection
 from lisaft.lisa import LayerSampler
-from lisaft.model.load import apply_model_settings, model_parts
+from lisaft.model.load import apply_model_settings
+from lisaft.model.parts import model_parts
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = {"layers": 8, "hidden": 512, "seq": 512, "batch": 2, "gamma": 2, "intervals": 8, "reps": 3}

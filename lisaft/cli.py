@@ -95,7 +95,7 @@ def resume(
         "and are refused."),
 ) -> None:
     """Continue a run from its newest complete checkpoint, exactly."""
-    from lisaft.train import resume as run_resume
+    from lisaft.train.commands import resume as run_resume
 
     try:
         code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [], reschedule=reschedule)

@@ -215,7 +215,7 @@ class EmbHeadArm(LoopArm):
     """Embeddings, final norm and LM head train; every decoder layer stays frozen."""
 
     def setup(self, spec, job):
-        from lisaft.model.load import model_parts
+        from lisaft.model.parts import model_parts
 
         parts = model_parts(self.model)
         self.model.requires_grad_(False)

@@ -10,7 +10,7 @@ How a component is stored follows from what it is:
                                        the previous checkpoint, to hard-link what did not change)
 
 A component a checkpoint lacks makes it unresumable (OlderCheckpoint), unless it is wrapped in
-Optional(component, default): then a checkpoint written before the component existed loads the
+OptionalComponent(component, default): then a checkpoint written before the component existed loads the
 default instead (or, with default None, leaves the component as set-up built it).
 """
 
@@ -145,7 +145,7 @@ class PerRank(_Stored):
         self.component.load_state_dict(torch.load(self.path(name, ckpt), weights_only=True))
 
 
-class Optional(_Stored):
+class OptionalComponent(_Stored):
     """A component a checkpoint may lack: one written before it existed loads `default` into it
     (None: the component keeps the state set-up gave it), and `warning`, when given, is said."""
 

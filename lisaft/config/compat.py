@@ -29,6 +29,11 @@ def _fixed(text: str) -> Callable[[Recipe], str]:
     return lambda r: text
 
 
+def _loss(r: Recipe) -> str | None:
+    """preference.loss, or None for an SFT recipe."""
+    return r.preference.loss if r.preference is not None else None
+
+
 EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
         "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
@@ -65,6 +70,19 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         "optimizer state: set one of them false")),
     Exclusion(lambda r: r.training.fsdp and r.training.compile, _fixed(
         "training.compile is not supported with training.fsdp yet; set it false")),
+    Exclusion(lambda r: r.preference is not None and r.data.format != "preference", lambda r: (
+        f"preference.loss {_loss(r)} trains on pairs: set data.format: preference (rows of prompt, "
+        f"chosen, rejected), or remove the preference section for SFT on data.format {r.data.format}")),
+    Exclusion(lambda r: r.preference is None and r.data.format == "preference", _fixed(
+        "data.format preference needs a preference section: preference.loss dpo, simpo or orpo")),
+    Exclusion(lambda r: _loss(r) not in (None, "dpo") and r.preference is not None
+              and r.preference.reference is not None, lambda r: (
+        f"preference.reference is DPO's reference model; {_loss(r)} uses none: set "
+        "preference.reference: null")),
+    # A pair's two sequences are scored against each other, so they stay two rows of one batch.
+    Exclusion(lambda r: r.preference is not None and r.data.packing, _fixed(
+        "data.packing cannot be combined with a preference section: each pair's chosen and rejected "
+        "sequences go through the forward as two rows of one batch; set data.packing false")),
 )
 
 

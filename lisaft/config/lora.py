@@ -9,30 +9,24 @@ Llama) learns less per step and is not what the peers ship.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import Field
+
+from lisaft.config.fields import Bool, Float, Int, Section
 
 if TYPE_CHECKING:
     from lisaft.config.schema import Recipe
 
 
-def _count(v: Any) -> Any:
-    if isinstance(v, bool):
-        raise ValueError("must be a whole number, not true/false")
-    return v
-
-
-class LoraSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    enabled: Annotated[bool, Strict()] = Field(
+class LoraSection(Section):
+    enabled: Bool = Field(
         False, description="Train low-rank adapters (peft) on a frozen base instead of the weights "
         "themselves; not with lisa.enabled. Needs the lora extra (pip install 'lisaft[lora]'). "
         "See docs/lora.md.")
-    rank: Annotated[int, BeforeValidator(_count)] = Field(
+    rank: Int = Field(
         8, ge=1, description="r: the adapters' rank (LLaMA-Factory's and torchtune's default).")
-    alpha: Annotated[float, BeforeValidator(_count)] | None = Field(
+    alpha: Float | None = Field(
         None, gt=0, description="Scale alpha; the update is (alpha / rank) x B A. null: 2 x rank "
         "(LLaMA-Factory's default; torchtune's 8B recipe uses 16 at rank 8).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
@@ -40,10 +34,10 @@ class LoraSection(BaseModel):
         "all-linear", description="Which linear layers get adapters: all-linear (every linear "
         "layer in the decoder layers, not the output head), or a list of module names such as "
         "[q_proj, v_proj].")
-    dora: Annotated[bool, Strict()] = Field(
+    dora: Bool = Field(
         False, description="DoRA: a learned magnitude per output row on top of the low-rank "
         "direction (peft's use_dora); costs a weight-norm per adapted layer each forward.")
-    train_embeddings: Annotated[bool, Strict()] = Field(
+    train_embeddings: Bool = Field(
         False, description="Also train the input embeddings, the output head and the final norm "
         "in full (e.g. for new tokens); off, only the adapters train.")
     export: Literal["merged", "adapter"] = Field(

@@ -18,9 +18,7 @@ import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
-    Strict,
     ValidationError,
     field_validator,
     model_validator,
@@ -28,6 +26,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from lisaft.config.compat import first_exclusion
+from lisaft.config.fields import Bool, Float, Int, Section, whole_number
 from lisaft.config.hub import can_only_be_path
 from lisaft.config.lora import LoraSection, check_lora
 from lisaft.config.optimizers import OptimizerName
@@ -39,31 +38,11 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "flash_attention_2", "sdpa", "eager"]
 StatePolicy = Literal["discard", "offload_cpu", "offload_disk", "keep"]
 
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _whole_number(v: Any) -> Any:
-    """A count: `true` is not 1, and `1e3` (which YAML reads as a string) is 1000."""
-    if isinstance(v, bool):
-        raise ValueError("must be a whole number, not true/false")
-    if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
-        f = float(v)
-        if not f.is_integer():
-            raise ValueError(f"must be a whole number, got {v}")
-        return int(f)
-    return v
-
-
-def _real_number(v: Any) -> Any:
-    if isinstance(v, bool):
-        raise ValueError("must be a number, not true/false")
-    return v
-
 
 def _layers_or_auto(v: Any) -> Any:
     if v == "auto":
         return v
-    v = _whole_number(v)
+    v = whole_number(v)
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int):
@@ -73,21 +52,14 @@ def _layers_or_auto(v: Any) -> Any:
     return v
 
 
-Int = Annotated[int, BeforeValidator(_whole_number)]
 # lisa.active_layers: γ, or "auto" (resolved from the memory estimate when a run starts).
 LayersOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_layers_or_auto)]
-Float = Annotated[float, BeforeValidator(_real_number)]
-Bool = Annotated[bool, Strict()]
 
 
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     name_or_path: str | None = Field(
         None, description="Local folder saved with save_pretrained, or a hub id (needs network)."
     )
@@ -115,7 +87,7 @@ class ModelSection(_Section):
         "GPU, copied on a side stream that overlaps compute (long context). Needs "
         "gradient_checkpointing.",
     )
-    mlp_chunk_tokens: int | None = Field(
+    mlp_chunk_tokens: Int | None = Field(
         None, ge=1,
         description="Run each layer's MLP over this many positions at a time, each chunk "
         "checkpointed: its intermediates (4 x intermediate_size per token) exist for one chunk "
@@ -158,16 +130,17 @@ class ModelSection(_Section):
         return self
 
 
-class DataSection(_Section):
+class DataSection(Section):
     train: str = Field(..., description="jsonl/json/csv/parquet file, saved dataset folder, or hub name.")
     eval: str | None = Field(None, description="Eval set, same kinds as train.")
     eval_fraction: Float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
     )
-    format: Literal["text", "instruction", "chat"] = Field(
+    format: Literal["text", "instruction", "chat", "preference"] = Field(
         "text",
         description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
-        "chat: `messages` [{role, content}].",
+        "chat: `messages` [{role, content}]; preference: `prompt`, `chosen`, `rejected` (strings or "
+        "messages; needs a `preference` section, docs/preference.md).",
     )
     max_seq_len: Int = Field(
         1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
@@ -217,7 +190,7 @@ class DataSection(_Section):
         return v
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(Section):
     name: OptimizerName = Field("adamw_32bit", description="Optimizer; see docs/lisa.md.")
     lr: Float = Field(1e-5, description="Peak learning rate.")
     weight_decay: Float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
@@ -275,13 +248,13 @@ class OptimizerSection(_Section):
         return self
 
 
-class SchedulerSection(_Section):
+class SchedulerSection(Section):
     name: Literal["constant", "linear", "cosine"] = Field("cosine", description="LR decay shape.")
     warmup_steps: Int = Field(0, ge=0, description="Linear warmup from 0 over this many steps.")
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, x peak lr.")
 
 
-class LisaSection(_Section):
+class LisaSection(Section):
     enabled: Bool = Field(False, description="Train only sampled middle layers (plus embeddings/head).")
     active_layers: LayersOrAuto = Field(
         2, description="γ: decoder layers trained per interval. auto: the largest γ whose estimated peak fits "
@@ -301,7 +274,7 @@ class LisaSection(_Section):
     )
 
 
-class TrainingSection(_Section):
+class TrainingSection(Section):
     seed: Int = Field(42, description="Seeds model init, data order, LISA sampling, dropout.")
     batch_size: Int = Field(1, ge=1, description="Sequences per micro-batch (per rank).")
     grad_accum_steps: Int = Field(1, ge=1, description="Micro-batches per optimizer step.")
@@ -352,7 +325,7 @@ class TrainingSection(_Section):
     threads: int | Literal["auto"] = Field(
         "auto", description="CPU threads for torch's kernels. auto: the CPUs this process may use "
         "(affinity and container quota), shared among data-parallel processes on the machine; "
-        "OMP_NUM_THREADS, when set, counts instead. See README: threads on a busy CPU.")
+        "OMP_NUM_THREADS, when set, counts instead. See docs/threads.md.")
 
     @model_validator(mode="after")
     def _length(self) -> TrainingSection:
@@ -367,7 +340,7 @@ class TrainingSection(_Section):
         if v == "auto":
             return v
         try:
-            n = _whole_number(v)
+            n = whole_number(v)
         except ValueError:
             n = None
         if not isinstance(n, int) or n < 1:
@@ -382,10 +355,43 @@ class TrainingSection(_Section):
         return v
 
 
+PreferenceLoss = Literal["dpo", "simpo", "orpo"]
+
+# Each loss's β when the recipe gives none: DPO's paper (Rafailov et al. 2023) and TRL's DPOConfig
+# 0.1; SimPO's paper (Meng et al. 2024) 2.0-2.5, torchtune's SimPOLoss 2.0; ORPO's paper (Hong et
+# al. 2024) and TRL's ORPOConfig λ = 0.1.
+PREFERENCE_BETA: dict[str, float] = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+
+
+class PreferenceSection(Section):
+    loss: PreferenceLoss = Field(
+        ..., description="dpo: −log σ(β((logp_c − ref_c) − (logp_r − ref_r))), log-probs summed over "
+        "each completion, the reference's computed once before step 1; simpo: −log σ(β(avg_c − avg_r) − γ), "
+        "avg the mean log-prob per completion token, no reference; orpo: the chosen answers' NLL plus "
+        "β times the odds-ratio loss, no reference. docs/preference.md")
+    beta: Float = Field(
+        0.1, gt=0.0, description="DPO's β, SimPO's β, ORPO's λ (the odds-ratio term's weight). When unset, "
+        "the loss's own default: dpo 0.1 (the DPO paper, TRL's DPOConfig), simpo 2.0 (the SimPO paper, "
+        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig).")
+    gamma: Float = Field(
+        0.5, ge=0.0, description="SimPO's target reward margin γ (TRL's CPOConfig simpo_gamma and torchtune's "
+        "SimPOLoss: 0.5). Read by simpo only.")
+    reference: str | None = Field(
+        None, description="DPO's reference model (a local folder or hub id), loaded only for the one pass "
+        "that computes the reference log-probs before step 1. null: the initial policy itself.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _beta_of_the_loss(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_BETA:
+            data = {**data, "beta": PREFERENCE_BETA[data["loss"]]}
+        return data
+
+
 LoggingBackend = Literal["jsonl", "tensorboard", "wandb"]
 
 
-class LoggingSection(_Section):
+class LoggingSection(Section):
     backends: list[LoggingBackend] = Field(
         ["jsonl"],
         description="Where records go: jsonl (RUN/metrics.jsonl, always on), tensorboard "
@@ -398,7 +404,7 @@ class LoggingSection(_Section):
     )
 
 
-class Recipe(_Section):
+class Recipe(Section):
     model: ModelSection
     data: DataSection
     optimizer: OptimizerSection = OptimizerSection()
@@ -407,6 +413,8 @@ class Recipe(_Section):
     lora: LoraSection = LoraSection()
     training: TrainingSection
     logging: LoggingSection = LoggingSection()
+    preference: PreferenceSection | None = Field(
+        None, description="Preference tuning (DPO, SimPO, ORPO) on data.format preference; null: SFT.")
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
@@ -435,7 +443,7 @@ CADENCE_KEYS = (
 # for a value given with --set.
 _PATH_FIELDS = (
     ("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"),
-    ("data", "train"), ("data", "eval"), ("training", "output_dir"),
+    ("data", "train"), ("data", "eval"), ("training", "output_dir"), ("preference", "reference"),
 )
 
 
@@ -455,10 +463,20 @@ def _resolve_paths(data: dict, base: Path, only: list[Override] | None = None) -
         # A hub id ("name" or "org/name") stays as it is unless something of that name sits beside
         # the recipe; a value that can only be a path ("./x", "a/b/c", "x.jsonl") is resolved
         # even when missing, so the error names the full path.
-        if key in ("name_or_path", "tokenizer", "train", "eval") and not candidate.exists() \
+        if key in ("name_or_path", "tokenizer", "train", "eval", "reference") and not candidate.exists() \
                 and not can_only_be_path(value, data_file=section == "data"):
             continue
         sec[key] = str(candidate.resolve())
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section type a field holds (`X` or an optional `X | None`), or None for a plain key."""
+    from typing import get_args
+
+    for t in (annotation, *get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
 
 
 def _known_keys(loc: tuple) -> list[str]:
@@ -466,9 +484,10 @@ def _known_keys(loc: tuple) -> list[str]:
     model: Any = Recipe
     for part in loc[:-1]:
         field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        section = _section(field.annotation) if field is not None else None
+        if section is None:
             return []
-        model = field.annotation
+        model = section
     return list(model.model_fields)
 
 
@@ -593,9 +612,10 @@ def reference_markdown() -> str:
              "file resolves against the file's folder; one given with `--set` against the current",
              "directory, as any path typed on a command line.", ""]
     for name, f in Recipe.model_fields.items():
-        section = f.annotation
-        assert isinstance(section, type) and issubclass(section, BaseModel)
-        lines += [f"## {name}", "", "| key | default | meaning |", "| --- | --- | --- |"]
+        section = _section(f.annotation)
+        assert section is not None, f"Recipe.{name} is not a section"
+        lines += [f"## {name}", ""] + ([f.description, ""] if f.description else [])
+        lines += ["| key | default | meaning |", "| --- | --- | --- |"]
         for key, field in section.model_fields.items():
             default = "required" if field.is_required() else json.dumps(
                 field.default if not isinstance(field.default, tuple) else list(field.default))

@@ -25,4 +25,8 @@ def unused_keys(recipe: Recipe) -> list[str]:
             verb = "is" if len(keys) == 1 else "are"
             notes.append(", ".join(f"optimizer.{k}" for k in keys) + f" {verb} ignored: only apollo and "
                          f"apollo_mini read them (optimizer.name is {o.name})")
+    p = recipe.preference
+    if p is not None and p.loss != "simpo" and p.gamma != 0.5:
+        notes.append(f"preference.gamma ({p.gamma:g}) is ignored: it is SimPO's margin and preference.loss is "
+                     f"{p.loss}")
     return notes

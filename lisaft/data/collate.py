@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from lisaft.data.formats.base import IGNORE_INDEX, Example
 
-Example = dict  # {"input_ids": list[int], "labels": list[int]}
+__all__ = ["IGNORE_INDEX", "Example", "collate", "doc_lens", "real_positions", "to_device"]
 
 
 def doc_lens(example: Example) -> list[int]:

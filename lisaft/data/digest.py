@@ -24,7 +24,9 @@ def examples_digest(examples: list[dict]) -> str:
     """16 hex digits over the examples' input_ids and labels in order, with their lengths, so a
     token moved from one example to the next changes it too."""
     h = hashlib.blake2b(f"lisaft-data-v1 {len(examples)}".encode(), digest_size=8)
-    for ex in examples:
+    # A preference pair is its chosen sequence, then its rejected one.
+    for ex in (seq for pair in examples for seq in ((pair["chosen"], pair["rejected"]) if "chosen" in pair
+                                                    else (pair,))):
         ids, labels = ex["input_ids"], ex["labels"]
         h.update(len(ids).to_bytes(8, "little"))
         h.update(array("q", ids).tobytes())

@@ -58,6 +58,15 @@ def local_cuda_index() -> int:
                       "devices; show each process one GPU (CUDA_VISIBLE_DEVICES) or all of them")
 
 
+def resolve_device(choice: str) -> torch.device:
+    """training.device as this process's device: cuda is this rank's GPU (local_cuda_index)."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LisaftError("training.device: cuda was asked for but no CUDA device is visible")
+        return torch.device("cuda", local_cuda_index())
+    return torch.device("cpu")
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for a CUDA training device, gloo for the CPU, whether or not CUDA is visible."""
     return "nccl" if device.type == "cuda" else "gloo"

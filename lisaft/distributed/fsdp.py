@@ -37,7 +37,7 @@ from torch import nn
 from lisaft import internals
 from lisaft.distributed import dist
 from lisaft.errors import CheckpointMismatch, LisaftError
-from lisaft.model.load import ModelParts, pretrained
+from lisaft.model.parts import ModelParts, pretrained
 
 
 def shard_model(model: nn.Module, parts: ModelParts, device: torch.device) -> LocalShards:
@@ -73,7 +73,8 @@ def load_sharded(section, device: torch.device) -> tuple[nn.Module, LocalShards]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from lisaft.model.load import build_on_meta, model_parts
+    from lisaft.model.load import build_on_meta
+    from lisaft.model.parts import model_parts
 
     model, folder = build_on_meta(section, device)
     fresh = _buffer_sources(model, section.name_or_path)

@@ -4,8 +4,8 @@ torch runs its CPU kernels on an OpenMP pool. Between two parallel regions OpenM
 keeps the idle threads spinning (GNU OpenMP: 300,000 rounds, milliseconds) before they sleep.
 On a machine where another process wants a core, a spinning thread holds the core that the
 thread it waits for needs, and a small model's step (thousands of short regions) stalls: the
-quickstart fell from 10-14k to about 150 tokens/s next to one busy process (issue 23; README,
-"Threads on a busy CPU"; benchmarks/threads_bench.py). A passive wait gives the core back at
+quickstart fell from 10-14k to about 150 tokens/s next to one busy process (issue 23; docs/threads.md;
+benchmarks/threads_bench.py). A passive wait gives the core back at
 once; what it costs is a wake-up per region: on a quiet machine the quickstart ran at 10k tokens/s
 with two sleeping threads against 20k spinning, and at 11.6k on one thread, which it ships with.
 lisaft chooses never stalling; a user alone on a machine can set OMP_WAIT_POLICY=ACTIVE.

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lisaft.console import first_line, warn
+from lisaft.console import warn
 from lisaft.data.read import Rows
 from lisaft.errors import LisaftError
 from lisaft.generate.target import Target, load_model, load_tokenizer, resolve_target
@@ -36,12 +36,9 @@ def read_prompts(prompt: str | None, input_text: str | None, input_file: Path | 
     if (prompt is None) == (input_file is None):
         raise LisaftError("give --prompt TEXT or --input-file FILE.jsonl (one of them)")
     if prompt is not None:
-        if fmt == "instruction":
-            row: dict[str, object] = {"instruction": prompt, "input": input_text}
-        elif fmt == "chat":
-            row = {"messages": [{"role": "user", "content": prompt}]}
-        else:
-            row = {"text": prompt}
+        from lisaft.data.formats import data_format
+
+        row = data_format(fmt).command_line_row(prompt, input_text)
         return Rows([row], "--prompt", "the command line", "row"), [row]
     from lisaft.data.read import read_rows, rename_columns
 
@@ -55,49 +52,19 @@ def read_prompts(prompt: str | None, input_text: str | None, input_file: Path | 
 def prompt_and_reference(tokenizer, fmt: str, rows: Rows, i: int, template: str | None = None,
                          roles: dict[str, str] | None = None) -> tuple[list[int], str | None, str]:
     """Row i's prompt token ids, its expected answer if any, and the part of it to show."""
-    from lisaft.data.examples import chat_messages, prompt_prefix, render_instruction_prompt, row_field
+    from lisaft.data.formats import data_format
 
-    if fmt == "instruction":
-        instruction, given = row_field(rows, i, "instruction"), row_field(rows, i, "input", optional=True)
-        text = render_instruction_prompt(instruction, given, template)
-        shown = instruction + (f": {given}" if given else "")
-        return prompt_prefix(tokenizer) + _encode(tokenizer, text), row_field(rows, i, "output", optional=True), shown
-    if fmt == "chat":
-        messages = chat_messages(rows, i, roles or {})
-        reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
-        if not messages:
-            raise LisaftError(f"{rows.where(i)}: the conversation is a single assistant turn; nothing "
-                              "comes before it to prompt with")
-        # The rendered text carries the template's own BOS, as in training.
-        return _encode(tokenizer, _chat_prompt(tokenizer, messages, rows.where(i))), reference, messages[-1]["content"]
-    text = row_field(rows, i, "text")
-    return prompt_prefix(tokenizer) + _encode(tokenizer, text), None, text
-
-
-def _chat_prompt(tokenizer, messages: list[dict], where: str) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise LisaftError(f"{where}: chat prompts need a chat template and the tokenizer has none; "
-                          "pass --format instruction or text")
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja errors from the template itself (e.g. role order rules)
-        raise LisaftError(f"{where}: the chat template rejected this conversation: {first_line(e)}") from None
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    p = data_format(fmt).prompt(tokenizer, rows, i, template, roles or {})
+    return p.ids, p.reference, p.shown
 
 
 def _ignored_input(fmt: str, input_file: Path | None) -> str | None:
     """What to say when --input has no place to go (it fills an instruction row's `input`)."""
+    from lisaft.data.formats import data_format
+
     if input_file is not None:
         return "--input is ignored with --input-file: each row holds its own input"
-    if fmt == "chat":
-        return "--input is ignored for chat prompts (it fills an instruction's input); put the whole " \
-               "user message in --prompt"
-    if fmt == "text":
-        return "--input is ignored for text prompts; put the whole text in --prompt"
-    return None
+    return data_format(fmt).input_note
 
 
 def _prompts(target: Target, tokenizer, rows: Rows, given: list[dict], from_file: bool) -> list[Prompt]:

@@ -11,7 +11,6 @@ from lisaft.config.schema import DataSection, Recipe
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
-FORMATS = ("text", "instruction", "chat")
 _CHECKPOINTS = "checkpoints"  # lisaft.checkpoint.checkpointer.CHECKPOINTS, without importing torch to parse a path
 
 
@@ -27,6 +26,8 @@ class Target:
 def resolve_target(path: Path, fmt: str | None) -> Target:
     """RUN (uses RUN/final and RUN/recipe.yaml), RUN/final, RUN/checkpoints/step-N, or any Hugging
     Face model folder."""
+    from lisaft.data.formats import FORMATS
+
     path = Path(path)
     if fmt is not None and fmt not in FORMATS:
         raise LisaftError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")

@@ -77,7 +77,7 @@ def build_meta_model(config):
 
 
 def _count(config, layers_path: str | None) -> ParamCounts:
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
 
     model = build_meta_model(config)
     parts = model_parts(model, layers_path)

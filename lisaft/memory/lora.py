@@ -80,7 +80,7 @@ def _layer_linears(config, layers_path: str | None) -> list[list[tuple[str, int,
     """(name, in_features, out_features) of each decoder layer's linear layers."""
     from torch import nn
 
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
 
     layers = model_parts(build_meta_model(config), layers_path).layers
     return [[(n.rsplit(".", 1)[-1], m.in_features, m.out_features) for n, m in layer.named_modules()

@@ -280,7 +280,7 @@ def _host_limit_line(est: Estimate) -> Text:
         f"this model: optimizer.cpu_offload: false puts moments and the step back on the GPU (full fine-tuning, "
         f"if the GPU holds it: the rows below say); LISA ({LISA_RECIPE} for Llama-3.1-8B) trains a few layers at "
         "a time with little host memory, and learned less than full fine-tuning on the learning benchmark "
-        "(README, Measured).")
+        "(docs/learning.md).")
 
 
 def _largest_line(report) -> Text:

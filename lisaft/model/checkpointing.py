@@ -7,7 +7,7 @@ from torch import nn
 
 
 def enable_checkpointing(model: nn.Module) -> None:
-    from lisaft.model.load import pretrained
+    from lisaft.model.parts import pretrained
 
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
     if enable is not None:

@@ -24,7 +24,7 @@ from lisaft.config.hub import is_local
 from lisaft.config.schema import ModelSection, Recipe
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
-from lisaft.model.load import DTYPES
+from lisaft.model.parts import DTYPES
 from lisaft.model.units import Unit
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters:
 
 
 def _unfreeze_ends(model: nn.Module, recipe: Recipe) -> None:
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
 
     parts = model_parts(model, recipe.model.layers_path)
     for p in [*parts.embeddings, *parts.head]:

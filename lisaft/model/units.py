@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lisaft.model.load import ModelParts
+from lisaft.model.parts import ModelParts
 
 
 def layer_unit(index: int) -> str:

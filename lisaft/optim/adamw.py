@@ -27,10 +27,6 @@ from collections import defaultdict
 import torch
 
 from lisaft import internals
-from lisaft.config.optimizers import APOLLO_NAMES, optimizer_kind
-from lisaft.config.schema import OptimizerSection
-from lisaft.console import warn
-from lisaft.errors import LisaftError
 from lisaft.optim import host_step
 from lisaft.optim.rounding import Rounding
 
@@ -50,7 +46,6 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 QUANTIZATION_MAP_BYTES = 2 * 256 * 4  # the signed and unsigned code books of 8-bit Adam
 
-_warned_cpu_paging: set[str] = set()
 
 
 def holds_chunk_buffers(weight_bytes: int, sparse_grad: bool = False) -> bool:
@@ -358,34 +353,10 @@ class AdamW(torch.optim.Optimizer):
                    if torch.is_tensor(v))
 
 
-# ---------------------------------------------------------------------------------------------
-# Building
-
-
-def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSection, device: torch.device,
-                         rounding: Rounding, unit_index: int, pool: PagedPool | None, layer: bool = False) -> AdamW:
-    """The unit's optimizer; weight decay on matrices and embeddings (>= 2-D) only. `layer`: the
-    unit is a decoder layer, whose matrices apollo and apollo_mini project (lisaft/optim/apollo.py)."""
-    if section.name in APOLLO_NAMES:
-        from lisaft.optim.apollo import build_apollo  # it builds on this module
-
-        return build_apollo(params, section, rounding, unit_index, layer)
+def param_groups(params: list) -> list[dict]:
+    """The unit's parameter groups: weight decay on matrices and embeddings (>= 2-D) only."""
     decay, no_decay = _decay_split(params)
-    groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    kind = optimizer_kind(section.name)
-    paged = kind.paged
-    moments = torch.bfloat16 if section.moments_dtype == "bfloat16" else torch.float32
-    if moments == torch.bfloat16 and device.type != "cpu":
-        raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
-                          "true or training.device cpu")
-    if paged and device.type != "cuda" and section.name not in _warned_cpu_paging:
-        _warned_cpu_paging.add(section.name)
-        warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "
-             f"{device.type} the optimizer runs unpaged (same updates, ordinary memory)")
-    return AdamW(groups, lr=section.lr, betas=section.betas, eps=section.eps,
-                 weight_decay=section.weight_decay, eight_bit=kind.eight_bit,
-                 paged=paged, bnb_32bit=kind.bnb and not kind.eight_bit, rounding=rounding,
-                 unit_index=unit_index, pool=pool, moments_dtype=moments)
+    return [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
 def _decay_split(params: list) -> tuple[list, list]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from lisaft.config.schema import OptimizerSection
-from lisaft.optim.adamw import CHUNK, AdamW, PagedPool, _decay_split
+from lisaft.optim.adamw import CHUNK, AdamW, PagedPool, param_groups
 from lisaft.optim.rounding import Rounding, _mix
 
 DEFAULT_RANK = 256          # the paper's APOLLO rank
@@ -200,9 +200,7 @@ class Apollo(AdamW):
 def build_apollo(params: list[torch.nn.Parameter], section: OptimizerSection, rounding: Rounding,
                  unit_index: int, layer: bool) -> Apollo:
     """The unit's optimizer: a decoder layer's matrices projected; weight decay on >= 2-D tensors."""
-    decay, no_decay = _decay_split(params)
-    groups = [g for g in ({"params": decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     projected = [p for p in params if layer and p.ndim == 2]
-    return Apollo(groups, settings=ApolloSettings.of(section), projected=projected, lr=section.lr,
+    return Apollo(param_groups(params), settings=ApolloSettings.of(section), projected=projected, lr=section.lr,
                   betas=section.betas, eps=section.eps, weight_decay=section.weight_decay,
                   rounding=rounding, unit_index=unit_index)

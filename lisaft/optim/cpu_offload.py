@@ -27,7 +27,7 @@ A step, for each parameter:
    waits for the global norm (training.max_grad_norm null), `step_as_ready` starts each unit's
    step in the last micro-batch's backward, as soon as its gradients are complete: the same
    update, started while backward goes on below it (docs/memory.md, "Hiding the step").
-3. the new weights go back to the device unit by unit on the side stream while the CPU steps the
+3. the new weights go back to the device unit by unit on a second side stream while the CPU steps the
    next unit. With `overlap` (the default) the training loop does not wait: the next
    step's forward starts at once, and a forward pre-hook on each decoder layer (and on each other
    module with weights) waits for the unit that owns them (its CPU step, then its copy's event on

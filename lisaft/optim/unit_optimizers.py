@@ -26,13 +26,8 @@ from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.distributed import dist
 from lisaft.model.units import Unit, UnitChanges
-from lisaft.optim.adamw import (
-    QUANTIZATION_MAP_BYTES,
-    AdamW,
-    PagedPool,
-    Rounding,
-    build_unit_optimizer,
-)
+from lisaft.optim.adamw import QUANTIZATION_MAP_BYTES, AdamW, PagedPool, Rounding
+from lisaft.optim.build import build_unit_optimizer
 
 
 class Slices(Protocol):

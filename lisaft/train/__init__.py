@@ -8,11 +8,14 @@
     commands.py  the `lisaft train` and `lisaft resume` entry points
     report.py    the banner, the end-of-run memory report, the out-of-memory message
     export.py    the final Hugging Face folder
+
+A name here is never a module's: `lisaft.train.resume` is resume.py (the `lisaft resume` entry
+point is `lisaft.train.commands.resume`), `lisaft.train.evaluate` is evaluate.py.
 """
 
-from lisaft.train.commands import resume, train
-from lisaft.train.evaluate import evaluate
+from lisaft.metrics.phases import Phases
+from lisaft.train.commands import train
 from lisaft.train.session import Session, build_session
-from lisaft.train.step import Phases, StepResult, train_step
+from lisaft.train.step import StepResult, train_step
 
-__all__ = ["Phases", "Session", "StepResult", "build_session", "evaluate", "resume", "train", "train_step"]
+__all__ = ["Phases", "Session", "StepResult", "build_session", "train", "train_step"]

@@ -81,7 +81,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     policy.check_resumable(run_dir, candidates[0], recipe, max_steps)
     policy.check_extension(run_dir, candidates[0], recipe, recipe_file, reschedule)
     check_host_memory(recipe, str(recipe_file))
-    session = build_session(recipe, run_dir)
+    session = build_session(recipe, run_dir, resuming=True)
     ckpt = policy.load_newest(session, candidates, recipe_file)
     schedule_note = policy.continue_schedule(session, reschedule)
     with runfiles.writes_end_cleanly(run_dir):

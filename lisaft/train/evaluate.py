@@ -9,6 +9,7 @@ from lisaft.data.order import eval_index_batches
 from lisaft.distributed import dist
 from lisaft.model.attention import varlen_attention
 from lisaft.model.loss import eval_sums
+from lisaft.train.preference import evaluate_pairs
 from lisaft.train.session import Session
 
 
@@ -23,6 +24,11 @@ def evaluate(session: Session) -> dict:
     mine, counted = session.parallel.eval_batches(batches)
     model = session.model
     model.eval()
+    if session.objective is not None:  # pairs: the preference loss and the rewards
+        scores = evaluate_pairs(session.objective, model, examples, mine, counted, session.tokenizer.pad_token_id,
+                                session.device)
+        model.train()
+        return scores
     totals = torch.zeros(3, dtype=torch.float64)
     for n, idx in enumerate(mine):
         batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id, varlen_attention(model))

@@ -16,10 +16,10 @@ def check_host_memory(recipe: Recipe, recipe_file: str, device: str | None = Non
     device everything the run holds is host memory)."""
     if not recipe.optimizer.cpu_offload:
         return
+    from lisaft.distributed.dist import resolve_device
     from lisaft.memory.command import estimate_for_recipe, host_ram_bytes
     from lisaft.memory.host import pinned_bytes
     from lisaft.memory.render import human
-    from lisaft.model.load import resolve_device
 
     device = device or resolve_device(recipe.training.device).type
     ram = host_ram_bytes()

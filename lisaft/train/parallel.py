@@ -3,6 +3,7 @@ placed, which parameters the optimizers step, how gradients are reduced and clip
 batches are shared between ranks, how the final model is exported, and which weights component a
 checkpoint holds. Nothing else in the run asks which one it is.
 
+    Strategy        the base: what every strategy does unless it says otherwise (one process's way)
     SingleProcess   one process holds the whole model and steps it on the training device
     DataParallel    torchrun ranks, each a whole replica; gradients all-reduced; with
                     training.shard_optimizer_state one owner rank per unit keeps its moments
@@ -27,7 +28,8 @@ from lisaft.config.schema import Recipe
 from lisaft.distributed import dist
 from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
-from lisaft.model.load import ModelParts, load_model, model_parts, pretrained
+from lisaft.model.load import load_model
+from lisaft.model.parts import ModelParts, model_parts, pretrained
 from lisaft.model.units import Unit
 from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.optim.gradients import clip_grad_total
@@ -37,12 +39,12 @@ if TYPE_CHECKING:
     import torch
 
     from lisaft.distributed.fsdp import LocalShards
-    from lisaft.train.step import Phases
+    from lisaft.metrics.phases import Phases
 
     Norm = torch.Tensor | float | None  # the global gradient norm: a tensor until the step reads it
 
 
-def choose(recipe: Recipe) -> SingleProcess:
+def choose(recipe: Recipe) -> Strategy:
     """The strategy the recipe and the process group ask for; refuses what it cannot run, before
     anything is loaded (the rules that depend on the launch: config/compat.py check_world)."""
     check_world(recipe, dist.world_size(), dist.is_initialized())
@@ -55,8 +57,9 @@ def choose(recipe: Recipe) -> SingleProcess:
     return SingleProcess(recipe)
 
 
-class SingleProcess:
-    """One process, the whole model on the training device."""
+class Strategy:
+    """The base of every strategy: the whole model in this process, stepped on the training
+    device. A strategy overrides what it does differently."""
 
     # The saved-activation meter tells a layer's saved tensors from its own parameters.
     measures_activations = True
@@ -149,7 +152,11 @@ class SingleProcess:
         return {"weights": UnitWeights(model, units, optimizers.changes)}
 
 
-class DataParallel(SingleProcess):
+class SingleProcess(Strategy):
+    """One process, the whole model on the training device: the base's way, unchanged."""
+
+
+class DataParallel(Strategy):
     """torchrun ranks, each holding the whole model; the gradients are summed over ranks."""
 
     def __init__(self, recipe: Recipe) -> None:
@@ -169,7 +176,7 @@ class DataParallel(SingleProcess):
         dist.all_reduce_grads(params)
 
 
-class CpuOffload(SingleProcess):
+class CpuOffload(Strategy):
     """optimizer.cpu_offload: the same unit optimizers over host copies of the weights."""
 
     offloaded: OffloadedOptimizers
@@ -194,7 +201,7 @@ class CpuOffload(SingleProcess):
         return norm, 0, skip_nonfinite and norm is not None and not math.isfinite(norm)
 
 
-class Fsdp(SingleProcess):
+class Fsdp(Strategy):
     """training.fsdp (lisaft/distributed/fsdp.py): each rank holds and steps its slices."""
 
     # Under FSDP the gathered weights are not the parameters the meter excludes.

@@ -16,7 +16,7 @@ from torch import nn
 
 from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import Checkpointer
-from lisaft.checkpoint.components import Optional, OwnFile, PerRank
+from lisaft.checkpoint.components import OptionalComponent, OwnFile, PerRank
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.checkpoint.run_state import RECIPE, RecipeRecord, RngState
 from lisaft.config.schema import Recipe
@@ -26,12 +26,14 @@ from lisaft.data.packing import Packing, pack_examples
 from lisaft.distributed import dist
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
-from lisaft.model.load import ModelParts
+from lisaft.model.parts import ModelParts
+from lisaft.model.preference import PairObjective
 from lisaft.model.units import Unit
 from lisaft.optim.in_backward import StepInBackward
 from lisaft.optim.lr_schedule import Schedule
 from lisaft.optim.unit_optimizers import UnitOptimizers
-from lisaft.train.parallel import SingleProcess, choose
+from lisaft.train.parallel import Strategy, choose
+from lisaft.train.preference import ReferenceLogps, compute_reference
 
 if TYPE_CHECKING:
     from lisaft.model.lora import Adapters
@@ -91,12 +93,14 @@ class Session:
     order: DataOrder
     schedule: Schedule
     progress: Progress
-    parallel: SingleProcess               # one process, data parallel, CPU offload or FSDP (train/parallel.py)
+    parallel: Strategy                    # one process, data parallel, CPU offload or FSDP (train/parallel.py)
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
     auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
     adapters: Adapters | None = None      # lora.enabled (lisaft/model/lora.py): only they train
+    objective: PairObjective | None = None  # a preference section: the pairs' loss (model/preference.py)
+    reference: ReferenceLogps | None = None  # DPO: the reference log-probs, a checkpoint component
     _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     def checkpointer(self) -> Checkpointer:
@@ -113,7 +117,7 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
     (the CPU-offload optimizer copies them when its files are read), the LISA position before the
     optimizer files (which place moments by it), the RNG last. A new stateful piece of a run is
     one more line here (lisaft/checkpoint/components.py: how each kind is stored);
-    Optional(component, default) lets checkpoints written before it still resume."""
+    OptionalComponent(component, default) lets checkpoints written before it still resume."""
     parallel = session.parallel
     return {
         # A LoRA run's checkpoint holds the adapters, never the frozen base (checkpoint/adapters.py).
@@ -125,25 +129,29 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
         "schedule": session.schedule,
         # A resume over data that packs into other rows is refused.
         **({"packing": session.packing} if session.packing is not None else {}),
+        # DPO's reference log-probs, computed once before step 1; a resume reads them back.
+        **({"reference": session.reference} if session.reference is not None else {}),
         RECIPE: OwnFile(RecipeRecord(session.recipe)),
         "optimizer": OptimizerFiles(session.optimizers, session.controller,
                                     per_rank=parallel.optimizer_files_per_rank),
         # A resume on more ranks than wrote the checkpoint has none for the new ranks.
-        "rng": Optional(PerRank(RngState()), warning=f"no RNG state for rank {dist.rank()}"),
+        "rng": OptionalComponent(PerRank(RngState()), warning=f"no RNG state for rank {dist.rank()}"),
     }
 
 
 def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = None,
-                  train_examples: list | None = None, eval_examples: list | None = None) -> Session:
+                  train_examples: list | None = None, eval_examples: list | None = None,
+                  resuming: bool = False) -> Session:
     """Load tokenizer, data and model and build optimizer and LISA controller. Raises
     LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
-    tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
+    tokenizer (anything with pad_token_id) and tokenized examples to skip loading. A DPO run
+    not `resuming` computes its reference log-probs here, before the optimizer exists."""
     from lisaft.env.threads import apply_threads
-    from lisaft.model.load import load_tokenizer, resolve_device
+    from lisaft.model.load import load_tokenizer
     from lisaft.model.units import model_units
 
     t = recipe.training
-    device = resolve_device(t.device)
+    device = dist.resolve_device(t.device)
     dist.init_from_env(device)  # a torchrun launch: the backend of the training device
     parallel = choose(recipe)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
@@ -152,7 +160,13 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
     train_examples, eval_examples, packing = _data(recipe, tokenizer, train_examples, eval_examples)
+    pref = recipe.preference
+    dpo_pass = pref is not None and pref.loss == "dpo" and not resuming
+    if dpo_pass and pref is not None and pref.reference is not None:  # loaded, used and freed first
+        compute_reference(recipe, None, train_examples, eval_examples, tokenizer.pad_token_id, parallel, device)
     model, parts, adapters = _model(recipe, parallel, device)
+    if dpo_pass and pref is not None and pref.reference is None:  # the initial policy
+        compute_reference(recipe, model, train_examples, eval_examples, tokenizer.pad_token_id, parallel, device)
     units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
     optimizers = parallel.optimizers(units, device, run_dir)
     if hasattr(optimizers, "wait_in_forward"):  # cpu_offload, before the first forward traces a layer
@@ -168,7 +182,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters)
+                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters,
+                   objective=PairObjective(pref) if pref is not None else None,
+                   reference=ReferenceLogps(train_examples, eval_examples) if pref is not None and pref.loss == "dpo"
+                   else None)
 
 
 def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
@@ -191,11 +208,12 @@ def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
     return train_examples, eval_examples, packing
 
 
-def _model(recipe: Recipe, parallel: SingleProcess,
+def _model(recipe: Recipe, parallel: Strategy,
            device: torch.device) -> tuple[nn.Module, ModelParts, Adapters | None]:
     """The model, loaded and placed as the parallel strategy says, its parts, and its adapters
     (lora.enabled)."""
-    from lisaft.model.load import check_context_length, compile_layers, model_parts, use_sparse_embedding_grad
+    from lisaft.model.load import check_context_length, compile_layers, use_sparse_embedding_grad
+    from lisaft.model.parts import model_parts
 
     t = recipe.training
     model = parallel.load_model(device)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.distributed import dist
+from lisaft.metrics.phases import Phases
 from lisaft.model.attention import varlen_attention
 from lisaft.model.loss import token_loss_sum
+from lisaft.model.preference import METRICS, collate_pairs, pair_positions
 from lisaft.train.session import Session
 
 
@@ -28,23 +30,10 @@ class StepResult:
     activation_bytes: int | None = None  # saved for backward by the longest micro-batch, when measured
     activation_seq_len: int = 0          # that micro-batch's padded length
     skipped: bool = False                # training.on_nonfinite: skip dropped a non-finite update
-    stats: dict[str, float] = field(default_factory=dict)  # the objective's own sums (ForwardResult)
-
-
-class Phases:
-    """The step's seam for profilers: `train_step` runs each phase inside `phase(name)`. Names:
-    lisa, collate, forward, backward, clip, optimizer. This one times nothing."""
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        yield
+    preference: dict[str, float] | None = None  # a preference run: the rewards, mean over the step's pairs
 
 
 _NO_PHASES = Phases()
-
-# What a `forward` returns: the micro-batch's loss sum, or that and the objective's own statistics
-# (device tensors), which the step sums over micro-batches and ranks into StepResult.stats.
-ForwardResult = torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class StepTotals:
@@ -74,25 +63,40 @@ class StepTotals:
         return out
 
 
-def _collate(session: Session, n: int) -> tuple[list[dict], torch.Tensor]:
-    """The step's micro-batches, and the global (label tokens, real tokens, positions) summed on
-    the device: the loss is divided by every rank's label tokens before the host reads anything."""
+def _micro_batches(session: Session) -> tuple[list[dict], torch.Tensor]:
+    """The step's micro-batches and this rank's counts: what the loss is normalised by (label
+    tokens, or a preference run's pairs), real positions, positions."""
+    micro, real = [], 0
+    pairs = session.objective is not None
     # With a varlen attention kernel a micro-batch is one row of documents, no padding at all.
     flatten = varlen_attention(session.model)
-    micro, real = [], 0
-    for _ in range(n):
+    for _ in range(session.recipe.training.grad_accum_steps):
         examples = [session.train_examples[i] for i in session.order.next_indices()]
-        micro.append(collate(examples, session.tokenizer.pad_token_id, flatten))
-        real += real_positions(examples)
-    labels = torch.stack([(b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in micro]).sum()
-    positions = sum(b["input_ids"].numel() for b in micro)
-    counts = torch.stack([labels.to(torch.float64), torch.tensor(float(real), dtype=torch.float64),
-                          torch.tensor(float(positions), dtype=torch.float64)])
-    return micro, dist.all_reduce_sum(counts.to(session.device, non_blocking=True))
+        if pairs:
+            micro.append(collate_pairs(examples, session.tokenizer.pad_token_id))
+            real += pair_positions(examples)
+        else:
+            micro.append(collate(examples, session.tokenizer.pad_token_id, flatten))
+            real += real_positions(examples)
+    # Summed as tensors, not read: the host reads nothing until the step ends.
+    normaliser = sum(b["labels"].shape[0] // 2 if pairs else (b["labels"][:, 1:] != IGNORE_INDEX).sum()
+                     for b in micro)
+    counts = [torch.as_tensor(x, dtype=torch.float64) for x in (normaliser, real, sum(b["input_ids"].numel()
+                                                                                        for b in micro))]
+    return micro, torch.stack(counts)
+
+
+def _measured_forward(model: torch.nn.Module, batch: dict, forward) -> tuple[torch.Tensor, int]:
+    """The forward, and the bytes it saved for backward."""
+    from lisaft.metrics.measure import saved_activations
+
+    with saved_activations(model) as meter:
+        loss = forward(model, batch)
+    return loss, meter.bytes
 
 
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
-               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], ForwardResult] = token_loss_sum,
+               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum,
                longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
     measure_activations: what the step's longest micro-batch saves for backward, if it is longer
@@ -103,8 +107,12 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     with phases.phase("lisa"):
         controller.activate_for_step(step)
     with phases.phase("collate"):
-        micro, counts = _collate(session, t.grad_accum_steps)
-    loss_tokens = counts[0].clamp(min=1.0)
+        micro, counts = _micro_batches(session)
+    counts = dist.all_reduce_sum(counts.to(session.device, non_blocking=True))
+    loss_tokens = counts[0].clamp(min=1.0)  # on the device: the loss is divided there
+    pairs = session.objective  # a preference run: pair losses, normalised by the global number of pairs
+    if pairs is not None:
+        forward = pairs.loss_sum
     # The learning rate is set before backward: with optimizer.in_backward the update runs there.
     lr = session.schedule.lr(step)
     session.optimizers.set_lr(lr, step)
@@ -118,22 +126,18 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             batch = to_device(batch, session.device)
             with phases.phase("forward"):
                 if i == measured and session.parallel.measures_activations:
-                    from lisaft.metrics.measure import saved_activations
-
-                    with saved_activations(session.model) as meter:
-                        out = forward(session.model, batch)
-                    activation_bytes = meter.bytes
+                    loss, activation_bytes = _measured_forward(session.model, batch, forward)
                     activation_seq_len = int(batch["input_ids"].shape[1])
                 else:
-                    out = forward(session.model, batch)
-            loss, extra = out if isinstance(out, tuple) else (out, {})
+                    loss = forward(session.model, batch)
             if i == len(micro) - 1:
                 session.parallel.before_last_backward(controller, measure_norm)
             with phases.phase("backward"):
                 (loss / loss_tokens.to(loss.dtype)).backward()
             totals.add("loss", loss)
-            for name, value in extra.items():
-                totals.add(name, value)
+    if pairs is not None:  # the objective's reward sums, read with the rest
+        for name, value in zip(METRICS, pairs.take_sums(session.device)):
+            totals.add(name, value)
     skipped = False
     grad_norm: torch.Tensor | float | None
     if norm is not None:
@@ -143,10 +147,11 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             session.controller, session.optimizers, t.max_grad_norm, measure_norm, phases,
             skip_nonfinite=t.on_nonfinite == "skip")
     known: dict[str, torch.Tensor | float | None] = {
-        "label_tokens": counts[0], "tokens": counts[1], "positions": counts[2], "grad_norm": grad_norm}
+        "normaliser": counts[0], "tokens": counts[1], "positions": counts[2], "grad_norm": grad_norm}
     read = totals.read(known)
-    stats = {name: read[name] for name in totals.sums if name != "loss"}
-    return StepResult(loss=read["loss"] / max(read["label_tokens"], 1.0), tokens=int(read["tokens"]),
+    normaliser = max(read["normaliser"], 1.0)
+    return StepResult(loss=read["loss"] / normaliser, tokens=int(read["tokens"]),
                       padding=int(read["positions"] - read["tokens"]), lr=lr, grad_norm=read.get("grad_norm"),
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
-                      activation_seq_len=activation_seq_len, skipped=skipped, stats=stats)
+                      activation_seq_len=activation_seq_len, skipped=skipped,
+                      preference={m: read[m] / normaliser for m in METRICS} if pairs is not None else None)

@@ -6,7 +6,8 @@ import pytest
 from test_resume import assert_same_run
 
 from lisaft.metrics.log import read_metrics
-from lisaft.train import resume, train
+from lisaft.train import train
+from lisaft.train.commands import resume
 
 
 def _train_records(run):

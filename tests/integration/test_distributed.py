@@ -127,7 +127,7 @@ def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(dp, cut):
     from typer.testing import CliRunner
 
     from lisaft.cli import app
-    from lisaft.train import resume
+    from lisaft.train.commands import resume
 
     out = CliRunner().invoke(app, ["resume", str(cut), "--max-steps", "6"])
     assert out.exit_code == 2 and "written by 2 ranks at a global batch of 4" in out.output

@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from lisaft.cli import app
-from lisaft.train import resume, train
+from lisaft.train import train
+from lisaft.train.commands import resume
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

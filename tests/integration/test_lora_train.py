@@ -44,7 +44,8 @@ def _recipe(tiny_run, name="recipe.yaml", quantize=None, lora=None, model=None, 
 
 @pytest.mark.parametrize("quantize", [None, "nf4"])
 def test_lora_learns_and_resumes_bit_for_bit_with_only_adapters_checkpointed(tiny_run, quantize):
-    from lisaft.train import resume, train
+    from lisaft.train import train
+    from lisaft.train.commands import resume
 
     common = {"training": {"max_steps": 6, "eval_every": 0, "save_every": 3}}
     ref = _recipe(tiny_run, "ref.yaml", quantize, **common)

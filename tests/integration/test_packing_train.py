@@ -61,7 +61,8 @@ def test_eval_is_the_same_with_packing_on_or_off(tiny_run):
 
 
 def test_a_packed_run_resumes_bit_identically_and_refuses_changed_data(tiny_run):
-    from lisaft.train import resume, train
+    from lisaft.train import train
+    from lisaft.train.commands import resume
 
     common = {"data": PACKED, "training": {"max_steps": 6, "eval_every": 3}}
     assert train(tiny_run("ref.yaml", **common), overrides=["training.output_dir=ref"], show=False) == 0
@@ -91,7 +92,8 @@ def test_the_step_flattens_micro_batches_for_a_varlen_kernel(tiny_run, monkeypat
     from transformers import AttentionInterface
 
     from lisaft.config.schema import load_recipe
-    from lisaft.train import build_session, evaluate, train_step
+    from lisaft.train import build_session, train_step
+    from lisaft.train.evaluate import evaluate
     from tests.unit.test_packed_attention import _varlen_reference
 
     recipe = tiny_run(data=PACKED, training={"grad_accum_steps": 2})

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lisaft.config.schema import load_recipe
-from lisaft.train import build_session, evaluate, train_step
+from lisaft.train import build_session, train_step
+from lisaft.train.evaluate import evaluate
 
 
 def _loss_drop(tiny_run, dtype: str, name: str, rounding: str, steps: int = 30) -> float:

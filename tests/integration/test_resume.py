@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from lisaft.cli import app
 from lisaft.metrics.log import read_metrics
-from lisaft.train import resume, train
+from lisaft.train import train
+from lisaft.train.commands import resume
 
 runner = CliRunner()
 

@@ -186,7 +186,8 @@ def test_overwrite_keeps_files_lisaft_did_not_write(tiny_run):
 
 def test_epochs_set_the_run_length_and_resume_keeps_it(tiny_run):
     from lisaft.config.schema import load_recipe
-    from lisaft.train import resume, train
+    from lisaft.train import train
+    from lisaft.train.commands import resume
 
     # 96 rows, 4 per step: one epoch is 24 steps, 1.5 epochs 36.
     recipe = tiny_run(training={"max_steps": None, "epochs": 1.5, "eval_every": 0, "log_every": 6})

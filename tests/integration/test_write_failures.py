@@ -55,7 +55,8 @@ def test_a_real_write_failure_is_one_message(tiny_run, phase, what, intact):
 
 
 def test_resume_that_cannot_rewrite_metrics_keeps_them_and_stays_resumable(tiny_run):
-    from lisaft.train import resume, train
+    from lisaft.train import train
+    from lisaft.train.commands import resume
 
     recipe = tiny_run(training={"eval_every": 0, "save_every": 4})
     assert train(recipe, show=False) == 0

@@ -14,7 +14,7 @@ from test_lisa import _load, _save, assert_same_weights, run, trainable_names
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.config.schema import LisaSection, OptimizerSection
 from lisaft.lisa import LisaController
-from lisaft.model.load import model_parts
+from lisaft.model.parts import model_parts
 from lisaft.model.units import model_units
 from lisaft.optim.apollo import Apollo, ApolloSettings, projection
 from lisaft.optim.in_backward import StepInBackward

@@ -15,7 +15,7 @@ from lisaft.lisa import LisaController
 from lisaft.memory.advice import advice
 from lisaft.memory.command import settings_from_recipe
 from lisaft.memory.estimate import GiB, Settings, compute
-from lisaft.model.load import model_parts
+from lisaft.model.parts import model_parts
 from lisaft.model.units import model_units
 from lisaft.optim.unit_optimizers import UnitOptimizers
 

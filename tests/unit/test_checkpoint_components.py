@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lisaft.checkpoint.checkpointer import MARKER, Checkpointer
-from lisaft.checkpoint.components import STATE_FILE, FolderComponent, Optional, OwnFile, PerRank, stored
+from lisaft.checkpoint.components import STATE_FILE, FolderComponent, OptionalComponent, OwnFile, PerRank, stored
 from lisaft.config.schema import recipe_from_dict
 from lisaft.errors import OlderCheckpoint
 from lisaft.train import build_session, train_step
@@ -61,7 +61,7 @@ class Counter:
 def _files(name: str, component, ckpt) -> tuple[str, set]:
     """Where a component's kind puts its state, and the checkpoint's files that hold it."""
     s = stored(component)
-    inner = s.stored if isinstance(s, Optional) else s
+    inner = s.stored if isinstance(s, OptionalComponent) else s
     if isinstance(inner, OwnFile):
         return "own file", {f"{name}.json"}
     if isinstance(inner, PerRank):
@@ -110,8 +110,8 @@ def test_an_optional_component_resumes_a_checkpoint_written_without_it(tmp_path,
     assert refused.value.component == "extra" and "older lisaft" in str(refused.value)
     assert resumed.progress.step == 0  # refused before anything was loaded
 
-    components = {**checkpoint_components(resumed), "extra": Optional(extra, default={"n": 7}),
-                  "extra_files": Optional(_Files())}
+    components = {**checkpoint_components(resumed), "extra": OptionalComponent(extra, default={"n": 7}),
+                  "extra_files": OptionalComponent(_Files())}
     Checkpointer(resumed.run_dir, 5, components).load(ckpt)
     assert extra.n == 7 and resumed.progress.step == 3
     _train(resumed, 3, 5)

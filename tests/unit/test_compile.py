@@ -8,7 +8,8 @@ import torch
 from _tiny import tiny
 
 from lisaft.errors import LisaftError
-from lisaft.model.load import compile_layers, model_parts
+from lisaft.model.load import compile_layers
+from lisaft.model.parts import model_parts
 
 
 def test_layers_compile_in_place_with_the_same_names_and_weights():

@@ -22,8 +22,9 @@ from _tiny import tiny as _tiny
 from lisaft import internals
 from lisaft.config.schema import OptimizerSection
 from lisaft.errors import LisaftError
-from lisaft.optim import adamw, host_step
-from lisaft.optim.adamw import Rounding, build_unit_optimizer
+from lisaft.optim import host_step
+from lisaft.optim.adamw import Rounding
+from lisaft.optim.build import build_unit_optimizer
 
 pytest.importorskip("numba")
 CPU = torch.device("cpu")
@@ -221,8 +222,8 @@ def test_bf16_moments_key_is_checked():
                                "optimizer": {"name": "adamw_8bit", "moments_dtype": "bfloat16"}})
     model = _tiny(0, 1)
     with pytest.raises(LisaftError, match="moments_dtype"):
-        adamw.build_unit_optimizer(list(model.parameters()), OptimizerSection(moments_dtype="bfloat16"),
-                                   torch.device("cuda"), Rounding("stochastic", 0), 0, None)
+        build_unit_optimizer(list(model.parameters()), OptimizerSection(moments_dtype="bfloat16"),
+                             torch.device("cuda"), Rounding("stochastic", 0), 0, None)
 
 
 def test_many_tasks_in_any_schedule_are_the_same_bits(monkeypatch):

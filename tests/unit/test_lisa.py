@@ -18,7 +18,7 @@ from lisaft.checkpoint.optimizer_files import OptimizerFiles
 from lisaft.config.schema import LisaSection, OptimizerSection
 from lisaft.errors import LisaftError
 from lisaft.lisa import LayerSampler, LisaController
-from lisaft.model.load import model_parts
+from lisaft.model.parts import model_parts
 from lisaft.model.units import model_units
 from lisaft.optim.adamw import is_paged
 from lisaft.optim.in_backward import StepInBackward
@@ -531,7 +531,7 @@ def test_stale_offload_files_are_cleared(tmp_path):
     assert list(folder.iterdir()) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="paged state needs CUDA")
+@pytest.mark.gpu  # paged state needs CUDA
 @pytest.mark.parametrize("name", ["paged_adamw_32bit", "paged_adamw_8bit"])
 @pytest.mark.parametrize("policy", ["discard", "offload_cpu", "offload_disk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

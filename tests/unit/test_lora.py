@@ -56,7 +56,7 @@ def _adapted(lora=None, quantize=False):
 def test_the_frozen_base_is_in_no_unit_and_stays_frozen():
     from lisaft.config.schema import LisaSection, OptimizerSection
     from lisaft.lisa import LisaController
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
     from lisaft.model.units import model_units
     from lisaft.optim.unit_optimizers import UnitOptimizers
 

@@ -13,7 +13,7 @@ from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import Settings, compute
 from lisaft.memory.lora import LoraSettings, lora_counts
 from lisaft.metrics.measure import saved_activations
-from lisaft.model.load import DTYPES
+from lisaft.model.parts import DTYPES
 
 pytest.importorskip("peft")
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

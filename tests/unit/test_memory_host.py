@@ -86,7 +86,7 @@ def test_host_estimate_matches_what_the_offloaded_optimizers_hold(tmp_path):
     from _tiny import tiny
 
     from lisaft.config.schema import OptimizerSection
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
     from lisaft.model.units import model_units
     from lisaft.optim.cpu_offload import OffloadedOptimizers
 

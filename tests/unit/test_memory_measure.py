@@ -19,7 +19,7 @@ from lisaft.metrics.measure import (
     tensor_bytes,
     weight_bytes,
 )
-from lisaft.model.load import DTYPES, model_parts
+from lisaft.model.parts import DTYPES, model_parts
 
 _BASE = dict(hidden_size=32, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=3, vocab_size=96, max_position_embeddings=128)
@@ -161,7 +161,8 @@ def test_tensor_bytes_match_estimate(opt_name):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     from lisaft.config.schema import OptimizerSection
-    from lisaft.optim.adamw import Rounding, build_unit_optimizer
+    from lisaft.optim.adamw import Rounding
+    from lisaft.optim.build import build_unit_optimizer
 
     opt = build_unit_optimizer(list(model.parameters()), OptimizerSection(name=opt_name, lr=1e-3),
                                torch.device("cpu"), Rounding("stochastic", 0), 0, None)

@@ -3,7 +3,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lisaft.errors import LisaftError
-from lisaft.model.load import model_parts, resolve_attention
+from lisaft.model.load import resolve_attention
+from lisaft.model.parts import model_parts
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

@@ -14,7 +14,9 @@ from _tiny import tiny as _tiny
 
 from lisaft.config.schema import OptimizerSection
 from lisaft.optim import adamw as optim
-from lisaft.optim.adamw import Rounding, build_unit_optimizer
+from lisaft.optim import build
+from lisaft.optim.adamw import Rounding
+from lisaft.optim.build import build_unit_optimizer
 from lisaft.optim.gradients import clip_grad_norm, grad_nbytes
 from lisaft.optim.unit_optimizers import host_state_dict
 
@@ -132,7 +134,7 @@ def test_float32_second_moment_of_bf16_weights_decays():
 
 
 def test_paged_on_cpu_warns_once_in_one_line():
-    optim._warned_cpu_paging.discard("paged_adamw_8bit")
+    build._warned_cpu_paging.discard("paged_adamw_8bit")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         make(tiny(), "paged_adamw_8bit")
@@ -325,7 +327,7 @@ def test_paged_updates_in_backward_wait_on_an_event_not_the_device(tmp_path, mon
     on its stream instead, and a unit's release (its buffers go to the next unit) waits for it."""
     from collections import Counter
 
-    from lisaft.model.load import model_parts
+    from lisaft.model.parts import model_parts
     from lisaft.model.units import model_units
     from lisaft.optim.in_backward import StepInBackward
     from lisaft.optim.unit_optimizers import UnitOptimizers

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from lisaft.config.schema import Recipe, apply_overrides, load_recipe
 from lisaft.errors import LisaftError
@@ -224,6 +225,39 @@ def test_counts_are_strict_and_1e3_is_a_thousand(tmp_path):
         _error(tmp_path, _with("training", max_steps="2.5e0"))
     assert "lisa.enabled: must be true or false" in _error(tmp_path, _with("lisa", enabled=1))
     assert "optimizer.lr: must be a number" in _error(tmp_path, _with("optimizer", lr=True))
+
+
+def _counts():
+    """(section, key) of every key of the schema that takes a whole number."""
+    import typing
+
+    def takes_int(t) -> bool:
+        return t is int or any(takes_int(a) for a in typing.get_args(t))
+
+    return [(name, key) for name, f in Recipe.model_fields.items()
+            for key, field in _section(name).model_fields.items() if takes_int(field.annotation)]
+
+
+def _section(name: str):
+    """A recipe section's model; an optional section (preference) is a union with None."""
+    import typing
+
+    t = Recipe.model_fields[name].annotation
+    return next((a for a in typing.get_args(t) if a is not type(None)), t)
+
+
+def test_every_count_takes_1e3_as_a_thousand(tmp_path):
+    counts = _counts()
+    assert ("lora", "rank") in counts and ("optimizer", "rank") in counts and ("model", "mlp_chunk_tokens") in counts
+    for section, key in counts:
+        errors = []
+        try:
+            _section(section).model_validate({key: "1e3"})
+        except ValidationError as e:
+            errors = [err for err in e.errors() if err["loc"][:1] == (key,)]
+        assert not errors, f"{section}.{key}: {errors}"
+    assert load_recipe(write(tmp_path, _with("lora", enabled=True, rank="1e3"))).lora.rank == 1000
+    assert "lora.rank: must be a whole number, not true/false" in _error(tmp_path, _with("lora", rank=True))
 
 
 def test_unknown_keys_get_did_you_mean(tmp_path):

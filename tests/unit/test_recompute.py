@@ -14,7 +14,8 @@ import torch
 from _tiny import tiny as _tiny
 
 from lisaft.config.schema import ModelSection
-from lisaft.model.load import apply_model_settings, model_parts
+from lisaft.model.load import apply_model_settings
+from lisaft.model.parts import model_parts
 
 CPU = torch.device("cpu")
 SECTION = ModelSection(name_or_path="unused", gradient_checkpointing=True)

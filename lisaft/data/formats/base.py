@@ -1,0 +1,165 @@
+"""What every data format shares: the format object's interface, a row's text field, what the
+tokenizer adds around a text, and cutting examples to data.max_seq_len.
+
+A format (one module in this package) turns rows into examples for training, renders a row's
+prompt for `lisaft generate` exactly as training laid it out, and describes the fields it reads.
+An example is a plain dict {"input_ids": [...], "labels": [...]}: labels aligned with input_ids
+(the model shifts them), IGNORE_INDEX marking a position with no loss. A preference pair is
+{"chosen": example, "rejected": example}.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import ClassVar, Literal, overload
+
+from lisaft.console import LisaftWarning
+from lisaft.data.read import Rows
+from lisaft.errors import LisaftError
+
+IGNORE_INDEX = -100
+
+Example = dict  # {"input_ids": list[int], "labels": list[int]}; a pair: {"chosen": ..., "rejected": ...}
+
+
+class DataWarning(LisaftWarning):
+    """Something was changed or dropped in the data; the run goes on."""
+
+
+class Prompt:
+    """A row's prompt for `lisaft generate`: token ids as training laid them out, the expected
+    answer when the row holds one, and the text the "> " line shows."""
+
+    def __init__(self, ids: list[int], reference: str | None, shown: str):
+        self.ids, self.reference, self.shown = ids, reference, shown
+
+
+class DataFormat:
+    """One value of data.format. A new format is one module in lisaft/data/formats/ with one
+    subclass; the package finds it (and data.format's Literal in config/schema.py names it)."""
+
+    name: ClassVar[str]
+    fields: ClassVar[str]            # the fields a row holds, for messages and docs
+    sequences_per_example: ClassVar[int] = 1  # sequences one example puts through the forward
+    input_note: ClassVar[str | None] = None   # why `lisaft generate --input` has no place, if it has none
+
+    def examples(self, rows: Rows, tokenizer, template: str | None, roles: dict[str, str]) -> list[Example]:
+        raise NotImplementedError
+
+    def fit(self, examples: list[Example], max_seq_len: int, rows: Rows) -> list[Example]:
+        """The examples cut to max_seq_len, and those left with nothing to learn dropped, each counted."""
+        return truncate_and_filter(examples, max_seq_len, rows)
+
+    def prompt(self, tokenizer, rows: Rows, i: int, template: str | None, roles: dict[str, str]) -> Prompt:
+        raise NotImplementedError
+
+    def command_line_row(self, prompt: str, input_text: str | None) -> dict:
+        """The row `lisaft generate --prompt TEXT [--input TEXT]` stands for."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.fields}"
+
+
+@overload
+def row_field(rows: Rows, i: int, name: str, optional: Literal[False] = False) -> str: ...
+
+
+@overload
+def row_field(rows: Rows, i: int, name: str, optional: bool) -> str | None: ...
+
+
+def row_field(rows: Rows, i: int, name: str, optional: bool = False) -> str | None:
+    """A row's text field, or an error naming the row; `lisaft generate` checks its rows with it too."""
+    row = rows.rows[i]
+    value = row.get(name)
+    if value is None:
+        if optional:
+            return None
+        raise missing_field(rows, i, name)
+    if not isinstance(value, str):
+        raise LisaftError(f"{rows.where(i)}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def missing_field(rows: Rows, i: int, name: str) -> LisaftError:
+    have = ", ".join(sorted(map(str, rows.rows[i]))) or "none"
+    return LisaftError(f"{rows.where(i)}: missing field {name!r} (fields: {have})")
+
+
+class Tokens:
+    """What the tokenizer adds around a text, found by probing it rather than trusting flags
+    that differ between tokenizer classes."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        bare = tokenizer("x", add_special_tokens=False)["input_ids"]
+        full = tokenizer("x")["input_ids"]
+        # Whatever sits before the text (typically BOS) starts every prompt; what the tokenizer
+        # would add after it is not used, EOS is appended explicitly.
+        self.prefix: list[int] = []
+        for start in range(len(full) - len(bare) + 1):
+            if full[start:start + len(bare)] == bare:
+                self.prefix = list(full[:start])
+                break
+        self.eos: int | None = tokenizer.eos_token_id
+
+    def need_eos(self, key: str) -> int:
+        if self.eos is None:
+            raise LisaftError(f"{key}: the tokenizer has no EOS token, so a response cannot be ended")
+        return self.eos
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def prompt_prefix(tokenizer) -> list[int]:
+    """What every text and instruction example starts with (typically BOS): a prompt for
+    generation must start the same way."""
+    return Tokens(tokenizer).prefix
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def numbers(rows: Rows, indices: list[int], shown: int = 5) -> str:
+    """Where the examples came from: "lines 4, 17 and 90", or the first few and how many more."""
+    names = [str(rows.numbers[i]) for i in indices[:shown]]
+    more = len(indices) - len(names)
+    listed = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+    if more:
+        listed = ", ".join(names) + f" and {more} more"
+    return f"{rows.unit}{'s' if len(indices) > 1 else ''} {listed}"
+
+
+def truncate_and_filter(examples: list[Example], max_seq_len: int, rows: Rows) -> list[Example]:
+    truncated, dropped = [], []
+    kept = []
+    for i, ex in enumerate(examples):
+        if len(ex["input_ids"]) > max_seq_len:
+            truncated.append(i)
+            ex = {"input_ids": ex["input_ids"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
+        # The label at position 0 is never predicted (nothing precedes it), so an example needs a
+        # loss-carrying label after it to teach anything.
+        if all(label == IGNORE_INDEX for label in ex["labels"][1:]):
+            dropped.append(i)
+            continue
+        kept.append(ex)
+    where = f"{rows.key}: {rows.source}"
+    if truncated:
+        warnings.warn(
+            f"{where}: {len(truncated)} of {len(examples)} examples were longer than data.max_seq_len="
+            f"{max_seq_len} and were cut at the end ({numbers(rows, truncated)})", DataWarning, stacklevel=4,
+        )
+    if dropped:
+        warnings.warn(
+            f"{where}: dropped {len(dropped)} of {len(examples)} examples with no response tokens left "
+            f"to learn from (prompt fills data.max_seq_len={max_seq_len}, or no assistant turn): "
+            f"{numbers(rows, dropped)}", DataWarning, stacklevel=4,
+        )
+    if not kept:
+        raise LisaftError(f"{where}: no usable examples: every example lost its response tokens")
+    return kept
