@@ -1,20 +1,9 @@
-"""Gradient checkpointing (model.gradient_checkpointing): transformers' own, non-reentrant, and
-no recompute of the frozen layers below the lowest trainable one."""
+"""No recompute of the frozen layers below the lowest trainable one under gradient checkpointing
+(model.gradient_checkpointing; load.enable_checkpointing turns it on)."""
 
 from __future__ import annotations
 
 from torch import nn
-
-
-def enable_checkpointing(model: nn.Module) -> None:
-    from lisaft.model.parts import pretrained
-
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    frozen_inputs(model)
 
 
 def frozen_inputs(model: nn.Module) -> None:

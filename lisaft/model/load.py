@@ -15,7 +15,7 @@ from lisaft.config.hub import hub_error, hub_offline, is_local
 from lisaft.config.schema import ModelSection
 from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError
-from lisaft.model.parts import DTYPES, input_embeddings, model_parts, output_embeddings
+from lisaft.model.parts import DTYPES, input_embeddings, model_parts, output_embeddings, pretrained
 
 
 def flash_attn_available() -> bool:
@@ -212,11 +212,24 @@ def _hub_folder(ref: str) -> Path:
         raise hub_error("model.name_or_path", ref, e) from None
 
 
+def enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant gradient checkpointing, under the name this transformers has: newer 5.x
+    releases call it activation_checkpointing_enable, earlier ones (5.17 among them)
+    gradient_checkpointing_enable. Non-reentrant works with frozen inputs, so the input hook both
+    add is removed (frozen_inputs) and backward stops at the lowest trainable layer."""
+    from lisaft.model.checkpointing import frozen_inputs
+
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen_inputs(model)
+
+
 def apply_model_settings(model: nn.Module, section: ModelSection, device: torch.device) -> None:
     """Checkpointing, long-context memory, no KV cache, train mode: what every loaded model gets."""
     if section.gradient_checkpointing:
-        from lisaft.model.checkpointing import enable_checkpointing
-
         enable_checkpointing(model)
     if section.offload_activations or section.mlp_chunk_tokens:
         long_context_memory(model, section, device)

@@ -12,7 +12,6 @@ from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.distributed import dist
 from lisaft.metrics.phases import Phases
 from lisaft.model.attention import varlen_attention
-from lisaft.model.loss import token_loss_sum
 from lisaft.model.preference import METRICS, collate_pairs, pair_positions
 from lisaft.train.session import Session
 
@@ -96,12 +95,14 @@ def _measured_forward(model: torch.nn.Module, batch: dict, forward) -> tuple[tor
 
 
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
-               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum,
+               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None,
                longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
     measure_activations: what the step's longest micro-batch saves for backward, if it is longer
-    than `longer_than` positions (the hooks only observe). The host reads the device once, at the
-    end (with training.on_nonfinite: skip, the norm once more before the update)."""
+    than `longer_than` positions (the hooks only observe); `forward`: a benchmark's own loss. The
+    host reads the device once, at the end (with training.on_nonfinite: skip, the norm once more
+    before the update)."""
+    forward = forward or session.parallel.token_loss
     t = session.recipe.training
     controller = session.controller
     with phases.phase("lisa"):
@@ -146,9 +147,7 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
         grad_norm, grad_bytes, skipped = session.parallel.update(
             session.controller, session.optimizers, t.max_grad_norm, measure_norm, phases,
             skip_nonfinite=t.on_nonfinite == "skip")
-    known: dict[str, torch.Tensor | float | None] = {
-        "normaliser": counts[0], "tokens": counts[1], "positions": counts[2], "grad_norm": grad_norm}
-    read = totals.read(known)
+    read = totals.read({"normaliser": counts[0], "tokens": counts[1], "positions": counts[2], "grad_norm": grad_norm})
     normaliser = max(read["normaliser"], 1.0)
     return StepResult(loss=read["loss"] / normaliser, tokens=int(read["tokens"]),
                       padding=int(read["positions"] - read["tokens"]), lr=lr, grad_norm=read.get("grad_norm"),
