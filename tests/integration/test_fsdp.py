@@ -9,6 +9,7 @@ import torch
 from test_distributed import assert_same_grad_norms, torchrun, train_losses, weights
 
 from lisaft.metrics.log import read_metrics
+from lisaft.model.loss import LOSS_CHUNK_ELEMENTS
 from lisaft.train import train
 
 COMMON = dict(scheduler={"name": "constant"}, lisa={"interval_steps": 2},
@@ -25,14 +26,15 @@ def recipe(tiny_run, name: str, sections: dict | None = None, **training):
                                        "training": {**COMMON["training"], "output_dir": name, **training}})
 
 
-def fsdp_run(tiny_run, name: str, sections: dict | None = None, compare: bool = True):
+def fsdp_run(tiny_run, name: str, sections: dict | None = None, compare: bool = True, **training):
     """Two ranks of batch 2 and, for comparison, one process of batch 4."""
-    result = torchrun("train", str(recipe(tiny_run, name, sections, batch_size=2, fsdp=True)), cwd=tiny_run.dir)
+    result = torchrun("train", str(recipe(tiny_run, name, sections, batch_size=2, fsdp=True, **training)),
+                      cwd=tiny_run.dir)
     assert result.returncode == 0, result.stdout + result.stderr
     run, single = tiny_run.dir / name, tiny_run.dir / f"{name}-single"
     out = SimpleNamespace(run=run, single=single, losses=train_losses(run), weights=weights(run))
     if compare:
-        assert train(recipe(tiny_run, f"{name}-single", sections, batch_size=4), show=False) == 0
+        assert train(recipe(tiny_run, f"{name}-single", sections, batch_size=4, **training), show=False) == 0
         out.single_losses, out.single_weights = train_losses(single), weights(single)
     return out
 
@@ -68,19 +70,29 @@ def close_to_one_process(r, rtol=1e-5, wtol=1e-4):
     assert_same_grad_norms(r.run, r.single, rtol=rtol)
 
 
+# A rank's packed micro-batch: batch 2 rows of data.max_seq_len 32 positions.
+RANK_POSITIONS = 2 * 32
+# 600,000 output rows x that micro-batch's positions pass loss.LOSS_CHUNK_ELEMENTS, so the head
+# and the loss run in chunks of positions, outside the model's own forward, the last chunk shorter
+# than the others, on two ranks and in one process (lisaft/model/loss.py).
+BIG_VOCAB = 600_000
+
+
 @pytest.fixture(scope="module")
 def big_vocab(shared_tiny_run):
-    # 600,000 output rows x a packed micro-batch's positions pass loss.LOSS_CHUNK_ELEMENTS: the
-    # head and the loss run in chunks of positions, outside the model's own forward (lisaft/model/loss.py).
     cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
     (shared_tiny_run.dir / "big-vocab-model").mkdir()
-    cfg.update(vocab_size=600_000)
+    cfg.update(vocab_size=BIG_VOCAB)
     (shared_tiny_run.dir / "big-vocab-model" / "config.json").write_text(json.dumps(cfg))
+    # No checkpoints: the comparison reads the metrics and RUN/final only, and each checkpoint of
+    # this vocabulary's embeddings, head and moments is hundreds of MB.
     return fsdp_run(shared_tiny_run, "big-vocab", {"model": {"config": "big-vocab-model/config.json"},
-                                                   "data": {"packing": True}})
+                                                   "data": {"packing": True}}, save_every=0)
 
 
 def test_the_chunked_loss_on_two_ranks_matches_one_process(big_vocab):
+    step = LOSS_CHUNK_ELEMENTS // BIG_VOCAB
+    assert RANK_POSITIONS / step > 2 and RANK_POSITIONS % step  # three chunks, the last one shorter
     close_to_one_process(big_vocab)
 
 
