@@ -25,6 +25,7 @@ def single(shared_tiny_run):
     return SimpleNamespace(tiny_run=shared_tiny_run, losses=train_losses(run), weights=weights(run))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", [False, True])
 def test_two_ranks_match_one_process_at_twice_the_batch(single, shard):
     name = f"dp-shard-{shard}"
