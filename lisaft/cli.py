@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, get_args
 
 import typer
 
 from lisaft.config.optimizers import OPTIMIZERS
-from lisaft.config.schema import CADENCE_KEYS
+from lisaft.config.schema import CADENCE_KEYS, DataSection
 from lisaft.errors import LisaftError
+
+FORMAT_NAMES: tuple[str, ...] = get_args(DataSection.model_fields["format"].annotation)
 
 app = typer.Typer(
     add_completion=False,
@@ -48,16 +50,27 @@ def _global(
     warnings.showwarning = _one_line_warning
 
 
+# How long a rank other than 0 waits before it reports a refusal (rank 0's line comes first).
+RANK_WAIT_S = 10.0
+
+
 def _fail(message: str, code: int = 2) -> None:
     import os
 
     from rich.console import Console
     from rich.markup import escape
 
-    # Under torchrun every rank refuses the same recipe: rank 0 says it once. A run that failed
-    # (exit 1: a write, memory) may fail on one rank only, so every rank reports that.
-    if code == 2 and int(os.environ.get("RANK", "0") or 0) > 0:
-        raise typer.Exit(code)
+    # Under torchrun every rank refuses the same recipe: rank 0 says it once. torchrun stops every
+    # rank as soon as one fails, so another rank that left first could stop rank 0 before it
+    # printed: it waits, and says the refusal itself only if it is still running then (a refusal
+    # of its own, such as its device). A run that failed (exit 1: a write, memory) may fail on one
+    # rank only, so every rank reports that at once.
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if code == 2 and rank > 0:
+        import time
+
+        time.sleep(RANK_WAIT_S)
+        message = f"rank {rank}: {message}"
     # soft_wrap: the message stays one line however narrow the terminal, so it can be grepped.
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(code)
@@ -99,6 +112,23 @@ def resume(
 
     try:
         code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [], reschedule=reschedule)
+    except LisaftError as e:
+        _fail(str(e), e.exit_code)
+    raise typer.Exit(code)
+
+
+@app.command()
+def data(
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe YAML."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
+    examples: int = typer.Option(3, "--examples", metavar="N", help="Train examples to show."),
+    json_out: bool = typer.Option(False, "--json", help="Print the audit as JSON.", metavar=""),
+) -> None:
+    """Audit RECIPE's data as it will train: examples, lengths, loss tokens."""
+    from lisaft.metrics.data_report import data_command
+
+    try:
+        code = data_command(recipe, set_ or [], json_out=json_out, shown=examples)
     except LisaftError as e:
         _fail(str(e), e.exit_code)
     raise typer.Exit(code)
@@ -197,7 +227,7 @@ def generate(
              "apply); answers given are compared."),
     limit: Optional[int] = typer.Option(None, "--limit", metavar="N", help="Only the first N rows of --input-file."),
     fmt: Optional[str] = typer.Option(None, "--format", metavar="FORMAT",
-                                      help="instruction, chat or text. Default: the run's data.format."),
+                                      help=f"{', '.join(FORMAT_NAMES)}. Default: the run's data.format."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", metavar="N", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", metavar="T", help="0: greedy; above 0: sample."),
     top_p: float = typer.Option(1.0, "--top-p", metavar="P", help="Nucleus sampling mass (with --temperature)."),

@@ -10,14 +10,16 @@ a traceback.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import os
 import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
 from lisaft.checkpoint.checkpointer import CHECKPOINTS, complete_checkpoints
-from lisaft.console import first_line
+from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError, RunFailed
 
 # Everything lisaft may write into a run folder, and nothing else: --overwrite removes these.
@@ -26,6 +28,8 @@ RUN_ENTRIES = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final", "lisa_offlo
                ".final.tmp", ".recipe.yaml.tmp", "metrics.jsonl.tmp")
 # The entries that show a folder holds a lisaft run.
 RUN_MARKERS = ("recipe.yaml", "metrics.jsonl", CHECKPOINTS, "final")
+# Held by the process that trains the run (`live`); never removed by --overwrite.
+LOCK = ".lock"
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM,
                  errno.EIO}
@@ -92,6 +96,18 @@ def remove_temporaries(run_dir: Path) -> list[str]:
     return partial
 
 
+def _once_fixed(e: BaseException) -> str:
+    """When the user can go on: a refused permission is no full disk."""
+    code = getattr(e, "errno", None)
+    if code in (errno.EACCES, errno.EPERM):
+        return "once you may write there again,"
+    if code == errno.EROFS:
+        return "once the disk is writable again,"
+    if code == errno.EIO:
+        return "once the disk reads and writes again,"
+    return "once the disk has room,"
+
+
 def write_failed(run_dir: Path, e: BaseException, recipe_file: Path | None = None) -> RunFailed:
     """The one message for a write that failed mid-run, after removing what it left half done.
     `recipe_file` is the recipe that starts the run over (default: the run's own copy)."""
@@ -99,13 +115,13 @@ def write_failed(run_dir: Path, e: BaseException, recipe_file: Path | None = Non
     partial = remove_temporaries(run_dir)
     what = " and ".join(partial) if partial else f"to {run_dir}"
     complete = complete_checkpoints(run_dir, warn=lambda m: None)
+    once = _once_fixed(e)
     if complete:
-        where = (f"the newest complete checkpoint, {complete[0].name}, is intact; once the disk has "
-                 f"room continue with `lisaft resume {run_dir}`")
+        where = (f"the newest complete checkpoint, {complete[0].name}, is intact; {once} "
+                 f"continue with `lisaft resume {run_dir}`")
     else:
         recipe_file = recipe_file or run_dir / "recipe.yaml"
-        where = (f"no checkpoint was completed; once the disk has room start over with "
-                 f"`lisaft train {recipe_file} --overwrite`")
+        where = f"no checkpoint was completed; {once} start over with `lisaft train {recipe_file} --overwrite`"
     return RunFailed(f"could not write {what}: {_reason(e)}; {where}")
 
 
@@ -124,11 +140,11 @@ def writes_end_cleanly(run_dir: Path, recipe_file: Path | None = None):
 
 
 def clean_write_failures(run_loop):
-    """Decorates the loop `fn(session, ...)` with `writes_end_cleanly`."""
+    """Decorates the loop `fn(session, ..., recipe_file=None)` with `writes_end_cleanly`."""
 
     @functools.wraps(run_loop)
     def wrapper(session, *args, **kwargs):
-        with writes_end_cleanly(session.run_dir):
+        with writes_end_cleanly(session.run_dir, kwargs.get("recipe_file")):
             return run_loop(session, *args, **kwargs)
 
     return wrapper
@@ -165,13 +181,16 @@ def check_output_dir(run_dir: Path, overwrite: bool, force: bool) -> None:
         return
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise LisaftError(f"{key}: {run_dir}: no permission to write in it; choose another folder")
-    entries = sorted(p.name for p in run_dir.iterdir())
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
     if not entries:
         return
     others = [n for n in entries if n not in RUN_ENTRIES]
     if not looks_like_run(run_dir):
         raise LisaftError(f"{key}: {run_dir} is not empty and holds no lisaft run; choose another folder")
     if not overwrite:
+        if not complete_checkpoints(run_dir, warn=lambda m: None) and not (run_dir / "final").exists():
+            raise LisaftError(f"{key}: {run_dir} holds a run that stopped before its first checkpoint, "
+                              "so there is nothing to resume; pass --overwrite to start over")
         raise LisaftError(f"{key}: {run_dir} already holds a run; continue it with "
                           f"`lisaft resume {run_dir}`, or pass --overwrite to start over")
     if others and not force:
@@ -209,3 +228,99 @@ def give_files_the_usual_mode(folder: Path) -> None:
     for f in Path(folder).iterdir():
         if f.is_file() and not f.is_symlink():
             f.chmod(0o666 & ~umask)
+
+
+# ---------------------------------------------------------------------------------------------
+# one process at a time
+
+
+def _holder(lock: Path) -> str:
+    try:
+        pid, _, host = lock.read_text().strip().partition(" ")
+    except OSError:
+        pid, host = "", ""
+    if not pid:
+        return "another lisaft process"
+    return f"lisaft process {pid}" + (f" on {host}" if host else "")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _acquire(run_dir: Path) -> int | None:
+    """The locked lock file (its descriptor). flock, not a file's mere presence: the kernel drops
+    the lock when the process dies however it dies (SIGKILL, the OOM killer), so a crashed run's
+    lock file never blocks its resume. On NFS, Linux carries flock to the server as a byte-range
+    lock; a mount without locking (nolock) gets a warning and no lock."""
+    path = run_dir / LOCK
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LisaftError(f"training.output_dir: {run_dir}: cannot write in it ({e.strerror}); "
+                              "choose a folder you can write to") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LisaftError(
+                f"{run_dir} is live: {_holder(path)} is training it; wait for it to end, or stop it (Ctrl-C or "
+                f"kill: it checkpoints) and then `lisaft resume {run_dir}`") from None
+        except OSError as e:
+            os.close(fd)
+            warn(f"{run_dir}: cannot lock the run folder ({e.strerror}); nothing keeps a second process "
+                 "from training into it at the same time")
+            return None
+        # The holder removes the file as it leaves: a lock taken on the file it removed holds nothing.
+        if _same_file(fd, path):
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+            except OSError:
+                pass  # a full disk: the lock holds without its holder's name; the run's writes report it
+            return fd
+        os.close(fd)
+
+
+def check_writable(run_dir: Path) -> None:
+    """Refuse at start what the run would fail to write only at its end (the final export
+    replaces final/, pruning removes checkpoints): lisaft's entries must be writable too."""
+    for name in ("final", CHECKPOINTS, "recipe.yaml", "metrics.jsonl"):
+        p = run_dir / name
+        if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
+            raise LisaftError(f"training.output_dir: {p}: no permission to write it, which the run needs; "
+                              "give yourself write permission on it")
+
+
+@contextmanager
+def live(run_dir: Path):
+    """Hold `run_dir` for this process: a second `lisaft train` or `lisaft resume` on it is refused
+    with who holds it. Under torchrun rank 0 holds it for every rank (the ranks of one run may be
+    on several machines of one shared folder). Creates the folder when absent and removes it again
+    when the command left nothing else in it (a start that failed)."""
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    if created:
+        make_run_dir(run_dir)
+    fd = _acquire(run_dir)
+    try:
+        check_writable(run_dir)
+        yield
+    finally:
+        if fd is not None:
+            try:
+                (run_dir / LOCK).unlink(missing_ok=True)
+            except OSError:
+                pass  # a folder turned read-only: the lock goes with the descriptor all the same
+            os.close(fd)
+        if created:
+            try:
+                run_dir.rmdir()  # only when empty
+            except OSError:
+                pass

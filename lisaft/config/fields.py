@@ -3,6 +3,7 @@ section (unknown keys refused). Below schema.py, so every section's module uses 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
@@ -24,8 +25,16 @@ def whole_number(v: Any) -> Any:
 
 
 def _real_number(v: Any) -> Any:
+    """A real number, and a finite one: a NaN or inf learning rate (or norm, or ratio) trains only
+    NaN, step after step."""
     if isinstance(v, bool):
         raise ValueError("must be a number, not true/false")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v  # pydantic names what it is instead
+    if not math.isfinite(f):
+        raise ValueError(f"must be a finite number, got {v}")
     return v
 
 

@@ -19,18 +19,20 @@ see what one process with an N times larger batch sees.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
 from lisaft.config.schema import DataSection
+from lisaft.data.audit import SplitAudit, audit_split, check_split
 from lisaft.data.formats import data_format
-from lisaft.data.formats.base import DataWarning, Example
+from lisaft.data.formats.base import DataWarning, Example, Fit
 from lisaft.data.formats.instruction import render_instruction_prompt
 from lisaft.data.order import ORDER_SALT
 from lisaft.data.read import Rows, read_rows, rename_columns
 from lisaft.errors import LisaftError
 
-__all__ = ["DataWarning", "build_examples", "load_splits", "render_instruction_prompt"]
+__all__ = ["DataWarning", "Split", "build_examples", "data_splits", "load_splits", "render_instruction_prompt"]
 
 
 def build_examples(rows: Rows, fmt: str, tokenizer, template: str | None = None,
@@ -39,9 +41,26 @@ def build_examples(rows: Rows, fmt: str, tokenizer, template: str | None = None,
     return data_format(fmt).examples(rows, tokenizer, template, roles or {})
 
 
-def _fitted(rows: Rows, section: DataSection, tokenizer) -> list[Example]:
+@dataclass
+class Split:
+    """One split as `lisaft train` builds it: its rows, their examples as tokenized, what
+    data.max_seq_len did to them (`fit.kept` train) and the data audit's counts."""
+
+    rows: Rows
+    examples: list[Example]
+    fit: Fit
+    audit: SplitAudit
+
+
+def build_split(rows: Rows, section: DataSection, tokenizer) -> Split:
+    """Tokenize, cut to data.max_seq_len, count, and refuse what would train on nothing: the one
+    path of `lisaft train` and `lisaft data` alike."""
     fmt = data_format(section.format)
-    return fmt.fit(fmt.examples(rows, tokenizer, section.template, section.roles), section.max_seq_len, rows)
+    examples = fmt.examples(rows, tokenizer, section.template, section.roles)
+    fit = fmt.fitted(examples, section.max_seq_len, rows)
+    audit = audit_split(fmt, rows, examples, fit, tokenizer)
+    check_split(audit, rows, tokenizer)
+    return Split(rows, examples, fit, audit)
 
 
 def _held_out(n: int, fraction: float, seed: int) -> list[int]:
@@ -54,15 +73,15 @@ def _held_out(n: int, fraction: float, seed: int) -> list[int]:
     return sorted(int(i) for i in rng.permutation(n)[:n_eval])
 
 
-def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Example], list[Example] | None]:
-    """Train examples and eval examples (from data.eval, else a seeded held-out
-    data.eval_fraction of the train rows, else None)."""
+def read_splits(section: DataSection, seed: int) -> tuple[Rows, Rows | None]:
+    """Train rows and eval rows (from data.eval, else a seeded held-out data.eval_fraction of the
+    train rows, else None)."""
     train_rows = rename_columns(read_rows(section.train, "data.train", section.subset, section.train_split),
                                 section.columns)
     eval_rows: Rows | None = None
     if section.eval is not None:
         if section.eval_fraction > 0:
-            warnings.warn("data.eval is set, so data.eval_fraction is ignored", DataWarning, stacklevel=2)
+            warnings.warn("data.eval is set, so data.eval_fraction is ignored", DataWarning, stacklevel=3)
         eval_rows = rename_columns(read_rows(section.eval, "data.eval", section.subset, section.eval_split),
                                    section.columns)
     elif section.eval_fraction > 0:
@@ -72,8 +91,17 @@ def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Exampl
         eval_rows = train_rows.subset(held)
         eval_rows.key = "data.train (held out by data.eval_fraction)"
         train_rows = train_rows.subset([i for i in range(len(train_rows.rows)) if i not in held_set])
+    return train_rows, eval_rows
 
-    train = _fitted(train_rows, section, tokenizer)
-    evals = _fitted(eval_rows, section, tokenizer) if eval_rows is not None else None
-    return train, evals
 
+def data_splits(section: DataSection, tokenizer, seed: int) -> tuple[Split, Split | None]:
+    """The train split and the eval split (None without one), built and checked."""
+    train_rows, eval_rows = read_splits(section, seed)
+    train = build_split(train_rows, section, tokenizer)
+    return train, build_split(eval_rows, section, tokenizer) if eval_rows is not None else None
+
+
+def load_splits(section: DataSection, tokenizer, seed: int) -> tuple[list[Example], list[Example] | None]:
+    """Train examples and eval examples (None without an eval split), as they train."""
+    train, evals = data_splits(section, tokenizer, seed)
+    return train.fit.kept, evals.fit.kept if evals is not None else None

@@ -31,21 +31,30 @@ def train_line(rec: dict, total: int, width: int = 80) -> str:
     """One train record in at most `width` columns: step, loss, lr, gradient norm (before
     clipping), tok/s, memory, layers. Fields are spaced by two, or by one when that makes the
     layers fit; a layer list that still does not fit is cut."""
-    fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.1e}"]
-    if rec.get("grad_norm") is not None:
-        fields.append(f"gn {rec['grad_norm']:.2g}")
-    fields += [f"{_count(rec['tokens_per_s'])} tok/s", f"mem {_memory(rec['peak_memory_bytes'])}"]
+    rewards = []
+    if "reward_accuracy" in rec:  # a preference run: how often chosen outscores rejected, and by how much
+        rewards = [f"acc {rec['reward_accuracy']:.0%}", f"margin {rec['reward_margin']:.3g}"]
     layers = "all" if rec.get("active_layers") is None else ",".join(map(str, rec["active_layers"]))
     # Spacing is chosen for the widest step counter, so it does not change as the run goes on.
     widest = len(str(total)) - len(str(rec["step"]))
-    for sep in ("  ", " "):
-        head = sep.join(fields) + sep + "layers "
-        if len(head) + widest + len(layers) <= width:
-            break
-    return head + _cut(layers, width - len(head))
+    while True:  # the reward fields give way, margin first, where the line would not fit
+        fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.1e}", *rewards]
+        if rec.get("grad_norm") is not None:
+            fields.append(f"gn {rec['grad_norm']:.2g}")
+        fields += [f"{_count(rec['tokens_per_s'])} tok/s", f"mem {_memory(rec['peak_memory_bytes'])}"]
+        for sep in ("  ", " "):
+            head = sep.join(fields) + sep + "layers "
+            if len(head) + widest + len(layers) <= width:
+                break
+        if len(head) + widest + 2 <= width or not rewards:
+            return head + _cut(layers, width - len(head))
+        rewards.pop()
 
 
 def eval_line(rec: dict) -> str:
+    if "eval_reward_accuracy" in rec:
+        return (f"eval step {rec['step']}  loss {rec['eval_loss']:.4f}  "
+                f"reward accuracy {rec['eval_reward_accuracy']:.1%}  margin {rec['eval_reward_margin']:.3g}")
     return (f"eval step {rec['step']}  loss {rec['eval_loss']:.4f}  "
             f"token accuracy {rec['eval_token_accuracy']:.1%}")
 
@@ -112,3 +121,38 @@ class Display:
 
     def eval(self, rec: dict) -> None:
         self.print(eval_line(rec))
+
+
+class PassBar:
+    """A bar for a pass before training (DPO's reference log-probs): on a terminal a live bar,
+    elsewhere one line when it starts and one when it ends."""
+
+    def __init__(self, what: str, total: int, enabled: bool = True):
+        self.what, self.total = what, total
+        self.enabled = enabled and dist.is_main()
+        self.console = Console(highlight=False, soft_wrap=True)
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self.t0 = time.perf_counter()
+
+    def __enter__(self) -> PassBar:
+        if self.enabled and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn(self.what), MofNCompleteColumn(), BarColumn(bar_width=None),
+                                      TimeRemainingColumn(), console=self.console, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task(self.what, total=self.total)
+        elif self.enabled:
+            self.console.print(f"{self.what}: {self.total} batches", markup=False)
+        return self
+
+    def advance(self) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self.enabled and exc[0] is None:
+            self.console.print(f"{self.what}: done in {time.perf_counter() - self.t0:.1f} s", markup=False)

@@ -66,6 +66,7 @@ class RunData:
         records = read_records(self.dir)
         self.train = [r for r in records if "loss" in r]
         self.eval = [r for r in records if "eval_loss" in r]
+        self.pairs = any("reward_accuracy" in r or "eval_reward_accuracy" in r for r in records)
         self.estimate_bytes, self.estimate_note, self.layer_count = _estimate(self.dir)
 
     def series(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
@@ -132,7 +133,12 @@ def _figure(plt, runs: list[RunData]):
         loss.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
         loss.plot(steps, smooth(values), color=color, label=f"{run.label} train (smoothed)")
         loss.plot(*run.series("eval_loss", run.eval), "o--", color=color, markersize=3, label=f"{run.label} eval")
-        acc.plot(*run.series("eval_token_accuracy", run.eval), "o-", color=color, markersize=3, label=run.label)
+        if run.pairs:  # a preference run: how often chosen outscores rejected
+            acc.plot(*run.series("reward_accuracy"), color=color, alpha=0.3, linewidth=0.8)
+            acc.plot(*run.series("eval_reward_accuracy", run.eval), "o-", color=color, markersize=3,
+                     label=f"{run.label} eval reward accuracy")
+        else:
+            acc.plot(*run.series("eval_token_accuracy", run.eval), "o-", color=color, markersize=3, label=run.label)
         lr.plot(*run.series("lr"), color=color, label=run.label)
         if run.series("grad_norm")[0]:
             gnorm.plot(*run.series("grad_norm"), color=color, label=run.label)
@@ -144,7 +150,9 @@ def _figure(plt, runs: list[RunData]):
                         label=f"{run.label} {run.estimate_note}")
         else:
             mem.text(0.02, 0.9 - 0.1 * i, run.estimate_note, transform=mem.transAxes, fontsize=7)
-    for ax, title in ((loss, "loss"), (acc, "eval token accuracy"), (lr, "learning rate"),
+    accuracy = "eval reward accuracy" if all(r.pairs for r in runs) else \
+        "eval token accuracy" if not any(r.pairs for r in runs) else "eval token / reward accuracy"
+    for ax, title in ((loss, "loss"), (acc, accuracy), (lr, "learning rate"),
                       (gnorm, "grad norm (before clipping)"), (speed, "tokens/s"), (mem, "device memory (MiB)")):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)

@@ -100,13 +100,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     logits and adds its weight gradient in place (addmm_); the hook fires once."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
-        total = hidden.new_zeros((), dtype=torch.float32)
+    def forward(ctx, hidden, targets, weight, step: int, softcap: float | None, per_token: bool = False):
+        # per_token: each position's cross entropy [N] (0 where the target is -100) instead of the
+        # sum; backward then takes one output gradient per position (preference log-probs).
+        total = hidden.new_zeros(hidden.size(0) if per_token else (), dtype=torch.float32)
         for i in range(0, hidden.size(0), step):
             logits = _capped(hidden[i:i + step] @ weight.t(), softcap)
-            total += _ce_and_grad(logits, targets[i:i + step], None)[0]
+            if per_token:
+                total[i:i + step] = _ce_rows(logits, targets[i:i + step])
+            else:
+                total += _ce_and_grad(logits, targets[i:i + step], None)[0]
         ctx.save_for_backward(hidden, targets, weight)
-        ctx.step, ctx.softcap = step, softcap
+        ctx.step, ctx.softcap, ctx.per_token = step, softcap, per_token
         return total
 
     @staticmethod
@@ -118,23 +123,32 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for i in range(0, hidden.size(0), ctx.step):
             h = hidden[i:i + ctx.step]
             raw = h @ weight.t()
-            g = _ce_and_grad(_capped(raw, ctx.softcap), targets[i:i + ctx.step], grad_out)[1]
+            out = grad_out[i:i + ctx.step] if ctx.per_token else grad_out
+            g = _ce_and_grad(_capped(raw, ctx.softcap), targets[i:i + ctx.step], out)[1]
             if ctx.softcap:  # d/dz c*tanh(z/c) = 1 - tanh(z/c)^2
                 g = (g.float() * (1 - torch.tanh(raw.float() / ctx.softcap).pow(2))).to(raw.dtype)
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[i:i + ctx.step])
             if grad_w is not None:
                 grad_w.addmm_(g.t(), h)
-        return grad_h, None, grad_w, None, None
+        return grad_h, None, grad_w, None, None, None
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
+def _ce_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's float32 cross entropy, 0 where the target is -100."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    valid = targets != IGNORE
+    return -torch.where(valid, logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1), 0.0)
+
+
 def _ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor | None):
-    """The chunk's loss sum and, given grad_out, its gradient in the logits' dtype, computed as
-    _CrossEntropySum does (float32 log-probs turned into the gradient in place)."""
+    """The chunk's loss sum and, given grad_out (a scalar, or one per row), its gradient in the
+    logits' dtype, computed as _CrossEntropySum does (float32 log-probs turned into the gradient
+    in place)."""
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     valid = targets != IGNORE
     safe = targets.masked_fill(~valid, 0)
@@ -146,18 +160,11 @@ def _ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Te
     return None, grad.to(logits.dtype)
 
 
-def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions(model, batch: dict, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of every position that predicts a token, flattened, and the targets."""
-    last = _sharded_last_hidden(model, batch) if _is_sharded(model) else \
-        model.base_model(**model_inputs(batch)).last_hidden_state
+    last = _sharded_last_hidden(model, batch) if sharded else model.base_model(**model_inputs(batch)).last_hidden_state
     hidden = last[:, :-1]
     return hidden.reshape(-1, hidden.size(-1)), batch["labels"][:, 1:].reshape(-1)
-
-
-def _is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
@@ -174,22 +181,49 @@ def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
     return seen[-1]
 
 
-def token_loss_sum(model, batch: dict) -> torch.Tensor:
-    """Sum of next-token cross entropy (float32) over the positions whose label is not -100."""
+def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:
+    """Sum of next-token cross entropy (float32) over the positions whose label is not -100.
+    `sharded`: training.fsdp's model (the parallel strategy says so), whose forward hooks gather
+    the weights, so its own forward and the head as a module run."""
     input_ids = batch["input_ids"]
     if not chunked(model, input_ids.numel()):
         logits = model(**model_inputs(batch)).logits
         return logits_loss_sum(logits, batch["labels"])
-    hidden, targets = _positions(model, batch)
+    hidden, targets = _positions(model, batch, sharded)
     head, cap = model.get_output_embeddings(), _softcap(model)
     step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
-    if head.bias is None and not _is_sharded(model):  # FSDP's head must run as a module (its hooks)
+    if head.bias is None and not sharded:  # FSDP's head must run as a module (its hooks)
         return _ChunkedHeadLoss.apply(hidden, targets, head.weight, step, cap)
     fn = functools.partial(_chunk_loss, head=head, softcap=cap)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, hidden.size(0), step):
         total = total + checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
     return total
+
+
+def token_nll(model, batch: dict, sharded: bool = False) -> torch.Tensor:
+    """Next-token cross entropy (float32) of every predicting position, [rows, width - 1], 0 where
+    the label is -100: the per-token form of token_loss_sum, chunked over the vocabulary the same
+    way, so preference log-probs never hold [sequences x positions x vocab] float32 logits
+    (`sharded`: as token_loss_sum's)."""
+    input_ids = batch["input_ids"]
+    rows, width = input_ids.shape
+    if not chunked(model, input_ids.numel()):
+        logits = model(**model_inputs(batch)).logits[:, :-1]
+        return _ce_rows(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1)).view(rows, -1)
+    hidden, targets = _positions(model, batch, sharded)
+    head, cap = model.get_output_embeddings(), _softcap(model)
+    step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
+    if head.bias is None and not sharded:
+        return _ChunkedHeadLoss.apply(hidden, targets, head.weight, step, cap, True).view(rows, -1)
+    fn = functools.partial(_chunk_rows, head=head, softcap=cap)
+    parts = [checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
+             for i in range(0, hidden.size(0), step)]
+    return torch.cat(parts).view(rows, width - 1)
+
+
+def _chunk_rows(hidden, targets, head, softcap):
+    return _ce_rows(_head_logits(hidden, head, softcap), targets)
 
 
 def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -201,10 +235,11 @@ def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def eval_sums(model, batch: dict) -> tuple[float, int, int]:
-    """(loss sum, response tokens, argmax-correct response tokens) of one batch."""
+def eval_sums(model, batch: dict, sharded: bool = False) -> tuple[float, int, int]:
+    """(loss sum, response tokens, argmax-correct response tokens) of one batch (`sharded`: as
+    token_loss_sum's)."""
     if chunked(model, batch["input_ids"].numel()):
-        hidden, targets = _positions(model, batch)
+        hidden, targets = _positions(model, batch, sharded)
         head, cap = model.get_output_embeddings(), _softcap(model)
         step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
         # One chunk's logits at a time: each is reduced before the next is computed.

@@ -90,3 +90,14 @@ class Schedule:
 
     def load_state_dict(self, sd: dict) -> None:
         self.plan = Plan(**sd)
+
+    def warmup_note(self) -> str | None:
+        """What to tell a run whose warmup lasts as long as the run or longer: it never trains at
+        the peak LR it asked for, and never decays."""
+        warmup, horizon = self.section.warmup_steps, self.plan.horizon
+        if warmup <= horizon or horizon < 1:
+            return None
+        last = self.lr(horizon - 1) / self.peak_lr
+        return (f"scheduler.warmup_steps {warmup} is longer than the run (training.max_steps {horizon}): "
+                f"the whole run is warmup: its last step trains at {last:.0%} of optimizer.lr and the LR "
+                "never decays; give fewer warmup steps")

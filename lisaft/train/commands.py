@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from lisaft.config.schema import load_recipe
 from lisaft.config.unused_keys import unused_keys
 from lisaft.console import say, warn
 from lisaft.distributed import dist
+from lisaft.errors import LisaftError
 from lisaft.metrics.log import MetricsLog, check_backends
 from lisaft.train import resume as policy
 from lisaft.train.host_memory import check_host_memory
@@ -33,6 +35,11 @@ def _in_process_group(fn):
     return wrapper
 
 
+def _holding(run_dir: Path):
+    """The run folder's lock for this command (rank 0 holds it for every rank)."""
+    return runfiles.live(run_dir) if dist.is_main() else contextlib.nullcontext()
+
+
 @_in_process_group
 def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite: bool = False,
           show: bool = True, _stop_at: int | None = None, force: bool = False) -> int:
@@ -44,21 +51,27 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
         for note in unused_keys(recipe):
             warn(note)
     run_dir = Path(recipe.training.output_dir)
-    runfiles.check_output_dir(run_dir, overwrite, force)
-    check_host_memory(recipe, str(recipe_path))
-    session = build_session(recipe, run_dir)
-    dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
-    if dist.is_main():
-        with runfiles.writes_end_cleanly(run_dir, recipe_file=Path(recipe_path)):
-            if overwrite and run_dir.is_dir():
-                # recipe.yaml is replaced atomically below: when that write fails, the recipe the
-                # message says to start over with (often this very file) still exists.
-                runfiles.clear_run(run_dir, keep=("recipe.yaml",))
-            runfiles.make_run_dir(run_dir)
-            runfiles.write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
-    dist.barrier()
-    session.controller.activate_for_step(0)
-    return run(session, base=None, show=show, stop_at=_stop_at)
+    if not run_dir.exists():
+        runfiles.check_output_dir(run_dir, overwrite, force)  # can it be created, before the lock creates it
+    with _holding(run_dir):
+        # Checked under the lock: a live run's folder is refused as live, not as a run to resume.
+        runfiles.check_output_dir(run_dir, overwrite, force)
+        check_host_memory(recipe, str(recipe_path))
+        session = build_session(recipe, run_dir)
+        if dist.is_main() and (warmup := session.schedule.warmup_note()):
+            warn(warmup)
+        dist.barrier()  # every rank has checked output_dir before rank 0 writes into it
+        if dist.is_main():
+            with runfiles.writes_end_cleanly(run_dir, recipe_file=Path(recipe_path)):
+                if overwrite and run_dir.is_dir():
+                    # recipe.yaml is replaced atomically below: when that write fails, the recipe the
+                    # message says to start over with (often this very file) still exists.
+                    runfiles.clear_run(run_dir, keep=("recipe.yaml",))
+                runfiles.make_run_dir(run_dir)
+                runfiles.write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
+        dist.barrier()
+        session.controller.activate_for_step(0)
+        return run(session, base=None, show=show, stop_at=_stop_at, recipe_file=Path(recipe_path))
 
 
 @_in_process_group
@@ -67,8 +80,16 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     """`lisaft resume`: continue RUN_DIR from its newest complete checkpoint. A changed
     max_steps keeps the saved LR curve unless `reschedule` re-plans it from the current step."""
     run_dir = Path(run_dir).resolve()
+    with _holding(run_dir) if run_dir.is_dir() else contextlib.nullcontext():
+        return _resume(run_dir, max_steps, list(overrides or []), show, reschedule, _stop_at)
+
+
+def _resume(run_dir: Path, max_steps: int | None, overrides: list[str], show: bool, reschedule: bool,
+            stop_at: int | None) -> int:
     recipe_file = run_recipe_file(run_dir)
-    overrides = list(overrides or [])
+    if reschedule and max_steps is None:
+        raise LisaftError("--reschedule re-plans the learning-rate decay to the step --max-steps N gives; "
+                          "pass --max-steps too (without it the run continues on its saved curve)")
     if max_steps is not None:
         overrides.append(f"training.max_steps={max_steps}")
     # The run lives where it is now, even if the folder was moved since.
@@ -81,7 +102,7 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
     policy.check_resumable(run_dir, candidates[0], recipe, max_steps)
     policy.check_extension(run_dir, candidates[0], recipe, recipe_file, reschedule)
     check_host_memory(recipe, str(recipe_file))
-    session = build_session(recipe, run_dir)
+    session = build_session(recipe, run_dir, resuming=True)
     ckpt = policy.load_newest(session, candidates, recipe_file)
     schedule_note = policy.continue_schedule(session, reschedule)
     with runfiles.writes_end_cleanly(run_dir):
@@ -90,6 +111,8 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
             runfiles.write_atomic(recipe_file, recipe.to_yaml())
     if dist.is_main():
         msg = f"resuming {run_dir} from {ckpt.name} (step {session.progress.step})"
+        if session.progress.step >= (recipe.training.max_steps or session.progress.step + 1):
+            msg = f"finishing {run_dir}: trained to step {session.progress.step}; writing final/ from {ckpt.name}"
         if saved_world != dist.world_size():
             msg += f" on {dist.world_size()} ranks (written by {saved_world})"
         if changed:
@@ -99,4 +122,4 @@ def resume(run_dir: str | Path, max_steps: int | None = None, overrides: list[st
         if dropped:
             msg += f"; dropped {dropped} metrics records logged after that checkpoint"
         say(msg)
-    return run(session, base=ckpt, show=show, stop_at=_stop_at)
+    return run(session, base=ckpt, show=show, stop_at=stop_at)

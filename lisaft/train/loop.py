@@ -12,6 +12,7 @@ from lisaft.distributed import dist
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
 from lisaft.metrics.measure import memory_counters
+from lisaft.model.preference import METRICS
 from lisaft.run_folder import clean_write_failures, remove_temporaries
 from lisaft.train import export, nonfinite, report
 from lisaft.train.evaluate import evaluate
@@ -40,6 +41,8 @@ def _train_record(session: Session, result: StepResult, window: dict, elapsed: f
         **memory_counters(session.device),
         **({"skipped_steps": session.progress.skipped_steps}
            if session.recipe.training.on_nonfinite == "skip" else {}),
+        # A preference run's rewards and log-probs, mean over the window's steps as the loss.
+        **{k: window[k] / window["steps"] for k in METRICS if k in window},
     }
 
 
@@ -48,6 +51,8 @@ def _add(window: dict, result: StepResult) -> None:
     window["steps"] += 1
     window["tokens"] += result.tokens
     window["padding"] += result.padding
+    for k, v in (result.preference or {}).items():
+        window[k] = window.get(k, 0.0) + v
 
 
 def _record_peaks(session: Session, result: StepResult) -> None:
@@ -61,6 +66,7 @@ def _record_peaks(session: Session, result: StepResult) -> None:
 def _save(session: Session, checkpointer: Checkpointer, base: Path | None) -> Path:
     # A failed write leaves the older checkpoints untouched; run()'s guard reports it.
     session.optimizers.wait()  # the weights read here are the last step's
+    nonfinite.check_weights(session, session.progress.step, base)
     return checkpointer.save(session.progress.step, base)
 
 
@@ -71,10 +77,12 @@ def _evaluate(session: Session, metrics: RunLog, display: Display) -> None:
 
 
 @clean_write_failures
-def run(session: Session, base: Path | None, show: bool, stop_at: int | None) -> int:
+def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
+        recipe_file: Path | None = None) -> int:
     """Train from session.progress to training.max_steps; returns the exit code. `base` is the
     checkpoint the run continues from (None for a new run); `stop_at` (tests) stops as a signal
-    would after that many optimizer steps."""
+    would after that many optimizer steps; `recipe_file` is the recipe a failure before the first
+    checkpoint says to start over with (default: the run's own copy)."""
     t = session.recipe.training
     assert t.max_steps is not None  # build_session resolves training.epochs into it
     progress = session.progress
@@ -83,6 +91,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
         remove_temporaries(session.run_dir)  # what a killed run left half written
     window = {**_EMPTY_WINDOW, **progress.window}
     window_t0 = time.perf_counter()
+    dead = nonfinite.DeadRun(session)
     with StopRequest() as stop, Display(t.max_steps, progress.step, enabled=show) as display, \
             RunLog(session.run_dir, session.recipe, progress.step) as metrics:
         report.announce(session, display)
@@ -99,6 +108,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
             except torch.OutOfMemoryError:
                 raise report.out_of_memory(session, step, base) from None
             nonfinite.check_step(session, step, result, base)
+            dead.see(step, result)
             _record_peaks(session, result)
             progress.step += 1
             progress.tokens_seen += result.tokens
@@ -106,7 +116,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
             if logs:
                 rec = _train_record(session, result, window, time.perf_counter() - window_t0)
                 metrics.write(rec)
-                display.train(rec)
+                display.train(rec if session.recipe.lisa.enabled else {**rec, "active_layers": None})  # `all`
                 window, window_t0 = dict(_EMPTY_WINDOW), time.perf_counter()
             if session.eval_examples and (
                 (t.eval_every and progress.step % t.eval_every == 0) or progress.step == t.max_steps
@@ -118,12 +128,23 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None) ->
                 base = _save(session, checkpointer, base)
             if stopping and progress.step < t.max_steps:
                 assert base is not None  # saved just above: a stop always checkpoints
-                display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
+                display.print(stop.message(progress.step, base.name, session.parallel.resume_command(session.run_dir),
+                                           asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 
-        session.optimizers.wait()
-        export.save_final(session)
-        if dist.is_main() and show:
-            report.memory_report(session, metrics)
-            display.print(f"done: {progress.step} steps; model saved to {session.run_dir / 'final'}")
+        _finish(session, base, metrics, display, dead, show)
     return 0
+
+
+def _finish(session: Session, base: Path | None, metrics: RunLog, display: Display, dead: nonfinite.DeadRun,
+            show: bool) -> None:
+    """The final export, of finite weights only, and what the run says as it ends."""
+    session.optimizers.wait()
+    nonfinite.check_weights(session, session.progress.step, base)
+    export.save_final(session)
+    if dist.is_main():
+        nonfinite.say_skipped_tail(session)
+    dead.at_end()
+    if dist.is_main() and show:
+        report.memory_report(session, metrics)
+        display.print(f"done: {session.progress.step} steps; model saved to {session.run_dir / 'final'}")

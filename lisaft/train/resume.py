@@ -50,6 +50,9 @@ def _unreadable(ckpt: Path) -> str | None:
 
 # A resume on another number of ranks may change these, as long as the global batch stays.
 BATCH_KEYS = ("training.batch_size", "training.grad_accum_steps")
+# Where the data lives may change (a moved file or folder): the training data's digest, checked as
+# the checkpoint loads, decides whether it is the same data.
+DATA_PATHS = ("data.train", "data.eval")
 
 
 def recipe_changes(ckpt: Path, recipe: Recipe) -> list[tuple[str, object, object]]:
@@ -62,7 +65,7 @@ def recipe_changes(ckpt: Path, recipe: Recipe) -> list[tuple[str, object, object
     saved_flat["training.output_dir"] = new_flat["training.output_dir"]  # the run may have moved
     changed = [k for k in sorted(set(saved_flat) | set(new_flat)) if saved_flat.get(k) != new_flat.get(k)]
     saved_world = saved_world_size(ckpt)
-    allowed = CADENCE_KEYS + (BATCH_KEYS if saved_world != dist.world_size() else ())
+    allowed = CADENCE_KEYS + DATA_PATHS + (BATCH_KEYS if saved_world != dist.world_size() else ())
     refused = [k for k in changed if k not in allowed]
     if refused:
         k = refused[0]
@@ -95,10 +98,12 @@ def _check_global_batch(saved, now, saved_world: int) -> None:
 
 
 def check_resumable(run_dir: Path, ckpt: Path, recipe: Recipe, max_steps_given: int | None = None) -> None:
-    """Refuse before any set-up a run already at the step it would stop at."""
+    """Refuse before any set-up a run already at the step it would stop at, unless it lacks
+    final/ (its export failed, or final/ was removed): the resume then writes final/ from the
+    newest checkpoint that loads."""
     progress = read_components(ckpt).get("progress", {})
     done = nothing_left(run_dir, progress.get("step", 0), recipe.training.max_steps, max_steps_given)
-    if done is not None:
+    if done is not None and (max_steps_given is not None or (run_dir / "final").exists()):
         raise done
 
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import Checkpointer
 from lisaft.checkpoint.components import OptionalComponent, OwnFile, PerRank
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
@@ -27,11 +26,13 @@ from lisaft.distributed import dist
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
 from lisaft.model.parts import ModelParts
+from lisaft.model.preference import PairObjective
 from lisaft.model.units import Unit
 from lisaft.optim.in_backward import StepInBackward
 from lisaft.optim.lr_schedule import Schedule
 from lisaft.optim.unit_optimizers import UnitOptimizers
 from lisaft.train.parallel import Strategy, choose
+from lisaft.train.preference import ReferenceLogps, compute_reference
 
 if TYPE_CHECKING:
     from lisaft.model.lora import Adapters
@@ -52,6 +53,7 @@ class Progress:
     world_size: int = 1               # processes of this run now (a resume may change it)
     window: dict = field(default_factory=dict)  # the logging window not yet written (loss sums)
     skipped_steps: int = 0            # steps training.on_nonfinite: skip dropped
+    updated_step: int = 0             # the last step that updated the weights (not skipped)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +63,7 @@ class Progress:
         self.tokens_seen = int(sd.get("tokens_seen", 0))
         self.window = dict(sd.get("window") or {})
         self.skipped_steps = int(sd.get("skipped_steps", 0))
+        self.updated_step = int(sd.get("updated_step", self.step))
 
 
 @dataclass
@@ -97,6 +100,8 @@ class Session:
     packing: Packing | None = None  # data.packing: train_examples are its rows
     auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
     adapters: Adapters | None = None      # lora.enabled (lisaft/model/lora.py): only they train
+    objective: PairObjective | None = None  # a preference section: the pairs' loss (model/preference.py)
+    reference: ReferenceLogps | None = None  # DPO: the reference log-probs, a checkpoint component
     _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     def checkpointer(self) -> Checkpointer:
@@ -116,15 +121,15 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
     OptionalComponent(component, default) lets checkpoints written before it still resume."""
     parallel = session.parallel
     return {
-        # A LoRA run's checkpoint holds the adapters, never the frozen base (checkpoint/adapters.py).
-        **(parallel.weights_component(session.model, session.units, session.optimizers)
-           if session.adapters is None else adapter_component(session.model, session.adapters)),
+        **parallel.weights_component(session.model, session.units, session.optimizers),
         "progress": session.progress,
         "data": session.order,
         "lisa": session.controller,
         "schedule": session.schedule,
         # A resume over data that packs into other rows is refused.
         **({"packing": session.packing} if session.packing is not None else {}),
+        # DPO's reference log-probs, computed once before step 1; a resume reads them back.
+        **({"reference": session.reference} if session.reference is not None else {}),
         RECIPE: OwnFile(RecipeRecord(session.recipe)),
         "optimizer": OptimizerFiles(session.optimizers, session.controller,
                                     per_rank=parallel.optimizer_files_per_rank),
@@ -134,10 +139,12 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
 
 
 def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = None,
-                  train_examples: list | None = None, eval_examples: list | None = None) -> Session:
+                  train_examples: list | None = None, eval_examples: list | None = None,
+                  resuming: bool = False) -> Session:
     """Load tokenizer, data and model and build optimizer and LISA controller. Raises
     LisaftError for anything the user can fix; writes nothing. Benchmarks pass their own
-    tokenizer (anything with pad_token_id) and tokenized examples to skip loading."""
+    tokenizer (anything with pad_token_id) and tokenized examples to skip loading. A DPO run
+    not `resuming` computes its reference log-probs here, before the optimizer exists."""
     from lisaft.env.threads import apply_threads
     from lisaft.model.load import load_tokenizer
     from lisaft.model.units import model_units
@@ -145,18 +152,23 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     t = recipe.training
     device = dist.resolve_device(t.device)
     dist.init_from_env(device)  # a torchrun launch: the backend of the training device
-    parallel = choose(recipe)  # refuses what it cannot run before anything loads
+    parallel = choose(recipe, device)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
     train_examples, eval_examples, packing = _data(recipe, tokenizer, train_examples, eval_examples)
+    pref = recipe.preference
+    dpo_pass = pref is not None and pref.loss == "dpo" and not resuming
+    if dpo_pass and pref is not None and pref.reference is not None:  # loaded, used and freed first
+        compute_reference(recipe, None, train_examples, eval_examples, tokenizer.pad_token_id, parallel, device)
     model, parts, adapters = _model(recipe, parallel, device)
+    if dpo_pass and pref is not None and pref.reference is None:  # the initial policy
+        compute_reference(recipe, model, train_examples, eval_examples, tokenizer.pad_token_id, parallel, device)
     units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
     optimizers = parallel.optimizers(units, device, run_dir)
-    if hasattr(optimizers, "wait_in_forward"):  # cpu_offload, before the first forward traces a layer
-        optimizers.wait_in_forward(model, parts.layers)
+    parallel.hook_forward(model, parts)
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed, check_agreement=parallel.layer_agreement())
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
@@ -168,7 +180,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters)
+                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters,
+                   objective=PairObjective(pref, parallel.sharded_forward) if pref is not None else None,
+                   reference=ReferenceLogps(train_examples, eval_examples) if pref is not None and pref.loss == "dpo"
+                   else None)
 
 
 def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,
@@ -201,7 +216,7 @@ def _model(recipe: Recipe, parallel: Strategy,
     t = recipe.training
     model = parallel.load_model(device)
     check_context_length(model.config, recipe.data.max_seq_len)
-    adapters = _attach_adapters(model, recipe)
+    adapters = parallel.attach_adapters(model)
     use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and parallel.sparse_embedding_grad,
                               trains=_embeddings_train(recipe),
                               tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
@@ -210,14 +225,6 @@ def _model(recipe: Recipe, parallel: Strategy,
     if t.compile:
         compile_layers(parts.layers, device)
     return model, parallel.place(model, parts, device), adapters
-
-
-def _attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters | None:
-    if not recipe.lora.enabled:
-        return None
-    from lisaft.model.lora import attach_adapters
-
-    return attach_adapters(model, recipe)
 
 
 def _embeddings_train(recipe: Recipe) -> bool:

@@ -61,7 +61,7 @@ def _synopsis_flags() -> dict[str, set[str]]:
 
 def test_the_readme_synopsis_shows_every_flag_of_every_command():
     documented = _synopsis_flags()
-    for command in ("train", "resume", "estimate-memory", "plot", "generate"):
+    for command in ("train", "data", "resume", "estimate-memory", "plot", "generate"):
         result = CliRunner().invoke(app, [command, "--help"], terminal_width=400)
         offered = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", result.output)) - {"--help"}
         assert documented.get(command, set()) == offered, command

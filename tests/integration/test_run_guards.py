@@ -5,6 +5,7 @@ import json
 import math
 import re
 
+import pytest
 from typer.testing import CliRunner
 
 from lisaft.cli import app
@@ -83,6 +84,64 @@ def _final_weights_finite(run) -> bool:
     return all(bool(w.isfinite().all()) for w in weights.values())
 
 
+def test_nonfinite_weights_are_never_checkpointed_or_exported(tiny_run, monkeypatch):
+    import torch
+
+    import lisaft.train.loop as loop
+    from lisaft.model.loss import token_loss_sum
+
+    recipe = tiny_run(training={"max_steps": 6, "save_every": 2, "eval_every": 0, "on_nonfinite": "skip"})
+    calls = [0]
+
+    def forward(model, batch):
+        calls[0] += 1
+        if calls[0] == 3:  # a weight turned NaN: this step's loss and every later one are NaN, and skipped
+            with torch.no_grad():
+                model.get_output_embeddings().weight[0, 0] = math.nan
+        return token_loss_sum(model, batch)
+
+    real_step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda *a, **k: real_step(*a, forward=forward, **k))
+    out = _one_line(runner.invoke(app, ["train", str(recipe)]), 1)
+    assert out.startswith("error: step 4: the weights hold NaN or inf (1 of "), out
+    assert "lm_head.weight" in out and "checkpoint step-000002 (written before it) is kept" in out, out
+    run = tiny_run.dir / "run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    assert not (run / "final").exists()
+
+
+def test_a_run_whose_last_steps_were_all_skipped_says_so(tiny_run, monkeypatch):
+    from lisaft.console import LisaftWarning
+
+    recipe = tiny_run(training={"max_steps": 5, "eval_every": 0, "on_nonfinite": "skip"})
+    _poison(monkeypatch, lambda call: math.nan if call > 3 else 1.0)
+    with pytest.warns(LisaftWarning, match="every step since step 3 was skipped .*final/ holds the weights of step 3"):
+        assert train(recipe, show=False) == 0
+    assert _final_weights_finite(tiny_run.dir / "run")
+
+
+def test_a_warmup_longer_than_the_run_is_warned(tiny_run):
+    from lisaft.console import LisaftWarning
+
+    recipe = tiny_run(training={"max_steps": 2, "eval_every": 0}, scheduler={"warmup_steps": 20})
+    with pytest.warns(LisaftWarning, match="warmup_steps 20 is longer than the run .* 10% of optimizer.lr"):
+        assert train(recipe, show=False) == 0
+
+
+def test_a_gradient_norm_of_zero_for_many_steps_is_said_to_be_a_dead_run(tiny_run, monkeypatch):
+    from lisaft.console import LisaftWarning
+
+    recipe = tiny_run(training={"max_steps": 14, "eval_every": 0})
+    _poison(monkeypatch, lambda call: 0.0 if call > 2 else 1.0)  # a zero loss: a gradient of exactly 0
+    with pytest.warns(LisaftWarning) as seen:
+        assert train(recipe, show=False) == 0
+    said = [str(w.message) for w in seen if "exactly 0" in str(w.message)]
+    assert len(said) == 2, said
+    assert said[0].startswith("the gradient norm has been exactly 0 since step 3 (10 steps): the model no longer "
+                              "learns"), said[0]
+    assert "optimizer.lr" in said[0] and "final/ holds" in said[1], said
+
+
 def test_skip_is_refused_with_the_update_in_backward(tiny_run):
     recipe = tiny_run(training={"on_nonfinite": "skip", "max_grad_norm": None},
                       optimizer={"in_backward": True})
@@ -118,6 +177,20 @@ def test_a_resume_over_changed_data_is_refused_packed_or_not(tiny_run):
             assert result.exit_code == 0 and "continuing over the new data as asked" in result.output, result.output
         finally:
             (tiny_run.dir / "train.jsonl").write_text(original)
+
+
+def test_a_moved_data_file_resumes_and_the_digest_decides(tiny_run):
+    recipe = tiny_run(training={"max_steps": 2, "eval_every": 0})
+    train(recipe, show=False, _stop_at=1)
+    run = tiny_run.dir / "run"
+    (tiny_run.dir / "train.jsonl").rename(tiny_run.dir / "moved.jsonl")
+    moved = (tiny_run.dir / "moved.jsonl").read_text()
+    (tiny_run.dir / "edited.jsonl").write_text(moved.replace('"output": "', '"output": "x', 1))
+    out = _one_line(runner.invoke(app, ["resume", str(run), "--set", "data.train=edited.jsonl"]), 2)
+    assert out.startswith("error: data.train: the training data changed since the checkpoint"), out
+    result = runner.invoke(app, ["resume", str(run), "--set", "data.train=moved.jsonl"])
+    assert result.exit_code == 0, result.output
+    assert "changed: data.train" in result.output and "moved.jsonl" in result.output, result.output
 
 
 def test_extending_past_a_zero_floor_is_refused_with_the_fix_named(tiny_run):

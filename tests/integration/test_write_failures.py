@@ -84,6 +84,7 @@ def test_train_that_cannot_write_its_recipe_names_the_one_to_start_over_with(tin
     assert f"`lisaft train {recipe} --overwrite`" in message, message
     assert not (run / ".recipe.yaml.tmp").exists() and not (run / "recipe.yaml").exists()
     # Starting over from the run's own copy: --overwrite keeps that copy until it is replaced.
+    run.mkdir(exist_ok=True)  # the failed start removed the folder it had created
     (run / "recipe.yaml").write_text(load_recipe(recipe).to_yaml())  # what train writes there
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     message = _one_failure_line(_with_failure("start", "train", str(run / "recipe.yaml"), "--overwrite"))
@@ -107,3 +108,10 @@ def test_resume_that_cannot_offload_optimizer_state_does_not_skip_the_checkpoint
     assert "skipping checkpoint" not in result.stdout + result.stderr, message
     assert message.startswith(f"error: could not write to {run}: "), message
     assert "step-000008, is intact" in message and f"lisaft resume {run}" in message, message
+
+
+def test_a_failure_before_the_first_checkpoint_names_the_recipe_that_was_passed(tiny_run):
+    recipe = tiny_run(training={"eval_every": 0})
+    message = _one_failure_line(_with_failure("metrics", "train", str(recipe), "--set", "training.save_every=0"))
+    assert "no checkpoint was completed" in message, message
+    assert f"`lisaft train {recipe} --overwrite`" in message, message

@@ -2,7 +2,6 @@
 
 import pytest
 
-from lisaft.config.compat import check_world
 from lisaft.config.schema import PREFERENCE_BETA, load_recipe, recipe_from_dict
 from lisaft.config.unused_keys import unused_keys
 from lisaft.errors import LisaftError
@@ -59,7 +58,3 @@ def test_dpo_takes_a_reference_and_gamma_off_simpo_is_named():
     assert note.startswith("preference.gamma (1) is ignored")
     assert unused_keys(_recipe({"loss": "simpo", "gamma": 1.0})) == []
 
-
-def test_training_refuses_until_the_trainer_lands():
-    with pytest.raises(LisaftError, match="not implemented yet"):
-        check_world(_recipe({"loss": "dpo"}), world_size=1, launched=False)

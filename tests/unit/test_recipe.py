@@ -266,6 +266,20 @@ def test_unknown_keys_get_did_you_mean(tmp_path):
     assert "optimiser: unknown key; did you mean optimizer?" in _error(tmp_path, {**BASE, "optimiser": {}})
 
 
+def test_a_sections_key_without_its_section_is_named_with_it(tmp_path):
+    with pytest.raises(LisaftError, match=r"--set max_steps: unknown key; did you mean training.max_steps\?"):
+        load_recipe(write(tmp_path, BASE), ["max_steps=5"])
+
+
+@pytest.mark.parametrize("override", ["optimizer.lr=nan", "optimizer.lr=.inf", "optimizer.lr=-.inf",
+                                      "training.max_grad_norm=.inf", "optimizer.weight_decay=.nan",
+                                      "scheduler.min_lr_ratio=nan"])
+def test_non_finite_numbers_are_refused(tmp_path, override):
+    key, value = override.split("=")
+    with pytest.raises(LisaftError, match=f"--set {key}: must be a finite number, got -?(nan|inf)"):
+        load_recipe(write(tmp_path, BASE), [override])
+
+
 def test_messages_never_name_internal_classes(tmp_path):
     message = _error(tmp_path, {**BASE, "training": 5, "lisa": [1]})
     assert "Section" not in message

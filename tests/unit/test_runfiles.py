@@ -113,3 +113,30 @@ def test_files_get_the_mode_a_new_file_gets(tmp_path):
             {"model.safetensors": 0o640, "config.json": 0o640}
     finally:
         os.umask(before)
+
+
+def test_a_run_folder_whose_final_cannot_be_replaced_is_refused_at_start(tmp_path):
+    from lisaft.run_folder import live
+
+    run = open_dir(tmp_path) / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("x")
+    run.chmod(0o777)
+    (run / "final").chmod(0o555)
+
+    def start():
+        with live(run):
+            pass
+
+    message = lisaft_error_as_unprivileged(start)
+    assert message and f"{run / 'final'}: no permission to write it" in message, message
+
+
+def test_a_refused_permission_is_not_called_a_full_disk(tmp_path):
+    from lisaft.run_folder import write_failed
+
+    denied = write_failed(tmp_path, PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "x")))
+    assert "Permission denied" in str(denied) and "once you may write there again" in str(denied)
+    assert "room" not in str(denied)
+    full = write_failed(tmp_path, OSError(errno.ENOSPC, "No space left on device"))
+    assert "once the disk has room" in str(full)

@@ -48,3 +48,14 @@ def test_no_step_runs_at_lr_0(name, max_steps, warmup):
     """min_lr_ratio 0 is the floor of the decay, reached after the run: every step trains."""
     assert all(lr_at(s, peak_lr=1.0, max_steps=max_steps, name=name, warmup_steps=warmup) > 0
                for s in range(max_steps))
+
+
+def test_a_warmup_as_long_as_the_run_is_named_with_the_lr_it_reaches():
+    from lisaft.config.schema import SchedulerSection
+    from lisaft.optim.lr_schedule import Schedule
+
+    note = Schedule(1e-3, SchedulerSection(warmup_steps=100), horizon=5).warmup_note()
+    assert note and "scheduler.warmup_steps 100" in note and "training.max_steps 5" in note
+    assert "last step trains at 5% of optimizer.lr" in note, note
+    assert "at 83% of" in Schedule(1e-3, SchedulerSection(warmup_steps=6), horizon=5).warmup_note()
+    assert Schedule(1e-3, SchedulerSection(warmup_steps=5), horizon=5).warmup_note() is None

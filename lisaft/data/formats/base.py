@@ -40,6 +40,7 @@ class DataFormat:
 
     name: ClassVar[str]
     fields: ClassVar[str]            # the fields a row holds, for messages and docs
+    required: ClassVar[tuple[str, ...]] = ()  # the fields every row must hold (a missing one names the format they fit)
     sequences_per_example: ClassVar[int] = 1  # sequences one example puts through the forward
     input_note: ClassVar[str | None] = None   # why `lisaft generate --input` has no place, if it has none
 
@@ -48,6 +49,11 @@ class DataFormat:
 
     def fit(self, examples: list[Example], max_seq_len: int, rows: Rows) -> list[Example]:
         """The examples cut to max_seq_len, and those left with nothing to learn dropped, each counted."""
+        return self.fitted(examples, max_seq_len, rows).kept
+
+    def fitted(self, examples: list[Example], max_seq_len: int, rows: Rows) -> Fit:
+        """What data.max_seq_len does to each example (the data audit reads it); warns of the cut
+        and dropped ones and refuses data left with nothing to learn."""
         return truncate_and_filter(examples, max_seq_len, rows)
 
     def prompt(self, tokenizer, rows: Rows, i: int, template: str | None, roles: dict[str, str]) -> Prompt:
@@ -83,8 +89,41 @@ def row_field(rows: Rows, i: int, name: str, optional: bool = False) -> str | No
 
 
 def missing_field(rows: Rows, i: int, name: str) -> LisaftError:
-    have = ", ".join(sorted(map(str, rows.rows[i]))) or "none"
-    return LisaftError(f"{rows.where(i)}: missing field {name!r} (fields: {have})")
+    fields = set(map(str, rows.rows[i]))
+    have = ", ".join(sorted(fields)) or "none"
+    return LisaftError(f"{rows.where(i)}: missing field {name!r} (fields: {have}){_way_out(fields, name)}")
+
+
+def _way_out(fields: set[str], name: str) -> str:
+    """What the row's fields suggest: ShareGPT's names, another format's fields, or a rename."""
+    from lisaft.data.formats import FORMATS
+
+    if name == "messages" and "conversations" in fields:
+        return ("; ShareGPT data: set data.columns {conversations: messages, from: role, value: content} and "
+                "data.roles {human: user, gpt: assistant}")
+    for fmt in FORMATS.values():
+        if fmt.required and name not in fmt.required and set(fmt.required) <= fields:
+            return f"; these are data.format {fmt.name}'s fields: set data.format: {fmt.name}"
+    return "; data.columns renames a dataset's fields (old: new)" if fields else ""
+
+
+class Fit:
+    """What data.max_seq_len did to a split: every example as cut (in row order), the indices of
+    those cut and of those dropped for having no loss token left; `kept` are the ones that train."""
+
+    def __init__(self, cut: list[Example], truncated: list[int], dropped: list[int]):
+        self.cut, self.truncated, self.dropped = cut, truncated, dropped
+
+    @property
+    def kept(self) -> list[Example]:
+        gone = set(self.dropped)
+        return [ex for i, ex in enumerate(self.cut) if i not in gone]
+
+
+def carries_loss(labels: list[int]) -> bool:
+    """Whether a label after position 0 carries loss: the one at 0 is never predicted (nothing
+    precedes it), so an example needs one after it to teach anything."""
+    return any(label != IGNORE_INDEX for label in labels[1:])
 
 
 class Tokens:
@@ -135,20 +174,19 @@ def numbers(rows: Rows, indices: list[int], shown: int = 5) -> str:
     return f"{rows.unit}{'s' if len(indices) > 1 else ''} {listed}"
 
 
-def truncate_and_filter(examples: list[Example], max_seq_len: int, rows: Rows) -> list[Example]:
+def truncate_and_filter(examples: list[Example], max_seq_len: int, rows: Rows) -> Fit:
     truncated, dropped = [], []
-    kept = []
+    cut = []
     for i, ex in enumerate(examples):
         if len(ex["input_ids"]) > max_seq_len:
             truncated.append(i)
             ex = {"input_ids": ex["input_ids"][:max_seq_len], "labels": ex["labels"][:max_seq_len]}
-        # The label at position 0 is never predicted (nothing precedes it), so an example needs a
-        # loss-carrying label after it to teach anything.
-        if all(label == IGNORE_INDEX for label in ex["labels"][1:]):
+        if not carries_loss(ex["labels"]):
             dropped.append(i)
-            continue
-        kept.append(ex)
+        cut.append(ex)
     where = f"{rows.key}: {rows.source}"
+    if len(dropped) == len(examples):
+        raise LisaftError(f"{where}: nothing to train on: {_lost(examples, dropped, max_seq_len)}")
     if truncated:
         warnings.warn(
             f"{where}: {len(truncated)} of {len(examples)} examples were longer than data.max_seq_len="
@@ -160,6 +198,18 @@ def truncate_and_filter(examples: list[Example], max_seq_len: int, rows: Rows) -
             f"to learn from (prompt fills data.max_seq_len={max_seq_len}, or no assistant turn): "
             f"{numbers(rows, dropped)}", DataWarning, stacklevel=4,
         )
-    if not kept:
-        raise LisaftError(f"{where}: no usable examples: every example lost its response tokens")
-    return kept
+    return Fit(cut, truncated, dropped)
+
+
+def _lost(examples: list[Example], dropped: list[int], max_seq_len: int) -> str:
+    """Why every example lost its loss tokens: cut away by data.max_seq_len, or never had any."""
+    had = [i for i in dropped if carries_loss(examples[i]["labels"])]
+    if not had:
+        return (f"none of the {len(examples)} examples has a token that carries loss (no response, "
+                "or no assistant turn)")
+    first = min(next(j for j, label in enumerate(examples[i]["labels"][1:], 1) if label != IGNORE_INDEX)
+                for i in had)
+    said = f"{len(had)} of {len(examples)} examples lost every loss token to data.max_seq_len={max_seq_len}"
+    if len(had) < len(examples):
+        said += f", the other {len(examples) - len(had)} have none"
+    return f"{said}; the earliest loss token sits at position {first}, so raise data.max_seq_len above it"

@@ -25,6 +25,7 @@ from lisaft.data.formats.base import (
     DataFormat,
     DataWarning,
     Example,
+    Fit,
     Prompt,
     Tokens,
     encode,
@@ -107,6 +108,7 @@ def prompt_length(example: Example) -> int:
 
 class Preference(DataFormat):
     name = "preference"
+    required = ("prompt", "chosen", "rejected")
     fields = ("`prompt`, `chosen`, `rejected`: strings (prompt tokens, then each answer plus EOS) or messages "
               "(the prompt's turns, then the assistant answer)")
     sequences_per_example = 2
@@ -124,7 +126,7 @@ class Preference(DataFormat):
             pairs[i] = _conversational_pair(rows, i, tokenizer, tokens, special, roles)
         return [pairs[i] for i in range(len(rows.rows))]
 
-    def fit(self, examples: list[Example], max_seq_len: int, rows: Rows) -> list[Example]:
+    def fitted(self, examples: list[Example], max_seq_len: int, rows: Rows) -> Fit:
         cut = []
         out = []
         for i, pair in enumerate(examples):
@@ -141,7 +143,7 @@ class Preference(DataFormat):
                 f"{rows.key}: {rows.source}: {len(cut)} of {len(examples)} pairs were longer than data.max_seq_len="
                 f"{max_seq_len}; their answers were cut at the end, their prompts kept ({numbers(rows, cut)})",
                 DataWarning, stacklevel=4)
-        return out
+        return Fit(out, cut, [])
 
     def prompt(self, tokenizer, rows: Rows, i: int, template: str | None, roles: dict[str, str]) -> Prompt:
         row = rows.rows[i]
