@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 
@@ -48,6 +50,7 @@ def _run_on_terminal(args, columns=80, timeout=240):
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_progress_fits_80_columns_and_keeps_step_lines(tiny_run):
     recipe = tiny_run(training={"max_steps": 6, "log_every": 2, "eval_every": 3})
     shown = _run_on_terminal(["train", str(recipe)])
@@ -60,6 +63,7 @@ def test_progress_fits_80_columns_and_keeps_step_lines(tiny_run):
     assert not any("eval" in l for l in step_lines)  # the last eval is not repeated on step lines
 
 
+@pytest.mark.slow
 def test_cpu_run_with_8bit_optimizer_prints_no_third_party_noise(tiny_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 

@@ -59,6 +59,7 @@ def dp(shared_tiny_run):
     return SimpleNamespace(tiny_run=shared_tiny_run, run=run, losses=train_losses(run), weights=weights(run))
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process_at_twice_the_batch(dp):
     single = recipe(dp.tiny_run, "single", batch_size=4)
     assert train(single, show=False) == 0
@@ -86,6 +87,7 @@ def cut(dp):
     return dp.tiny_run.dir / "cut"
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_bit_identically(dp, cut):
     assert train_losses(cut) == dp.losses
     wc = weights(cut)
@@ -94,6 +96,7 @@ def test_two_ranks_resume_bit_identically(dp, cut):
     assert (ckpt / "rng-rank0.pt").is_file() and (ckpt / "rng-rank1.pt").is_file()
 
 
+@pytest.mark.slow
 def test_sharded_state_trains_bit_identically_with_less_state_per_rank(dp):
     # Each rank keeps the moments of its share of the units and broadcasts their updates. The
     # arithmetic per parameter is unchanged, so the run is bit-identical to the replicated one.
@@ -108,6 +111,7 @@ def test_sharded_state_trains_bit_identically_with_less_state_per_rank(dp):
     assert state[-1] < 0.75 * full[-1], (state, full)
 
 
+@pytest.mark.slow
 def test_sharded_state_resumes_bit_identically(dp):
     shcut = recipe(dp.tiny_run, "shcut", batch_size=2, shard_optimizer_state=True, max_steps=2)
     assert torchrun("train", str(shcut), cwd=dp.tiny_run.dir).returncode == 0
@@ -121,6 +125,7 @@ def test_sharded_state_resumes_bit_identically(dp):
     assert all(weights(dp.tiny_run.dir / "shcut")[k].equal(dp.weights[k]) for k in dp.weights)
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(dp, cut):
     import shutil
 
@@ -144,6 +149,7 @@ def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(dp, cut):
     assert torch.allclose(torch.tensor(losses), torch.tensor(dp.losses), rtol=1e-4, atol=1e-5), (losses, dp.losses)
 
 
+@pytest.mark.slow
 def test_two_ranks_sample_the_same_cyclic_layers(tiny_run):
     # Each rank computes its layers from (seed, interval) alone; if the ranks disagreed, the
     # all-reduced gradients would land on different layers and the run would leave the

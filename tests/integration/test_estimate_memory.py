@@ -81,6 +81,7 @@ def test_recipe_with_local_config_and_flag_overrides(tmp_path):
     assert "process_baseline" in out["components"] and out["paged_host_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_benchmark_quick_mode(tmp_path):
     out = tmp_path / "accuracy.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.memory_accuracy", "--quick", "--out", str(out)],
@@ -264,6 +265,7 @@ def test_settings_that_are_already_the_leanest_still_get_an_answer():
     assert "These settings are the leanest lisaft has: needs" in " ".join(result.stdout.split())
 
 
+@pytest.mark.slow
 def test_per_rank_slices_match_a_two_rank_fsdp_run(tiny_run):
     """What rank 0 of a 2-process gloo FSDP run holds: its weight slices (the rows the checkpoint's
     torch.distributed.checkpoint metadata gives rank 0, which starts every tensor), gradient slices

@@ -9,6 +9,7 @@ import torch
 from test_distributed import assert_same_grad_norms, torchrun, train_losses, weights
 
 from lisaft.metrics.log import read_metrics
+from lisaft.model.loss import LOSS_CHUNK_ELEMENTS
 from lisaft.train import train
 
 COMMON = dict(scheduler={"name": "constant"}, lisa={"interval_steps": 2},
@@ -25,14 +26,15 @@ def recipe(tiny_run, name: str, sections: dict | None = None, **training):
                                        "training": {**COMMON["training"], "output_dir": name, **training}})
 
 
-def fsdp_run(tiny_run, name: str, sections: dict | None = None, compare: bool = True):
+def fsdp_run(tiny_run, name: str, sections: dict | None = None, compare: bool = True, **training):
     """Two ranks of batch 2 and, for comparison, one process of batch 4."""
-    result = torchrun("train", str(recipe(tiny_run, name, sections, batch_size=2, fsdp=True)), cwd=tiny_run.dir)
+    result = torchrun("train", str(recipe(tiny_run, name, sections, batch_size=2, fsdp=True, **training)),
+                      cwd=tiny_run.dir)
     assert result.returncode == 0, result.stdout + result.stderr
     run, single = tiny_run.dir / name, tiny_run.dir / f"{name}-single"
     out = SimpleNamespace(run=run, single=single, losses=train_losses(run), weights=weights(run))
     if compare:
-        assert train(recipe(tiny_run, f"{name}-single", sections, batch_size=4), show=False) == 0
+        assert train(recipe(tiny_run, f"{name}-single", sections, batch_size=4, **training), show=False) == 0
         out.single_losses, out.single_weights = train_losses(single), weights(single)
     return out
 
@@ -68,22 +70,34 @@ def close_to_one_process(r, rtol=1e-5, wtol=1e-4):
     assert_same_grad_norms(r.run, r.single, rtol=rtol)
 
 
+# A rank's packed micro-batch: batch 2 rows of data.max_seq_len 32 positions.
+RANK_POSITIONS = 2 * 32
+# 600,000 output rows x that micro-batch's positions pass loss.LOSS_CHUNK_ELEMENTS, so the head
+# and the loss run in chunks of positions, outside the model's own forward, the last chunk shorter
+# than the others, on two ranks and in one process (lisaft/model/loss.py).
+BIG_VOCAB = 600_000
+
+
 @pytest.fixture(scope="module")
 def big_vocab(shared_tiny_run):
-    # 600,000 output rows x a packed micro-batch's positions pass loss.LOSS_CHUNK_ELEMENTS: the
-    # head and the loss run in chunks of positions, outside the model's own forward (lisaft/model/loss.py).
     cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
     (shared_tiny_run.dir / "big-vocab-model").mkdir()
-    cfg.update(vocab_size=600_000)
+    cfg.update(vocab_size=BIG_VOCAB)
     (shared_tiny_run.dir / "big-vocab-model" / "config.json").write_text(json.dumps(cfg))
+    # No checkpoints: the comparison reads the metrics and RUN/final only, and each checkpoint of
+    # this vocabulary's embeddings, head and moments is hundreds of MB.
     return fsdp_run(shared_tiny_run, "big-vocab", {"model": {"config": "big-vocab-model/config.json"},
-                                                   "data": {"packing": True}})
+                                                   "data": {"packing": True}}, save_every=0)
 
 
+@pytest.mark.slow
 def test_the_chunked_loss_on_two_ranks_matches_one_process(big_vocab):
+    step = LOSS_CHUNK_ELEMENTS // BIG_VOCAB
+    assert RANK_POSITIONS / step > 2 and RANK_POSITIONS % step  # three chunks, the last one shorter
     close_to_one_process(big_vocab)
 
 
+@pytest.mark.slow
 def test_lisa_on_two_ranks_matches_one_process_at_twice_the_batch(lisa):
     close_to_one_process(lisa)
     records = [r for r in read_metrics(lisa.run / "metrics.jsonl") if "loss" in r]
@@ -94,6 +108,7 @@ def test_lisa_on_two_ranks_matches_one_process_at_twice_the_batch(lisa):
     assert (ckpt / "optimizer" / "rank-1" / "layer-00001.pt").is_file() and not (ckpt / "weights").exists()
 
 
+@pytest.mark.slow
 def test_generate_reads_a_sharded_checkpoint_in_one_process(lisa):
     # DCP joins the two ranks' slices into the whole model without a process group: the step-4
     # checkpoint holds exactly what the export does, and generate gives the same text from both.
@@ -118,11 +133,13 @@ def test_generate_reads_a_sharded_checkpoint_in_one_process(lisa):
     assert outputs[0].output.split("> abc")[1] == outputs[1].output.split("> abc")[1]
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_with_gradient_checkpointing_on_two_ranks_matches_one_process(full):
     # A recomputed layer gathers its weights again in backward.
     close_to_one_process(full)
 
 
+@pytest.mark.slow
 def test_the_export_loads_in_transformers_and_matches_one_process(lisa, shared_tiny_run):
     from transformers import AutoModelForCausalLM
 
@@ -136,6 +153,7 @@ def test_the_export_loads_in_transformers_and_matches_one_process(lisa, shared_t
     assert json.loads((final / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.slow
 def test_bf16_lisa_with_8bit_moments_offloaded_trains_like_one_process(bf16):
     # bf16 weights take stochastically rounded updates whose noise differs per slice, and 8-bit
     # moments are quantized per slice: close to one process, not equal. Layer 1 is frozen at the
@@ -148,6 +166,7 @@ def test_bf16_lisa_with_8bit_moments_offloaded_trains_like_one_process(bf16):
     assert any(st["exp_avg"].dtype == torch.uint8 for st in moments["state"].values())
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_bit_identically(bf16, shared_tiny_run):
     # bf16 with stochastic rounding, 8-bit moments and offloaded state: the rounding noise of each
     # slice and every rank's moments must come back exactly.
@@ -180,6 +199,7 @@ def resume_on_one_rank(run, name: str, tiny_run):
     return cut, train_losses(cut), result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_a_two_rank_float32_run_resumes_on_one_rank_as_it_would_have_gone_on(lisa, shared_tiny_run):
     # DCP reshards the weights and lisaft/checkpoint/reshard.py the float32 moments, both exactly, so only the
     # order of float32 additions (one rank sums what two summed) separates the two continuations.
@@ -192,6 +212,7 @@ def test_a_two_rank_float32_run_resumes_on_one_rank_as_it_would_have_gone_on(lis
         assert torch.allclose(resumed[k].float(), w.float(), rtol=1e-4, atol=1e-4), k
 
 
+@pytest.mark.slow
 def test_bf16_8bit_moments_offloaded_resume_on_one_rank(bf16, shared_tiny_run):
     # On one rank the embeddings cross bitsandbytes' 4096-element line (float32 moments on each
     # half become 8-bit) and the MLP's 8-bit blocks of 256 would straddle the halves' rows of 64:
@@ -202,6 +223,7 @@ def test_bf16_8bit_moments_offloaded_resume_on_one_rank(bf16, shared_tiny_run):
     assert torch.allclose(torch.tensor(losses), torch.tensor(bf16.losses), rtol=2e-2, atol=0), (losses, bf16.losses)
 
 
+@pytest.mark.slow
 def test_offload_disk_under_fsdp_trains_as_discard_and_resumes_on_one_rank(lisa, shared_tiny_run):
     # Layer 2 trains in steps 1-2 and never again within 4 steps, so where its moments go at the
     # switch changes nothing: the run equals the discard one bit for bit. Each rank offloads its
@@ -216,12 +238,14 @@ def test_offload_disk_under_fsdp_trains_as_discard_and_resumes_on_one_rank(lisa,
     assert torch.allclose(torch.tensor(losses), torch.tensor(lisa.losses), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_keep_under_fsdp_trains_as_discard(lisa, shared_tiny_run):
     keep = fsdp_run(shared_tiny_run, "keep", {"lisa": {"state_policy": "keep"}}, compare=False)
     assert keep.losses == lisa.losses
     assert all(keep.weights[k].equal(w) for k, w in lisa.weights.items())
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_an_fsdp_checkpoint_leaves_the_run_resumable(bf16, shared_tiny_run):
     # Killed with every rank's slices and moments of step 4 written but not rank 0's completion
     # marker: the worst moment. The resume continues from step 2, bit for bit.
@@ -255,6 +279,7 @@ def test_sigkill_while_writing_an_fsdp_checkpoint_leaves_the_run_resumable(bf16,
     assert all(resumed[k].equal(bf16.weights[k]) for k in bf16.weights)
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(bf16):
     from typer.testing import CliRunner
 
@@ -266,6 +291,7 @@ def test_a_resume_on_another_number_of_ranks_keeps_the_global_batch(bf16):
     assert "--set training.batch_size=4" in out.output
 
 
+@pytest.mark.slow
 def test_an_fsdp_run_resumed_without_torchrun_is_refused_in_one_line(bf16):
     from typer.testing import CliRunner
 
@@ -305,12 +331,14 @@ def saved(shared_tiny_run):
                                                          "gradient_checkpointing": True}})
 
 
+@pytest.mark.slow
 def test_a_saved_model_loaded_shard_by_shard_trains_like_one_process(saved):
     # Each rank read its rows from the safetensors into a model built on the meta device; one
     # process loaded the same folder with from_pretrained.
     close_to_one_process(saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_shard_by_shard_loading_never_holds_the_whole_model_and_equals_from_pretrained(shared_tiny_run, dtype):
     # A tied head, float32 files: in bfloat16 the rows are rounded as from_pretrained rounds them.

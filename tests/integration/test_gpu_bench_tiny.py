@@ -19,6 +19,7 @@ def _env(tmp_path):
             "SITE": str(tmp_path / "site")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # ~100 s on a quiet machine; minutes on a loaded shared one
 def test_gpu_suite_dry_run_end_to_end(tmp_path):
     """`OUT=D bash benchmarks/gpu_run.sh --dry-run`: the GPU plan, in its order, on CPU at tiny

@@ -49,6 +49,7 @@ def assert_same_run(a: Path, b: Path) -> None:
         assert wa[k].equal(wb[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["discard", "offload_cpu", "offload_disk", "keep"])
 @pytest.mark.parametrize("stop_at, accum", [(4, 1), (3, 2)], ids=["mid-interval", "boundary-accum2"])
 def test_stop_and_resume_is_bit_identical(tiny_run, policy, stop_at, accum):

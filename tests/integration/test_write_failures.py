@@ -41,6 +41,7 @@ def _one_failure_line(result) -> str:
     ("final", "the final model", "step-000008"),
     ("metrics", "to ", "step-000004"),
 ])
+@pytest.mark.slow
 def test_a_real_write_failure_is_one_message(tiny_run, phase, what, intact):
     recipe = tiny_run(training={"eval_every": 0})
     message = _one_failure_line(_train_with_failure(recipe, phase))
@@ -54,6 +55,7 @@ def test_a_real_write_failure_is_one_message(tiny_run, phase, what, intact):
     assert not (run / ".final.tmp").exists() and not (run / "final").exists()
 
 
+@pytest.mark.slow
 def test_resume_that_cannot_rewrite_metrics_keeps_them_and_stays_resumable(tiny_run):
     from lisaft.train import train
     from lisaft.train.commands import resume
@@ -73,6 +75,7 @@ def test_resume_that_cannot_rewrite_metrics_keeps_them_and_stays_resumable(tiny_
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_train_that_cannot_write_its_recipe_names_the_one_to_start_over_with(tiny_run):
     recipe = tiny_run(training={"eval_every": 0})
     run = tiny_run.dir / "run"
@@ -89,6 +92,7 @@ def test_train_that_cannot_write_its_recipe_names_the_one_to_start_over_with(tin
     assert (run / "recipe.yaml").is_file() and not (run / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_resume_that_cannot_offload_optimizer_state_does_not_skip_the_checkpoint(tiny_run):
     from lisaft.train import train
 
