@@ -236,7 +236,8 @@ def test_auto_active_layers_trains_the_largest_gamma_that_fits(tiny_run, monkeyp
     monkeypatch.setattr(auto_layers, "device_memory_bytes", lambda device: budget)
     result = runner.invoke(app, ["train", str(recipe)])
     assert result.exit_code == 0, result.output
-    assert "lisa.active_layers auto: γ=2:" in result.output and "cyclic" in result.output
+    assert "lisa.active_layers auto chose the largest γ that fits the cpu memory at its estimated peak: γ=2:" \
+        in result.output and "cyclic" in result.output
     run = tiny_run.dir / "run"
     assert all(len(r["active_layers"]) == 2 for r in read_metrics(run / "metrics.jsonl") if "loss" in r)
     assert yaml.safe_load((run / "recipe.yaml").read_text())["lisa"]["active_layers"] == 2
