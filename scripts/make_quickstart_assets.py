@@ -27,7 +27,7 @@ import random
 import string
 from pathlib import Path
 
-from lisaft.data.examples import INPUT_HEADER, INSTRUCTION_HEADER, RESPONSE_HEADER
+from lisaft.data.formats.instruction import INPUT_HEADER, INSTRUCTION_HEADER, RESPONSE_HEADER
 
 SEED = 1234
 N_TRAIN = 4000
