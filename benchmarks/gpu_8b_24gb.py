@@ -1,11 +1,14 @@
 """The GPU suite: Llama-3.1-8B under a 24 GiB cap, measured against the estimator.
 
-Each configuration runs in a fresh subprocess capped at 24 GiB of PyTorch allocations
-(torch.cuda.set_per_process_memory_fraction), trained by lisaft's own trainer (`build_session` +
-`train_step`) on synthetic token rows, with the model built from the shipped Llama-3.1-8B config
-with random bf16 weights directly on the GPU (nothing downloaded, nothing on the CPU first).
-Most important first, so a time budget (--budget-s) cuts the least important:
+Each configuration runs in a fresh subprocess whose PyTorch allocator is capped at 24 GiB less
+the NVML-used bytes of its bare CUDA context (torch.cuda.set_per_process_memory_fraction), trained
+by lisaft's own trainer (`build_session` + `train_step`) on synthetic token rows, with the model
+built from the shipped Llama-3.1-8B config with random bf16 weights directly on the GPU (nothing
+downloaded, nothing on the CPU first). Most important first, so a time budget (--budget-s) cuts
+the least important; each run's expected time is computed (benchmarks/gpu_times.py):
 
+  lisa-8b             recipes/llama3.1-8b-lisa-24gb.yaml re-sampling every 4 steps: layer
+                      switches inside the timed steps
   headroom            recipes/llama3.1-8b-lisa-24gb.yaml as shipped (expandable segments,
                       model.offload_activations)
   long-16k            recipes/llama3.1-8b-lisa-16k-24gb.yaml (16,384 tokens, offloaded
@@ -14,15 +17,18 @@ Most important first, so a time budget (--budget-s) cuts the least important:
                       estimator's 9% reserve and kernel-image term were fitted to
   compiled            the 24 GiB recipe with training.compile: true (tokens/s, FLOP share)
   full-in-backward    full fine-tuning, paged AdamW 8-bit stepped in backward, no clipping
-  offload-full-ga8 / offload-full-ga32   recipes/llama3.1-8b-full-24gb.yaml: full fine-tuning
-                      with the optimizer on the CPU (optimizer.cpu_offload) at 8 and 32
-                      micro-batches per step; against full-in-backward and table-g2-s2048 (LISA
-                      γ=2 as shipped): tokens/s, NVML peak, and the host's peak RSS
+  offload-full-ga4 / -ga8 / -ga32   recipes/llama3.1-8b-full-24gb.yaml: full fine-tuning with
+                      the optimizer on the CPU (optimizer.cpu_offload) at 4, 8 and 32 micro-batches
+                      per step: tokens/s, NVML peak, the host's peak RSS and the step's parts
+                      (benchmarks/step_parts.py: transfers, accumulation, host step)
+  apollo-8b           recipes/llama3.1-8b-apollo-24gb.yaml as shipped (APOLLO-Mini, every weight,
+                      stepped in backward): its NVML peak against its estimate
+  lora-8b / qlora-8b  recipes/llama3.1-8b-lora-24gb.yaml (16,384 tokens) and
+                      recipes/llama3.1-8b-qlora-24gb.yaml (32,768 tokens, NF4 base quantized on
+                      the GPU from the random weights), one micro-batch a step
   table-g2-s8192 / offload-8k   plain against offloaded checkpoints at 8,192 tokens (tokens/s)
   table-gG-sS         the estimator-error table, γ in {1, 2, 4} x seq in {512, 2048, 8192}
                       (table-g2-s2048 is the recipe as shipped)
-  apollo-8b           recipes/llama3.1-8b-apollo-24gb.yaml as shipped (APOLLO-Mini, every weight,
-                      stepped in backward): its NVML peak against its estimate (20.94 GiB)
 
 For each it records NVML-used (polled every 20 ms: the only counter that sees the CUDA context,
 kernel images and paged optimizer state), the allocator's peak allocated and reserved bytes,
@@ -52,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import PadOnly, synthetic_examples
+from benchmarks.gpu_times import recipe_values, run_seconds
+from benchmarks.step_parts import StepParts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,6 +67,8 @@ RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
 RECIPE_16K = REPO / "recipes" / "llama3.1-8b-lisa-16k-24gb.yaml"
 RECIPE_FULL = REPO / "recipes" / "llama3.1-8b-full-24gb.yaml"
 RECIPE_APOLLO = REPO / "recipes" / "llama3.1-8b-apollo-24gb.yaml"
+RECIPE_LORA = REPO / "recipes" / "llama3.1-8b-lora-24gb.yaml"
+RECIPE_QLORA = REPO / "recipes" / "llama3.1-8b-qlora-24gb.yaml"
 CONFIG_8B = REPO / "lisaft" / "memory" / "catalogue" / "llama-3.1-8b.json"
 GiB = 1024**3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -71,8 +81,13 @@ TINY_CONFIG = {
     "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
-TINY_SEQ = {512: 32, 2048: 64, 8192: 96, 16384: 128}
+TINY_SEQ = {512: 32, 2048: 64, 8192: 96, 16384: 128, 32768: 160}
 TINY_MLP_CHUNK = 32
+
+
+PEER = ("training.grad_accum_steps=1", "data.max_seq_len=2048", "model.offload_activations=false",
+        "model.mlp_chunk_tokens=null", "training.max_grad_norm=null", "scheduler.name=constant",
+        "scheduler.warmup_steps=0")
 
 
 @dataclass(frozen=True)
@@ -82,43 +97,53 @@ class Config:
     overrides: tuple = ()
     env: dict = field(default_factory=lambda: dict(EXPANDABLE))
     steps: int = 10
-    expected_s: float = 30.0  # wall time on an H200, start-up included, for the budget
     gamma: int | None = None  # set for the estimator-error table's cells
     seq: int | None = None
+    tiny_steps: int = 3  # steps in the dry run
+    # Random weights saved as a pretrained folder first (model.quantize refuses model.config).
+    pretrained: bool = False
+
+    @property
+    def expected(self) -> dict:
+        """Wall time on the lent H200, start-up included, with its parts (benchmarks/gpu_times.py)."""
+        return run_seconds(self.recipe, self.overrides, self.steps, CONFIG_8B)
 
 
 def _table_cell(gamma: int, seq: int, steps: int = 4) -> Config:
     return Config(f"table-g{gamma}-s{seq}", overrides=(f"lisa.active_layers={gamma}", f"data.max_seq_len={seq}"),
-                  steps=steps, expected_s=25.0 if seq < 8192 else 35.0, gamma=gamma, seq=seq)
+                  steps=steps, gamma=gamma, seq=seq)
 
-
-FSDP_COMMON = ("optimizer.name=adamw_8bit", "model.sparse_embedding_grad=false")
 
 CONFIGS = [
+    # The LISA recipe as shipped, re-sampling every 4 steps: two layer switches fall inside the
+    # timed steps (from the third on), so tokens/s and the NVML peak include what a switch costs.
+    Config("lisa-8b", overrides=("lisa.interval_steps=4",), steps=12, tiny_steps=5),
     Config("headroom", steps=12),  # the recipe as shipped
     _table_cell(2, 2048, steps=10),  # the same, for the table
-    Config("long-16k", recipe=RECIPE_16K, steps=6, expected_s=50.0),
+    Config("long-16k", recipe=RECIPE_16K, steps=6),
     Config("shipped-default-alloc", env=dict(DEFAULT_ALLOC), steps=12),
     # training.compile on CUDA (regional: two graphs serve every layer): tokens/s against the
     # recipe as shipped; the first steps include compiling, which _derive leaves out.
-    Config("compiled", overrides=("training.compile=true",), steps=12, expected_s=90.0),
+    Config("compiled", overrides=("training.compile=true",), steps=12),
     Config("full-in-backward", overrides=("lisa.enabled=false", "optimizer.in_backward=true",
-                                          "training.max_grad_norm=null"), steps=8, expected_s=40.0),
-    # Step times are averaged from the third step on (_derive): three steps each.
-    Config("offload-full-ga8", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=8",), steps=3,
-           expected_s=150.0),
-    Config("offload-full-ga32", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=32",), steps=3,
-           expected_s=300.0),
+                                          "training.max_grad_norm=null"), steps=8),
+    # recipes/llama3.1-8b-full-24gb.yaml at 4 micro-batches a step (the step's parts are the
+    # recipe's, 8 times fewer micro-batches to time), then at 8 and 32. Step times are averaged
+    # from the third step on (_derive): three steps each.
+    Config("offload-full-ga4", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=4",), steps=3),
+    Config("offload-full-ga8", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=8",), steps=3),
+    Config("offload-full-ga32", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=32",), steps=3),
+    Config("apollo-8b", recipe=RECIPE_APOLLO, steps=8),
+    # The LoRA and QLoRA recipes at their shipped lengths (16,384 and 32,768 tokens), one
+    # micro-batch a step: the peak is a micro-batch's, the adapters' gradients are small.
+    Config("lora-8b", recipe=RECIPE_LORA, overrides=("training.grad_accum_steps=1",), steps=3),
+    Config("qlora-8b", recipe=RECIPE_QLORA, overrides=("training.grad_accum_steps=1",), steps=1, pretrained=True),
+    # lisaft's side of the peer comparison (benchmarks/gpu_peer.py): the LoRA recipe at 2,048
+    # tokens, one row a step, as HF Trainer runs the same.
+    Config("peer-lisaft", recipe=RECIPE_LORA, overrides=PEER, steps=8),
     _table_cell(2, 8192, steps=6),
-    Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6,
-           expected_s=35.0),
-    # training.fsdp on one rank (issue 21): the NVML peak against the same recipe without FSDP.
-    # Paged optimizers are refused under FSDP and a sharded embedding takes dense gradients, so
-    # both runs use adamw_8bit and dense embedding gradients.
-    Config("fsdp-ref", overrides=FSDP_COMMON, steps=8),
-    Config("fsdp-1rank", overrides=(*FSDP_COMMON, "training.fsdp=true"), steps=8, expected_s=40.0),
+    Config("offload-8k", overrides=("data.max_seq_len=8192", "model.offload_activations=true"), steps=6),
     *[_table_cell(g, s) for g, s in ((1, 512), (4, 2048), (1, 8192), (4, 8192), (2, 512), (4, 512), (1, 2048))],
-    Config("apollo-8b", recipe=RECIPE_APOLLO, steps=8, expected_s=40.0),
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -165,7 +190,9 @@ def _overrides(cfg: Config, tiny: bool, workdir: Path, cuda: bool) -> list[str]:
         config_path.write_text(json.dumps(TINY_CONFIG))
     else:
         config_path = CONFIG_8B
-    out = ["model.name_or_path=null", f"model.config={config_path}", "model.tokenizer=unused",
+    model = ([f"model.name_or_path={_random_weights(config_path, workdir, cuda, tiny)}", "model.config=null"]
+             if cfg.pretrained else ["model.name_or_path=null", f"model.config={config_path}"])
+    out = [*model, "model.tokenizer=unused",
            f"training.output_dir={workdir / cfg.name}", f"training.max_steps={cfg.steps}",
            f"training.device={'cuda' if cuda else 'cpu'}", *cfg.overrides]
     from lisaft.model.load import flash_attn_available
@@ -177,31 +204,77 @@ def _overrides(cfg: Config, tiny: bool, workdir: Path, cuda: bool) -> list[str]:
         for o in list(out):  # scale every sequence length down, the recipe's own included
             if o.startswith("data.max_seq_len="):
                 out.remove(o)
-        seq = cfg.seq or (16384 if cfg.recipe == RECIPE_16K else 8192 if "8k" in cfg.name else 2048)
-        out.append(f"data.max_seq_len={TINY_SEQ[seq]}")
-        if cfg.recipe == RECIPE_16K:
+        shipped = recipe_values(cfg.recipe, cfg.overrides)
+        out.append(f"data.max_seq_len={TINY_SEQ[shipped['data']['max_seq_len']]}")
+        if shipped["model"].get("mlp_chunk_tokens"):
             out.append(f"model.mlp_chunk_tokens={TINY_MLP_CHUNK}")
     return out
 
 
-def _train(session, steps: int, cuda: bool, result: dict) -> None:
-    """The trainer's own step, timed; the one place that knows the trainer's API."""
+def _config_of(recipe) -> Path:
+    return Path(recipe.model.config) if recipe.model.config else Path(recipe.model.name_or_path) / "config.json"
+
+
+def _random_weights(config_path: Path, workdir: Path, cuda: bool, tiny: bool) -> Path:
+    """A pretrained folder of random weights, built on the device and saved once per workdir."""
+    folder = workdir / ("random-tiny" if tiny else "random-8b")
+    if not (folder / "config.json").exists():
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("cuda" if cuda else "cpu"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(config_path)),
+                                                     dtype=torch.float32 if tiny else torch.bfloat16)
+        model.save_pretrained(folder)
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    return folder
+
+
+def _train(session, steps: int, cuda: bool, result: dict, partial: Path | None) -> None:
+    """The trainer's own step, timed, its parts too (benchmarks/step_parts.py); the one place
+    that knows the trainer's API. The result so far goes to `partial` after every step."""
     import torch
 
     from lisaft.train import train_step
 
+    parts = StepParts(cuda)
+    offloaded = getattr(session.parallel, "offloaded", None)
+    if offloaded is not None:
+        parts.instrument_offload(offloaded)
+        result["offload_parts_timed"] = parts.timed
     for step in range(steps):
         t0 = time.perf_counter()
-        stepped = train_step(session, step)
+        stepped = train_step(session, step, phases=parts)
         loss, tokens = stepped.loss, stepped.tokens
         if cuda:
             torch.cuda.synchronize()
         result["step_times_s"].append(time.perf_counter() - t0)
+        result["step_parts"].append(parts.take())
+        result["active_layers"].append(list(session.controller.active_layers) if result["lisa"] else None)
         result.update(steps_done=step + 1, last_loss=loss, tokens_per_step=tokens)
+        if cuda:
+            result["torch_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        if partial is not None:
+            partial.write_text(json.dumps(result))
     result["optimizer_state_bytes"], result["offloaded_state_bytes"] = session.optimizers.state_bytes()
 
 
-def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
+def cap_allocator(budget: int) -> int:
+    """Cap PyTorch's allocator at the budget less what NVML shows once the context exists (a
+    24 GB card holds the context too); returns that baseline."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.reset_peak_memory_stats()  # a random-weights folder built before does not count
+    baseline = NvmlPeak.read() or 0
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (budget - baseline) / total)), 0)
+    return baseline
+
+
+def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Path | None = None) -> dict:
     """Train one configuration in this process; returns its measurements."""
     import torch
 
@@ -219,31 +292,28 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
               "gamma": recipe.lisa.active_layers if recipe.lisa.enabled else None,
               "attention": recipe.model.attention, "optimizer": recipe.optimizer.name,
               "in_backward": recipe.optimizer.in_backward, "lisa": recipe.lisa.enabled,
+              "lora": recipe.lora.enabled, "quantize": recipe.model.quantize,
               "offload_activations": recipe.model.offload_activations, "seq_len": recipe.data.max_seq_len,
               "batch_size": t.batch_size, "cap_bytes": budget, "estimated_total_bytes": est.total_bytes,
               "estimated_comparable_bytes": est.comparable_peak_bytes, "estimated_components": est.components,
               "estimated_paged_state_bytes": est.paged_state_bytes,
               "estimated_activation_host_bytes": est.activation_host_bytes,
               "cpu_offload": recipe.optimizer.cpu_offload, "grad_accum_steps": t.grad_accum_steps,
-              "estimated_host_bytes": est.host_bytes,
-              "steps_planned": cfg.steps, "steps_done": 0, "oom": False, "step_times_s": []}
+              "estimated_host_bytes": est.host_bytes, "expected": cfg.expected,
+              "steps_planned": cfg.steps, "steps_done": 0, "oom": False, "step_times_s": [], "step_parts": [],
+              "active_layers": []}
     if cuda:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
-        torch.zeros(1, device="cuda")
-        result["nvml_baseline_bytes"] = NvmlPeak.read()  # the context alone
-    vocab = json.loads(Path(recipe.model.config).read_text())["vocab_size"]
+        result["nvml_baseline_bytes"] = cap_allocator(budget)  # the context alone
+        result["allocator_cap_bytes"] = budget - result["nvml_baseline_bytes"]
+    vocab = json.loads(_config_of(recipe).read_text())["vocab_size"]
     examples = synthetic_examples(cfg.steps * t.batch_size * t.grad_accum_steps, recipe.data.max_seq_len, vocab, t.seed)
-    joined = _one_rank_group(workdir, cuda) if t.fsdp else False
     with NvmlPeak() as nvml:
         try:
             session = build_session(recipe, workdir / cfg.name, tokenizer=PadOnly(), train_examples=examples,
                                     eval_examples=None)
-            _train(session, cfg.steps, cuda, result)
+            _train(session, cfg.steps, cuda, result, partial)
         except torch.OutOfMemoryError as e:
             result.update(oom=True, oom_message=str(e).splitlines()[0])
-    if joined:
-        torch.distributed.destroy_process_group()
     result["nvml_peak_used_bytes"] = nvml.peak
     result["peak_rss_bytes"] = peak_rss_bytes()  # host memory: pinned offload buffers show here
     if cuda:
@@ -255,15 +325,6 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path) -> dict:
     return result
 
 
-def _one_rank_group(workdir: Path, cuda: bool) -> bool:
-    """training.fsdp needs a process group: this process alone, as `torchrun --nproc-per-node 1`."""
-    import torch.distributed as torch_dist
-
-    torch_dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{workdir / 'pg-store'}",
-                                  rank=0, world_size=1)
-    return True
-
-
 def _flop_bound(recipe, cuda: bool) -> dict:
     """Matmul FLOPs per token of this configuration (lisa_bench's count: LISA's γ layers take
     weight gradients, checkpointed layers run forward twice) and the device's measured matmul
@@ -272,10 +333,10 @@ def _flop_bound(recipe, cuda: bool) -> dict:
 
     from benchmarks.lisa_bench import flops_per_token, matmul_flops_per_s, param_counts
 
-    cfg = json.loads(Path(recipe.model.config).read_text())
+    cfg = json.loads(_config_of(recipe).read_text())
     lisa = recipe.lisa
     active = [list(range(lisa.active_layers))] if lisa.enabled else None
-    flops = flops_per_token(param_counts(Path(recipe.model.config)), cfg, recipe.data.max_seq_len, active,
+    flops = flops_per_token(param_counts(_config_of(recipe)), cfg, recipe.data.max_seq_len, active,
                             train_embeddings=not lisa.enabled or lisa.train_embeddings,
                             recompute=recipe.model.gradient_checkpointing)
     try:
@@ -297,9 +358,13 @@ def _derive(r: dict, cuda: bool) -> None:
     if measured:
         r["estimate_error"] = r["estimated_total_bytes"] / measured - 1
     if cuda and r.get("nvml_peak_used_bytes"):
-        # The cap is the allocator's only: context, kernel images and paged state sit outside it,
-        # so a 24 GB card can overflow where the capped run did not.
+        # The allocator's cap leaves out the context; kernel images loaded later and paged state
+        # still sit outside it. Paged state is what unified memory may evict under pressure: the
+        # peak without it is what a 24 GB card must hold resident.
         r["nvml_over_24gib"] = r["nvml_peak_used_bytes"] > 24 * GiB
+        if r.get("estimated_paged_state_bytes"):
+            r["resident_without_paged_bytes"] = r["nvml_peak_used_bytes"] - r["estimated_paged_state_bytes"]
+            r["resident_without_paged_over_24gib"] = r["resident_without_paged_bytes"] > 24 * GiB
     if cuda and r.get("nvml_peak_used_bytes") and r.get("nvml_baseline_bytes") is not None:
         # What NVML saw beyond the allocator's reserve, paged state and the bare context: the
         # estimator's cuda_kernels term (lazily loaded kernel images, library state).
@@ -344,35 +409,30 @@ def tables(results: list[dict]) -> str:
         for (gamma, seq), r in sorted(cells.items()):
             rows.append(f"| {gamma} | {seq} | {_g(r.get('nvml_peak_used_bytes'))} | {_g(r['estimated_total_bytes'])} | "
                         f"{_pct(r.get('estimate_error'))} | {_pct(r.get('reserved_paged_error'))} |")
-    fsdp = {r["run"]: r for r in results if r["run"].startswith("fsdp-") and r.get("steps_done")}
-    if len(fsdp) == 2:
-        key = "nvml_peak_used_bytes" if fsdp["fsdp-ref"].get("nvml_peak_used_bytes") else "peak_rss_bytes"
-        ref, one = fsdp["fsdp-ref"].get(key), fsdp["fsdp-1rank"].get(key)
-        if ref and one:
-            rows += ["", f"training.fsdp on one rank against the same run without it ({key}): "
-                         f"{_g(one)} GiB vs {_g(ref)} GiB, {_pct(one / ref - 1)} (target: within 3%)"]
     return "\n".join(rows)
 
 
-def _child(cfg: Config, args, tmp: str, remaining: float | None) -> dict:
+def _child(cfg: Config, args, tmp: str, remaining: float | None, partial: Path) -> dict:
     # A fresh process per run: the cap, the allocator's setting and peaks, bitsandbytes' page
     # manager all start clean, and one run's OOM cannot poison the next. Tiny runs on CPU have
     # none of these, and most of a child's time would be its imports: they run in this process.
+    # Either writes its result so far into `partial` after every step: a run cut at its time
+    # keeps what it measured.
     if args.tiny:
         try:
-            return one_run(cfg, True, args.cap_gib, Path(tmp))
+            return one_run(cfg, True, args.cap_gib, Path(tmp), partial)
         except Exception as e:
             return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps,
                     "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
     cmd = [sys.executable, "-m", "benchmarks.gpu_8b_24gb", "--only", cfg.name, "--steps", str(cfg.steps),
-           "--cap-gib", str(args.cap_gib),
-           "--workdir", tmp]
-    cmd += ["--tiny"] if args.tiny else []
+           "--cap-gib", str(args.cap_gib), "--workdir", tmp, "--partial", str(partial)]
     env = {**os.environ, **cfg.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=remaining)
     except subprocess.TimeoutExpired:
-        return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps, "error": "timeout (budget)"}
+        kept = json.loads(partial.read_text()) if partial.exists() else {"run": cfg.name, "steps_done": 0,
+                                                                         "steps_planned": cfg.steps}
+        return {**kept, "error": "timeout (budget)"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -397,6 +457,34 @@ def _device_name(tiny: bool) -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
+def _run_all(chosen: list[Config], args) -> list[dict]:
+    """Each configuration in turn, skipped where the budget's time left is under its expected
+    time. The clock is the GPU's: wall time on CUDA; with --tiny the expected GPU times of the runs
+    so far, so a dry run skips exactly what the GPU run would."""
+    start, spent, results = time.monotonic(), 0.0, []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for cfg in chosen:
+            elapsed = spent if args.tiny else time.monotonic() - start
+            remaining = None if args.budget_s is None else args.budget_s - elapsed
+            expected = cfg.expected["seconds"]
+            spent += expected
+            if remaining is not None and remaining < expected:
+                results.append({"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps,
+                                "skipped": f"budget ({remaining:.0f} s left, needs ~{expected:.0f} s)"})
+            else:
+                steps = args.steps or (cfg.tiny_steps if args.tiny else cfg.steps)
+                partial = args.out.with_name(f"{args.out.stem}.{cfg.name}.partial.json")
+                r = _child(Config(**{**cfg.__dict__, "steps": steps}), args, tmp, None if args.tiny else remaining,
+                           partial)
+                results.append({**r, "expected": cfg.expected})
+                partial.unlink(missing_ok=True)
+                keys = ("steps_done", "oom", "error", "estimate_error", "tokens_per_s")
+                print(f"{cfg.name}: {json.dumps({k: results[-1].get(k) for k in keys})}", flush=True)
+            _write(args, results, complete=False)
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (tests)")
@@ -408,29 +496,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_8b_24gb.json")
     ap.add_argument("--only", choices=sorted(BY_NAME), help=argparse.SUPPRESS)  # child process mode
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--partial", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.only:
         cfg = Config(**{**BY_NAME[args.only].__dict__, "steps": args.steps or BY_NAME[args.only].steps})
-        print("RESULT " + json.dumps(one_run(cfg, args.tiny, args.cap_gib, args.workdir)))
+        print("RESULT " + json.dumps(one_run(cfg, args.tiny, args.cap_gib, args.workdir, args.partial)))
         return 0
 
     chosen = CONFIGS if not args.configs else [BY_NAME[n] for n in args.configs.split(",")]
-    start, results = time.monotonic(), []
-    with tempfile.TemporaryDirectory() as tmp:
-        for cfg in chosen:
-            remaining = None if args.budget_s is None else args.budget_s - (time.monotonic() - start)
-            expected = 15.0 if args.tiny else cfg.expected_s
-            if remaining is not None and remaining < expected:
-                results.append({"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps,
-                                "skipped": f"budget ({remaining:.0f} s left, needs ~{expected:.0f} s)"})
-            else:
-                steps = args.steps or (3 if args.tiny else cfg.steps)
-                cfg = Config(**{**cfg.__dict__, "steps": steps})
-                results.append(_child(cfg, args, tmp, remaining))
-                keys = ("steps_done", "oom", "error", "estimate_error", "tokens_per_s")
-                print(f"{cfg.name}: {json.dumps({k: results[-1].get(k) for k in keys})}", flush=True)
-            _write(args, results, complete=False)
+    results = _run_all(chosen, args)
     _write(args, results, complete=True)
     print(tables(results))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")

@@ -5,8 +5,10 @@ compiled layer waiting for the CPU step) against the path they must equal, on a 
   offload-vs-resident   optimizer.cpu_offload against the optimizer on the device, 3 steps of 2
                         micro-batches, float32: the CPU's AdamW is not the GPU's, so to 1e-5
   activation-offload    model.offload_activations against plain checkpointing: bit for bit
-  packed-sdpa / packed-varlen   one step over packed rows against the same examples unpacked,
-                        with sdpa (float32, 1e-4) and FlashAttention 2's varlen path (bf16, 2e-2)
+  packed-sdpa / packed-varlen   one train_step over packed rows against the same examples
+                        unpacked, loss and gradient norm: with sdpa (float32, 1e-4; per-document
+                        position ids) and FlashAttention 2 (bf16, 2e-2; train_step's flatten route,
+                        cu_seq_lens), skipped where flash-attn is absent
   compile-offload       training.compile with cpu_offload against eager with cpu_offload (1e-4)
   paged-in-backward     paged AdamW 8-bit stepped in backward (its updates ordered by a CUDA event,
                         not a device sync per parameter) against unpaged AdamW 8-bit stepped after
@@ -114,11 +116,12 @@ def check_activation_offload(device, tmp: Path) -> dict:
     import torch
 
     from lisaft.model.activation_offload import enable_offloaded_checkpoints
+    from lisaft.model.load import enable_checkpointing
 
     results = []
     for offload in (False, True):
         model = _tiny(device, torch.bfloat16, seed=1)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)  # transformers 5.17 (the lent machine's) has the older name
         model.train()
         if offload:
             enable_offloaded_checkpoints(model.model.layers, device)
@@ -131,36 +134,60 @@ def check_activation_offload(device, tmp: Path) -> dict:
     return {"ok": same, "tolerance": "bit for bit", "grad_max_abs_diff": max(_diff(g0[n], g1[n]) for n in g0)}
 
 
+def _packed_step(device, attention: str, packing: bool, docs: list[dict], tmp: Path):
+    """One train_step of the trainer itself over `docs`, packed into rows or one padded batch:
+    with a varlen kernel train_step flattens each micro-batch into one row with cu_seq_lens (its
+    `flatten` route), under sdpa it hands over per-document position ids."""
+    import torch
+
+    from benchmarks.common import PadOnly
+    from lisaft.config.schema import load_recipe
+    from lisaft.data.packing import pack_examples
+    from lisaft.train import build_session, train_step
+
+    config = tmp / "packed-config.json"
+    _tiny("cpu", torch.float32).config.to_json_file(config)
+    rows = len(pack_examples(docs, 32, seed=0).rows) if packing else len(docs)
+    dtype = "float32" if attention == "sdpa" else "bfloat16"
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+        "model.name_or_path=null", f"model.config={config}", "model.tokenizer=unused", f"model.dtype={dtype}",
+        f"model.attention={attention}", f"data.packing={str(packing).lower()}", "data.max_seq_len=32",
+        f"training.batch_size={rows}", "training.max_steps=1", "lisa.enabled=false", f"training.device={device.type}",
+        f"training.output_dir={tmp / f'packed-{attention}-{packing}'}"])
+    torch.manual_seed(0)
+    session = build_session(recipe, tmp / f"packed-{attention}-{packing}", tokenizer=PadOnly(),
+                            train_examples=[dict(d) for d in docs], eval_examples=None)
+    return train_step(session, 0, measure_norm=True)
+
+
 def check_packed(device, tmp: Path, attention: str) -> dict:
+    """train_step over packed rows against the same examples unpacked: the loss and the gradient
+    norm. Without flash-attn (the lent machine has none, and it is too large to carry) the
+    varlen check is skipped: what stands is packed-sdpa, the trainer's position-ids route (the
+    block-diagonal mask transformers builds from them); train_step's flatten/cu_seq_lens route
+    runs only on a flash kernel."""
     import importlib.util
 
     import numpy as np
-    import torch
 
-    from lisaft.data.collate import IGNORE_INDEX, collate
-    from lisaft.data.packing import pack_examples
-    from lisaft.model.loss import token_loss_sum
+    from lisaft.data.collate import IGNORE_INDEX
 
     if attention == "flash_attention_2" and (device.type != "cuda" or importlib.util.find_spec("flash_attn") is None):
-        return {"skipped": "flash-attn not installed or no CUDA device"}
-    dtype, tol = (torch.float32, 1e-4) if attention == "sdpa" else (torch.bfloat16, 2e-2)
+        return {"skipped": "flash-attn not installed or no CUDA device: train_step's flatten/cu_seq_lens route "
+                           "did not run; packed-sdpa checked the position-ids route"}
+    tol = 1e-4 if attention == "sdpa" else 2e-2
     rng = np.random.default_rng(1)
     docs = []
     for n in (9, 5, 12, 7, 3, 10, 14, 6):
         ids = rng.integers(3, 128, n).tolist()
         docs.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (n // 4) + ids[n // 4:]})
-    out = []
-    for rows in (docs, pack_examples(docs, 32, seed=0).rows):
-        model = _tiny(device, dtype, attention=attention).train()
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate(rows, pad_id=0).items()}
-        n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-        loss = token_loss_sum(model, batch)
-        (loss / n).backward()
-        out.append((loss.item() / n, {k: p.grad for k, p in model.named_parameters()}))
-    (l0, g0), (l1, g1) = out
-    rel = abs(l0 - l1) / abs(l0)
-    grad = max(_diff(g0[k], g1[k]) for k in g0)
-    return {"ok": rel <= tol and grad <= tol, "tolerance": tol, "loss_rel_diff": rel, "grad_max_abs_diff": grad}
+    plain, packed = (_packed_step(device, attention, p, docs, tmp) for p in (False, True))
+    loss = abs(plain.loss - packed.loss) / abs(plain.loss)
+    norm = abs(plain.grad_norm - packed.grad_norm) / plain.grad_norm
+    return {"ok": loss <= tol and norm <= tol and plain.tokens == packed.tokens and packed.padding < plain.padding,
+            "tolerance": tol, "route": "flatten (cu_seq_lens)" if attention != "sdpa" else "position ids",
+            "loss_rel_diff": loss, "grad_norm_rel_diff": norm, "tokens": [plain.tokens, packed.tokens],
+            "padding": [plain.padding, packed.padding]}
 
 
 def _in_backward_run(device, name: str, in_backward: bool, tmp: Path) -> tuple[list[float], dict, bool]:

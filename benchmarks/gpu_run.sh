@@ -1,36 +1,33 @@
 #!/usr/bin/env bash
-# The GPU suite in one command, on a bare CUDA machine (torch, transformers, nvidia-ml-py; no
-# network): installs the wheels benchmarks/gpu_wheels.sh gathered into $WHEELS (default wheels/,
-# carried with the tree), checks that everything imports and that NVML answers, then runs the
-# plan, most valuable first, each measurement time-boxed and its JSON written when it ends, into
-# $OUT (default benchmarks/results/gpu). The plan fits 9 minutes on one H200:
-#   1 lisa-8b        recipes/llama3.1-8b-lisa-24gb.yaml: NVML peak against the estimate  (80 s)
-#   2 offload-full   recipes/llama3.1-8b-full-24gb.yaml, optimizer on the CPU            (150 s)
-#   3 paged-full     full fine-tuning, paged AdamW 8-bit stepped in backward             (60 s)
-#   4 equality       CUDA equality checks (benchmarks/gpu_equality.py)                   (60 s)
-#   5 packing        packing with FlashAttention varlen where flash-attn is installed    (80 s)
-#   6 fsdp           training.fsdp on one rank against the same run without it           (100 s)
-#   7 apollo-8b      recipes/llama3.1-8b-apollo-24gb.yaml: NVML peak against the estimate (60 s),
-#                    only where the plan so far left it 60 s of its 9 minutes (always in --dry-run)
-# Every 8B run is capped at 24 GiB of allocations, and flags an NVML peak over 24 GiB (the
-# context, kernel images and paged state sit outside the cap): nvml_over_24gib in its JSON.
+# The GPU suite in one command, on the lent CUDA machine (torch, transformers, nvidia-ml-py, numba,
+# peft, accelerate; no network): installs the wheels benchmarks/gpu_wheels.sh gathered into
+# $WHEELS (default wheels/, carried with the tree), checks that everything imports and that NVML
+# answers, then runs benchmarks/gpu_plan.py's plan: lisa, offload, apollo, lora, equality, resume,
+# peer, packing, most valuable per device minute first, each under its own time box, the boxes
+# summing to at most 540 s. Everything comes back as two files in $OUT (default
+# benchmarks/results/gpu): gpu-results.tar.gz (every step's JSON, markdown and log, rewritten
+# after each step) and summary.json; the steps write elsewhere ($WORK, default a temporary folder).
+#   bash benchmarks/gpu_run.sh --plan           # one JSON line per step: step, budget_s, expected_s
 #   bash benchmarks/gpu_run.sh                  # on the GPU machine
-#   bash benchmarks/gpu_run.sh --dry-run        # the same plan on CPU at tiny size (CI)
+#   bash benchmarks/gpu_run.sh --dry-run        # the same plan on CPU at tiny size (CI); fails if
+#                                               # the GPU run would skip a named run for time
 #   bash benchmarks/gpu_run.sh --install-only   # install the wheels carried now, measure nothing
-# The wheels go into $SITE (default $TMPDIR/lisaft-site), which later calls reuse: wheels carried
-# in turns (gpu_wheels.sh puts each one over 40 MB in a folder of its own) add up there.
+# The wheels go into $SITE (default $TMPDIR/lisaft-site), which later calls reuse: a second
+# carry (wheels/jit/, numba with its llvmlite) adds to the first there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry="" install_only=""
 [[ "${1:-}" == "--dry-run" ]] && dry=1
 [[ "${1:-}" == "--install-only" ]] && install_only=1
+if [[ "${1:-}" == "--plan" ]]; then
+    exec env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m benchmarks.gpu_plan plan
+fi
 out="${OUT:-benchmarks/results/gpu}"
 wheels="${WHEELS:-wheels}"
 site="${SITE:-${TMPDIR:-/tmp}/lisaft-site}"
-mkdir -p "$out"
-py=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-mapfile -t carried < <(compgen -G "$wheels/any/*.whl"; compgen -G "$wheels/any-*/*.whl"
-                       compgen -G "$wheels/py$py/*.whl"; compgen -G "$wheels/py$py-*/*.whl")
+work="${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/lisaft-gpu-XXXXXX")}"
+mkdir -p "$out" "$work"
+mapfile -t carried < <(compgen -G "$wheels/base/*.whl"; compgen -G "$wheels/jit/*.whl")
 if [[ ${#carried[@]} -gt 0 ]]; then
     # Into a folder of its own, put first on the path: the machine's packages stay untouched.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -45,13 +42,13 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 # Preflight: nothing is measured unless everything imports and, on the GPU, NVML answers.
-python3 - "$dry" <<'PY' 2>&1 | tee "$out/preflight.log"
+python3 - "$dry" <<'PY' 2>&1 | tee "$work/preflight.log"
 import importlib, sys
 dry = bool(sys.argv[1])
 missing = []
-for name in ("torch", "transformers", "bitsandbytes", "pydantic", "yaml", "rich", "typer", "safetensors",
-             "xxhash", "numpy", "numba", "llvmlite", "peft", "accelerate", "psutil", "lisaft.train",
-             "lisaft.memory.command", "lisaft.optim.host_kernel"):
+for name in ("torch", "transformers", "bitsandbytes", "pydantic", "yaml", "rich", "typer", "annotated_doc",
+             "safetensors", "xxhash", "numpy", "numba", "llvmlite", "peft", "accelerate", "psutil", "lisaft.train",
+             "lisaft.cli", "lisaft.memory.command", "lisaft.optim.host_kernel"):
     try:
         importlib.import_module(name)
     except Exception as e:
@@ -74,36 +71,5 @@ import torch
 print("preflight ok: torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() and not dry else "cpu (dry run)")
 PY
-[[ ${PIPESTATUS[0]} -eq 0 ]] || exit 2
-
-suite=(python3 -m benchmarks.gpu_8b_24gb)
-[[ -n "$dry" ]] && suite+=(--tiny)
-failed=0
-step() {  # NAME SECONDS COMMAND...: one measurement, time-boxed, its log beside its JSON
-    local name=$1 secs=$2; shift 2
-    echo "== $name (at most ${secs} s)"
-    local t0=$SECONDS
-    timeout --kill-after=10 "$secs" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    tail -n 3 "$out/$name.log"
-    echo "$name: $((SECONDS - t0)) s"
-    [[ $rc -eq 0 ]] || { echo "$name: exit $rc"; failed=1; }
-}
-step lisa-8b 80 "${suite[@]}" --configs headroom --budget-s 70 --out "$out/lisa-8b.json"
-step offload-full 150 "${suite[@]}" --configs offload-full-ga8 --budget-s 140 --out "$out/offload-full.json"
-step paged-full 60 "${suite[@]}" --configs full-in-backward --budget-s 50 --out "$out/paged-full.json"
-step equality 60 python3 -m benchmarks.gpu_equality ${dry:+--dry-run} --out "$out/equality.json"
-if [[ -n "$dry" ]]; then
-    step packing 80 python3 -m benchmarks.packing_bench --quick --device cpu --out "$out/packing"
-else
-    attention=$(python3 -c "import importlib.util as u; print('flash_attention_2' if u.find_spec('flash_attn') else 'sdpa')")
-    step packing 80 python3 -m benchmarks.packing_bench --gpu-size --device cuda --attention "$attention" --out "$out/packing"
-fi
-step fsdp 100 "${suite[@]}" --configs fsdp-ref,fsdp-1rank --budget-s 90 --out "$out/fsdp.json"
-if [[ -n "$dry" ]] || (( SECONDS + 60 <= 540 )); then
-    step apollo-8b 60 "${suite[@]}" --configs apollo-8b --budget-s 50 --out "$out/apollo-8b.json"
-else
-    echo "== apollo-8b skipped: the plan has used ${SECONDS} s of its 540"
-fi
-echo "results in $out"
-exit $failed
+[[ ${PIPESTATUS[0]} -eq 0 ]] || { cp "$work/preflight.log" "$out/"; exit 2; }
+exec python3 -m benchmarks.gpu_plan run ${dry:+--dry-run} --out "$out" --work "$work"

@@ -60,10 +60,12 @@ FULL = dict(layers=2, hidden=128, intermediate=344, heads=4, vocab=256, max_seq_
 QUICK = dict(layers=1, hidden=32, intermediate=64, heads=4, vocab=64, max_seq_len=128,
              median=24, sigma=0.8, n_train=64, n_eval=8, steps=2, rows_per_batch=2, lr=2e-3,
              seeds=(0,))
-# For the GPU suite (benchmarks/gpu_run.sh): a 1B-class Llama shape, full 2,048-token rows.
-GPU = dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=32000, max_seq_len=2048,
-           median=200, sigma=0.8, n_train=1536, n_eval=128, steps=24, rows_per_batch=4, lr=3e-4,
-           seeds=(0, 1, 2))
+# For the GPU suite (benchmarks/gpu_plan.py, a 60 s box): a 1B-class Llama shape, full 2,048-token
+# rows, one seed. The documents draw on 1,024 of its 32,000 token ids (data_vocab): the chain's
+# table is then 8 MB, where the whole vocabulary's would be 8.2 GB of float64.
+GPU = dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=32000, data_vocab=1024,
+           max_seq_len=2048, median=200, sigma=0.8, n_train=384, n_eval=64, steps=8, rows_per_batch=4, lr=3e-4,
+           seeds=(0,))
 BOS, EOS, PAD = 1, 2, 0
 
 
@@ -75,7 +77,7 @@ def _documents(cfg: dict, n: int, rng: np.random.Generator, chain: np.ndarray) -
     lengths = np.clip(rng.lognormal(np.log(cfg["median"]), cfg["sigma"], n).astype(int), 8, cfg["max_seq_len"])
     docs = []
     for length in lengths.tolist():
-        ids = [BOS, int(rng.integers(3, cfg["vocab"]))]
+        ids = [BOS, int(rng.integers(3, cfg.get("data_vocab", cfg["vocab"])))]
         draws = rng.random(length - 3)
         for u in draws:
             ids.append(int(np.searchsorted(chain[ids[-1]], u)) + 3)
@@ -86,9 +88,10 @@ def _documents(cfg: dict, n: int, rng: np.random.Generator, chain: np.ndarray) -
 
 def make_data(cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
     rng = np.random.default_rng([seed, 0x70616B])
-    v = cfg["vocab"] - 3
+    vocab = cfg.get("data_vocab", cfg["vocab"])
+    v = vocab - 3
     # Each token has a few likely successors: a chain a small model can learn in one epoch.
-    weights = rng.dirichlet(np.full(v, 0.05), size=cfg["vocab"])
+    weights = rng.dirichlet(np.full(v, 0.05), size=vocab)
     chain = np.minimum(np.cumsum(weights, axis=1), 1.0 - 1e-12)
     return _documents(cfg, cfg["n_train"], rng, chain), _documents(cfg, cfg["n_eval"], rng, chain)
 
@@ -228,13 +231,17 @@ class Contender:
 
 
 def train_all(train: list[dict], evals: list[dict], cfg: dict, seed: int, device: torch.device,
-              attention: str) -> dict[str, dict]:
+              attention: str, progress=None) -> dict[str, dict]:
     """The contenders advance in lockstep, one optimizer step each in turn (the order rotating),
-    so a load that comes and goes on a shared machine falls on all of them alike."""
+    so a load that comes and goes on a shared machine falls on all of them alike. `progress`
+    gets each contender's figures so far after every step."""
     contenders = [Contender(name, train, cfg, seed, device, attention) for name in CONTENDERS]
     for k in range(cfg["steps"]):
         for c in contenders[k % len(contenders):] + contenders[:k % len(contenders)]:
             c.step(k)
+        if progress is not None:
+            progress({"seed": seed, "steps_done": k + 1, "contenders": {
+                c.name: {"real_tokens": c.real, "seconds": c.seconds, "step_peak_bytes": c.peak} for c in contenders}})
     return {c.name: c.result(evals) for c in contenders}
 
 
@@ -303,9 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     runs: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def progress(now: dict) -> None:  # a run cut at its time box keeps what it measured
+        (out / "packing.json").write_text(json.dumps({"benchmark": "packing_bench", "mode": mode, "complete": False,
+                                                      "runs": runs, "in_progress": now}, indent=1))
+
     for seed in cfg["seeds"]:
         train, evals = make_data(cfg, seed)
-        for name, r in train_all(train, evals, cfg, seed, device, args.attention).items():
+        for name, r in train_all(train, evals, cfg, seed, device, args.attention, progress).items():
             runs[name].append({"seed": seed, **r})
             print(f"seed {seed} {name:13s} {r['real_tokens_per_s']:9,.0f} real tok/s  "
                   f"real {r['real_share']:.1%}  eval {r['eval_loss']:.4f}", flush=True)
@@ -315,9 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "attention": args.attention, "torch": torch.__version__,
         "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
-        "runs": runs, "summary": summarise(runs),
+        "runs": runs, "summary": summarise(runs), "complete": True,
     }
-    out.mkdir(parents=True, exist_ok=True)
     (out / "packing.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "packing.md").write_text(markdown(result))
     print(markdown(result))

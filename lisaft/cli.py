@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, get_args
 
 import typer
 
 from lisaft.config.optimizers import OPTIMIZERS
-from lisaft.config.schema import CADENCE_KEYS
+from lisaft.config.schema import CADENCE_KEYS, DataSection
 from lisaft.errors import LisaftError
+
+FORMAT_NAMES: tuple[str, ...] = get_args(DataSection.model_fields["format"].annotation)
 
 app = typer.Typer(
     add_completion=False,
@@ -225,7 +227,7 @@ def generate(
              "apply); answers given are compared."),
     limit: Optional[int] = typer.Option(None, "--limit", metavar="N", help="Only the first N rows of --input-file."),
     fmt: Optional[str] = typer.Option(None, "--format", metavar="FORMAT",
-                                      help="instruction, chat or text. Default: the run's data.format."),
+                                      help=f"{', '.join(FORMAT_NAMES)}. Default: the run's data.format."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", metavar="N", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", metavar="T", help="0: greedy; above 0: sample."),
     top_p: float = typer.Option(1.0, "--top-p", metavar="P", help="Nucleus sampling mass (with --temperature)."),

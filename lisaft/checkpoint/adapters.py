@@ -1,6 +1,6 @@
 """A LoRA run's checkpoint weights: the adapters (and whatever else trains), never the frozen base.
 
-A folder component in place of the parallel strategy's weights component: `adapters/` holds one
+The parallel strategy's weights component of a LoRA run, a folder component: `adapters/` holds one
 safetensors file of every trainable tensor and base.json naming the base they belong to, which a
 load compares with the base the run has now (lisaft/model/lora.py base_fingerprint).
 """
@@ -66,5 +66,5 @@ def is_adapter_checkpoint(ckpt: Path) -> bool:
 
 
 def adapter_component(model: nn.Module, adapters: Adapters) -> dict[str, AdapterWeights]:
-    """The checkpoint's weights component of a LoRA run, in place of the parallel strategy's."""
+    """The checkpoint's weights component of a LoRA run, as the parallel strategy hands it out."""
     return {FOLDER: AdapterWeights(model, adapters)}

@@ -31,6 +31,11 @@ def run_recipe_file(run_dir: Path) -> Path:
             raise LisaftError(f"{run_dir} is a recipe file; resume takes the run folder it trains into{where}")
         raise LisaftError(f"{run_dir} is a file; resume takes the run folder that `lisaft train` wrote")
     recipe_file = run_dir / "recipe.yaml"
+    inside = next((p for p in run_dir.parents if (p / "recipe.yaml").is_file()), None)
+    if not recipe_file.is_file() and inside is not None and (inside / "checkpoints").is_dir():
+        what = "exported model" if run_dir.name == "final" else "folder"
+        raise LisaftError(f"{run_dir} is the run's {what}, not the run; resume takes the run folder: "
+                          f"`lisaft resume {inside}`")
     if not recipe_file.is_file():
         runs = sorted(p.name for p in run_dir.iterdir() if (p / "recipe.yaml").is_file()) if run_dir.is_dir() else []
         hint = f"; runs in it: {', '.join(runs[:5])}" if runs else ""

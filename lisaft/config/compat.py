@@ -2,7 +2,8 @@
 of the rules that depend on how many processes were launched.
 
 The recipe's schema refuses a row of `EXCLUSIONS` when it validates (so `lisaft train` writes
-nothing for it); `check_world` runs once at set-up, when the number of ranks is known.
+nothing for it); `check_world` runs once at set-up, when the number of ranks and the training
+device are known, before the model loads. Nothing else refuses a combination.
 docs/distributed.md says why each FSDP row exists.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lisaft.config.optimizers import APOLLO_NAMES, optimizer_kind
+from lisaft.config.optimizers import OptimizerKind, names_where, optimizer_kind
 from lisaft.errors import LisaftError
 
 if TYPE_CHECKING:
@@ -29,22 +30,58 @@ def _fixed(text: str) -> Callable[[Recipe], str]:
     return lambda r: text
 
 
+def _kind(r: Recipe) -> OptimizerKind:
+    return optimizer_kind(r.optimizer.name)
+
+
 def _loss(r: Recipe) -> str | None:
     """preference.loss, or None for an SFT recipe."""
     return r.preference.loss if r.preference is not None else None
 
 
+# The model's and the optimizer's own rules first, then LoRA's, then the rest: the first row hit
+# is the message.
 EXCLUSIONS: tuple[Exclusion, ...] = (
+    Exclusion(lambda r: r.model.offload_activations and not r.model.gradient_checkpointing, _fixed(
+        "model.offload_activations offloads checkpointed layer inputs: set model.gradient_checkpointing: true "
+        "as well")),
+    Exclusion(lambda r: _kind(r).rank is not None and r.optimizer.rank not in (None, _kind(r).rank), lambda r: (
+        f"optimizer.rank: {r.optimizer.name} is rank {_kind(r).rank} by definition; for another rank use "
+        f"optimizer.name {names_where(lambda k: k.projected and k.rank is None)[0]}")),
+    Exclusion(lambda r: _kind(r).scale_type is not None and r.optimizer.scale_type not in (None, _kind(r).scale_type),
+              lambda r: (
+        f"optimizer.scale_type: {r.optimizer.name} scales each matrix by one factor ({_kind(r).scale_type}); for "
+        f"{r.optimizer.scale_type} scaling use optimizer.name "
+        f"{names_where(lambda k: k.projected and k.scale_type is None)[0]}")),
+    # LoRA's (config/lora.py): adapters train on a frozen base, which only they can train on in 4-bit.
+    Exclusion(lambda r: r.model.quantize is not None and not r.lora.enabled, lambda r: (
+        f"model.quantize: {r.model.quantize} freezes the base in 4-bit, which only adapters can train on; set "
+        "lora.enabled: true (QLoRA) or model.quantize: null")),
+    Exclusion(lambda r: r.lora.enabled and r.lora.export == "adapter" and r.lora.train_embeddings, _fixed(
+        "lora.export: adapter holds the adapters only, not the embeddings and head that lora.train_embeddings "
+        "trains; use lora.export: merged")),
+    Exclusion(lambda r: r.lora.enabled and r.lisa.enabled, _fixed(
+        "lora.enabled and lisa.enabled are two ways to choose what trains; enable one")),
+    Exclusion(lambda r: r.lora.enabled and r.training.fsdp, _fixed(
+        "lora.enabled with training.fsdp is not supported (the adapters of an 8B model fit one card; the frozen "
+        "base could be sharded, lisaft does not); use data parallel (training.fsdp: false)")),
+    Exclusion(lambda r: r.lora.enabled and r.optimizer.cpu_offload, _fixed(
+        "lora.enabled with optimizer.cpu_offload: the adapters' moments are a few MiB, moving them to the CPU "
+        "saves nothing; set optimizer.cpu_offload: false")),
+    Exclusion(lambda r: r.lora.enabled and r.model.quantize is not None and r.model.config is not None, _fixed(
+        "model.quantize needs pretrained weights (model.name_or_path) to quantize; a random init from "
+        "model.config has nothing worth freezing in 4-bit")),
     Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
         "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
         "gradient stays on the device anyway; set in_backward false")),
-    Exclusion(lambda r: r.optimizer.moments_dtype == "bfloat16" and r.optimizer.name != "adamw_32bit", lambda r: (
-        f"optimizer.moments_dtype bfloat16 is for adamw_32bit; {r.optimizer.name} keeps its own moments (8-bit "
+    Exclusion(lambda r: r.optimizer.moments_dtype == "bfloat16" and not _kind(r).own_adamw, lambda r: (
+        f"optimizer.moments_dtype bfloat16 is for {', '.join(names_where(lambda k: k.own_adamw))}; "
+        f"{r.optimizer.name} keeps its own moments (8-bit "
         "ones: adamw_8bit); set moments_dtype float32")),
-    Exclusion(lambda r: r.optimizer.name in APOLLO_NAMES and r.optimizer.cpu_offload, lambda r: (
+    Exclusion(lambda r: _kind(r).projected and r.optimizer.cpu_offload, lambda r: (
         f"optimizer.name {r.optimizer.name} cannot be combined with optimizer.cpu_offload: its state is a few MiB "
         "and steps on the GPU; set cpu_offload false")),
-    Exclusion(lambda r: r.optimizer.name in APOLLO_NAMES and r.training.fsdp, lambda r: (
+    Exclusion(lambda r: _kind(r).projected and r.training.fsdp, lambda r: (
         f"optimizer.name {r.optimizer.name} cannot be combined with training.fsdp: the projection needs each "
         "matrix's whole gradient and a rank holds a slice; use data parallel")),
     Exclusion(lambda r: r.training.on_nonfinite == "skip" and r.optimizer.in_backward, _fixed(
@@ -56,9 +93,9 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.optimizer.in_backward and r.training.max_grad_norm is not None, _fixed(
         "optimizer.in_backward cannot be combined with training.max_grad_norm: the total norm is known only "
         "after every parameter was already updated; set training.max_grad_norm: null")),
-    Exclusion(lambda r: r.training.fsdp and optimizer_kind(r.optimizer.name).paged, lambda r: (
+    Exclusion(lambda r: r.training.fsdp and _kind(r).paged, lambda r: (
         f"optimizer.name {r.optimizer.name} is not supported with training.fsdp (paging of one rank's slices "
-        f"is untested on CUDA); use {optimizer_kind(r.optimizer.name).unpaged}")),
+        f"is untested on CUDA); use {_kind(r).unpaged}")),
     Exclusion(lambda r: r.training.fsdp and r.optimizer.in_backward, _fixed(
         "optimizer.in_backward cannot run with training.fsdp: the update would run before the gradient "
         "reduce-scatter; set it false")),
@@ -91,8 +128,9 @@ def first_exclusion(recipe: Recipe) -> str | None:
     return next((x.message(recipe) for x in EXCLUSIONS if x.when(recipe)), None)
 
 
-def check_world(recipe: Recipe, world_size: int, launched: bool) -> None:
-    """The rules that depend on the launch: `world_size` ranks, `launched` under torchrun."""
+def check_world(recipe: Recipe, world_size: int, launched: bool, device: str) -> None:
+    """The rules that depend on the launch: `world_size` ranks, `launched` under torchrun, on the
+    training `device` (its type: cpu, cuda) that training.device resolved to."""
     # One rank under torchrun is allowed (a resume of a sharded run, or a check on one GPU). A
     # resume cannot change either key, so the way out named first is the launch.
     for key, on in (("training.fsdp", recipe.training.fsdp),
@@ -101,6 +139,10 @@ def check_world(recipe: Recipe, world_size: int, launched: bool) -> None:
             raise LisaftError(f"{key} shards over torchrun's ranks: launch with torchrun --nproc-per-node N "
                               "(a resume too: `torchrun --nproc-per-node N -m lisaft resume RUN`), or, for a new "
                               f"run, set {key} false")
+    if recipe.optimizer.moments_dtype == "bfloat16" and not recipe.optimizer.cpu_offload and device != "cpu":
+        # The bfloat16 moments' update is the host step's (optim/host_step.py).
+        raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
+                          "true or training.device cpu")
     if recipe.training.fsdp or world_size == 1:
         return
     if recipe.optimizer.in_backward:

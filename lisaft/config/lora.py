@@ -1,5 +1,6 @@
-"""The recipe's `lora` section (LoRA, DoRA; QLoRA with model.quantize: nf4) and the
-combinations it refuses. Kept beside the schema so schema.py stays one section per concern.
+"""The recipe's `lora` section (LoRA, DoRA; QLoRA with model.quantize: nf4); the combinations it
+refuses are rows of config/compat.py's table. Kept beside the schema so schema.py stays one section
+per concern.
 
 Defaults are LLaMA-Factory's documented ones (finetuning_args: lora_rank 8, lora_alpha = 2 x
 rank, lora_dropout 0, lora_target all linear layers); torchtune's Llama-3 LoRA recipes also use
@@ -9,14 +10,11 @@ Llama) learns less per step and is not what the peers ship.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from lisaft.config.fields import Bool, Float, Int, Section
-
-if TYPE_CHECKING:
-    from lisaft.config.schema import Recipe
 
 
 class LoraSection(Section):
@@ -48,28 +46,3 @@ class LoraSection(Section):
     @property
     def scale_alpha(self) -> float:
         return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
-
-
-def check_lora(recipe: Recipe) -> None:
-    """The combinations with lora or model.quantize that make no sense, refused in one line."""
-    lora, m = recipe.lora, recipe.model
-    if m.quantize is not None and not lora.enabled:
-        raise ValueError(f"model.quantize: {m.quantize} freezes the base in 4-bit, which only adapters "
-                         "can train on; set lora.enabled: true (QLoRA) or model.quantize: null")
-    if not lora.enabled:
-        return
-    if lora.export == "adapter" and lora.train_embeddings:
-        raise ValueError("lora.export: adapter holds the adapters only, not the embeddings and head that "
-                         "lora.train_embeddings trains; use lora.export: merged")
-    if recipe.lisa.enabled:
-        raise ValueError("lora.enabled and lisa.enabled are two ways to choose what trains; enable one")
-    if recipe.training.fsdp:
-        raise ValueError("lora.enabled with training.fsdp is not supported (the adapters of an 8B model "
-                         "fit one card; the frozen base could be sharded, lisaft does not); use data "
-                         "parallel (training.fsdp: false)")
-    if recipe.optimizer.cpu_offload:
-        raise ValueError("lora.enabled with optimizer.cpu_offload: the adapters' moments are a few MiB, "
-                         "moving them to the CPU saves nothing; set optimizer.cpu_offload: false")
-    if m.quantize is not None and m.config is not None:
-        raise ValueError("model.quantize needs pretrained weights (model.name_or_path) to quantize; a "
-                         "random init from model.config has nothing worth freezing in 4-bit")

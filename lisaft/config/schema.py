@@ -28,7 +28,7 @@ from pydantic_core import ErrorDetails
 from lisaft.config.compat import first_exclusion
 from lisaft.config.fields import Bool, Float, Int, Section, whole_number
 from lisaft.config.hub import can_only_be_path
-from lisaft.config.lora import LoraSection, check_lora
+from lisaft.config.lora import LoraSection
 from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parse_override
 from lisaft.console import first_line
@@ -124,9 +124,6 @@ class ModelSection(Section):
             raise ValueError("set exactly one of model.name_or_path and model.config")
         if self.config is not None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required when model.config is used (random init)")
-        if self.offload_activations and not self.gradient_checkpointing:
-            raise ValueError("model.offload_activations offloads checkpointed layer inputs: "
-                             "set model.gradient_checkpointing: true as well")
         return self
 
 
@@ -237,16 +234,6 @@ class OptimizerSection(Section):
             raise ValueError("must be > 0")
         return v
 
-    @model_validator(mode="after")
-    def _apollo_mini_is_rank_one(self) -> OptimizerSection:
-        if self.name == "apollo_mini" and self.rank not in (None, 1):
-            raise ValueError("optimizer.rank: apollo_mini is rank 1 by definition; for another rank use "
-                             "optimizer.name apollo")
-        if self.name == "apollo_mini" and self.scale_type not in (None, "tensor"):
-            raise ValueError("optimizer.scale_type: apollo_mini scales each matrix by one factor (tensor); "
-                             "for channel scaling use optimizer.name apollo")
-        return self
-
 
 class SchedulerSection(Section):
     name: Literal["constant", "linear", "cosine"] = Field("cosine", description="LR decay shape.")
@@ -300,7 +287,8 @@ class TrainingSection(Section):
     log_every: Int = Field(1, ge=1, description="Write a train record every N steps.")
     eval_every: Int = Field(0, ge=0, description="Evaluate every N steps (0: only at the end); without "
                             "an eval set (data.eval, data.eval_fraction) nothing is evaluated and a warning says so.")
-    eval_batches: Int | None = Field(None, ge=1, description="Cap eval at N batches (null: all).")
+    eval_batches: Int | None = Field(None, ge=1, description="Cap eval at the first N global batches of data.eval "
+                                      "(batch_size x grad_accum_steps x ranks examples each; null: all).")
     save_every: Int = Field(0, ge=0, description="Checkpoint every N steps (0: only on stop/end).")
     keep_last: Int = Field(2, ge=1, description="Complete checkpoints kept on disk.")
     output_dir: str = Field(..., description="Run directory; a relative path means the recipe file's "
@@ -418,7 +406,6 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
-        check_lora(self)
         # The table lives in config/compat.py, beside the rules that depend on the number of ranks.
         if (message := first_exclusion(self)) is not None:
             raise ValueError(message)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lisaft.config.optimizers import APOLLO_NAMES
+from lisaft.config.optimizers import names_where, optimizer_kind
 from lisaft.config.schema import Recipe
 
 
@@ -18,13 +18,13 @@ def unused_keys(recipe: Recipe) -> list[str]:
         notes.append(f"training.eval_every ({t.eval_every}) is ignored: there is no eval set (data.eval is "
                      "null and data.eval_fraction 0), so the run evaluates nothing")
     o = recipe.optimizer
-    if o.name not in APOLLO_NAMES:
+    if not optimizer_kind(o.name).projected:
         keys = [k for k, v in (("rank", o.rank), ("scale", o.scale), ("scale_type", o.scale_type)) if v is not None]
         keys += ["update_proj_gap"] if o.update_proj_gap != 200 else []
         if keys:
             verb = "is" if len(keys) == 1 else "are"
-            notes.append(", ".join(f"optimizer.{k}" for k in keys) + f" {verb} ignored: only apollo and "
-                         f"apollo_mini read them (optimizer.name is {o.name})")
+            notes.append(", ".join(f"optimizer.{k}" for k in keys) + f" {verb} ignored: only "
+                         f"{' and '.join(names_where(lambda k: k.projected))} read them (optimizer.name is {o.name})")
     p = recipe.preference
     if p is not None and p.loss != "simpo" and p.gamma != 0.5:
         notes.append(f"preference.gamma ({p.gamma:g}) is ignored: it is SimPO's margin and preference.loss is "

@@ -51,7 +51,8 @@ def _read_jsonl(path: Path, key: str) -> Rows:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise LisaftError(f"{key}: {path}: line {lineno}: not valid JSON ({_json_problem(e, line)})") from None
+            raise LisaftError(f"{key}: {path}: line {lineno}: not valid JSON ({_json_problem(e, line)})"
+                              f"{_more_bad_lines(lines, lineno)}") from None
         if not isinstance(row, dict):
             raise LisaftError(f"{key}: {path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
@@ -59,6 +60,21 @@ def _read_jsonl(path: Path, key: str) -> Rows:
     out = Rows(rows, key, str(path), "line")
     out.numbers = numbers
     return out
+
+
+def _more_bad_lines(lines: list[str], first: int) -> str:
+    """How many lines after the first bad one are not JSON either: one fix or many."""
+    bad = []
+    for n, line in enumerate(lines[first:], first + 1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError:
+                bad.append(n)
+    if not bad:
+        return ""
+    shown = ", ".join(map(str, bad[:3])) + (", ..." if len(bad) > 3 else "")
+    return f"; after it, {len(bad)} more not valid JSON (line{'s' if len(bad) > 1 else ''} {shown})"
 
 
 def _json_problem(e: json.JSONDecodeError, line: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 _verbose = False
 
@@ -34,3 +35,6 @@ def configure(show_everything: bool) -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     # Advisory warnings about generation defaults and the like; errors still show.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # peft reads the model's is_gradient_checkpointing, which transformers deprecates with a
+    # FutureWarning on every LoRA run; neither is the user's to change.
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -100,10 +100,11 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
     if s.attention == "eager":
         attention = "flash_attention_2" if s.device == "cuda" else "sdpa"
         groups.append([Option({"model.attention": attention}, "no s x s score matrix", {"attention": attention}, FREE)])
-    if s.optimizer != "paged_adamw_8bit" and s.device == "cuda" and not s.fsdp:
+    kind = optimizer_kind(s.optimizer)
+    if not (kind.paged and kind.eight_bit) and s.device == "cuda" and not s.fsdp:
         groups.append([Option({"optimizer.name": "paged_adamw_8bit"}, "2 B/param of moments, paged on pressure",
                               {"optimizer": "paged_adamw_8bit"}, SLOWER)])
-    elif not optimizer_kind(s.optimizer).eight_bit:
+    elif not kind.eight_bit:
         groups.append([Option({"optimizer.name": "adamw_8bit"}, "2 B/param of moments",
                               {"optimizer": "adamw_8bit"}, SLOWER)])
     if s.lora is None:  # a LoRA run's ways to train less are in the methods table (memory/methods.py)
@@ -133,10 +134,9 @@ def _combine(s: Settings, options: tuple[Option, ...]) -> Change:
         overrides.update(o.overrides)
         fields.update(o.fields)
     whys = [o.why for o in options]
-    if (fields.get("cpu_offload", s.cpu_offload) and fields.get("optimizer", "").startswith("paged_")):
+    if fields.get("cpu_offload", s.cpu_offload) and "optimizer" in fields and optimizer_kind(fields["optimizer"]).paged:
         # Paging is CUDA unified memory; with the step on the CPU the 8-bit moments live in host RAM.
-        unpaged = fields["optimizer"].removeprefix("paged_")
-        fields["optimizer"] = overrides["optimizer.name"] = unpaged
+        fields["optimizer"] = overrides["optimizer.name"] = optimizer_kind(fields["optimizer"]).unpaged
         whys = [w.replace("paged on pressure", "in host memory") for w in whys]
     est = compute(s.with_(**fields))
     whys = [w.replace("{host}", f"{est.host_bytes / 1024**3:.1f} GiB") for w in whys]

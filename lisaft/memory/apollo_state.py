@@ -26,15 +26,20 @@ from lisaft.optim.adamw import CHUNK, CHUNK_BYTES_PER_ELEMENT
 if TYPE_CHECKING:
     from lisaft.memory.estimate import Settings
 
-NON_PROJECTED = "adamw_8bit"  # the rule for everything apollo does not project
-
 
 def is_apollo(optimizer: str) -> bool:
     return optimizer_kind(optimizer).projected
 
 
 def rank_of(s: Settings) -> int:
-    return 1 if s.optimizer == "apollo_mini" else s.apollo_rank
+    return optimizer_kind(s.optimizer).rank or s.apollo_rank
+
+
+def _rest(s: Settings) -> str:
+    """The optimizer whose rule the tensors apollo does not project follow."""
+    rest = optimizer_kind(s.optimizer).rest
+    assert rest is not None, f"{s.optimizer} projects no tensor"  # is_apollo(s.optimizer) holds here
+    return rest
 
 
 def _layers_with_state(counts: ParamCounts, s: Settings) -> list[int]:
@@ -68,7 +73,7 @@ def apollo_state(counts: ParamCounts, s: Settings, dt: int) -> StateBytes:
     matrices, rest = _matrices(counts, _layers_with_state(counts, s))
     r = rank_of(s)
     projected = sum(2 * 4 * min(r, m, n) * max(m, n) + 4 for m, n in matrices)
-    other = state_bytes(NON_PROJECTED, rest + _outside_layers(counts, s), dt, s.device)
+    other = state_bytes(_rest(s), rest + _outside_layers(counts, s), dt, s.device)
     return StateBytes(projected + other.total, 0)
 
 
@@ -83,5 +88,5 @@ def apollo_step_temporaries(counts: ParamCounts, s: Settings, dt: int, sparse_nu
     matrices, rest = _matrices(counts, _layers_with_state(counts, s))
     projected = max((projected_step_bytes(m, n, rank_of(s), dt) for m, n in matrices), default=0)
     largest_other = max(rest + _outside_layers(counts, s), default=0)
-    return max(projected, step_temporaries(NON_PROJECTED, largest_other, dt, s.device, s.bf16_update,
+    return max(projected, step_temporaries(_rest(s), largest_other, dt, s.device, s.bf16_update,
                                            sparse_numel))

@@ -291,7 +291,7 @@ class _Fixed:
         if cuda:
             outside = {"cuda_context": CUDA_CONTEXT_BYTES, "cuda_kernels": CUDA_KERNELS_BYTES}
         else:
-            bnb = s.optimizer != "adamw_32bit" or s.lora is not None
+            bnb = optimizer_kind(s.optimizer).imports_bitsandbytes or s.lora is not None
             baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if bnb else 0) + \
                 (PEFT_IMPORT_BYTES if s.lora is not None else 0)
             outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
@@ -325,7 +325,7 @@ def _host(s: Settings, counts: ParamCounts, dt: int, r: Resident, activation_hos
     host_state = state_numels(counts, s.with_(device="cpu"), r.trainable)
     return offload_host_bytes(s.optimizer, host_state, all_numels, r.trainable, dt, s.bf16_update,
                               activation_host, CPU_PROCESS_BASELINE_BYTES
-                              + (BITSANDBYTES_IMPORT_BYTES if s.optimizer != "adamw_32bit" else 0),
+                              + (BITSANDBYTES_IMPORT_BYTES if optimizer_kind(s.optimizer).imports_bitsandbytes else 0),
                               sparse_numel=sparse, sparse_bytes=sparse * dt - r.sparse_saving if sparse else 0,
                               moment_bytes=2 if s.moments_dtype == "bfloat16" else 4)
 

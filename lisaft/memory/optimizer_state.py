@@ -46,7 +46,7 @@ def tensor_state(optimizer: str, numel: int, dt: int, device: str, moment_bytes:
     """State bytes for one parameter tensor of `numel` elements and dtype size `dt`;
     `moment_bytes` 2 for adamw_32bit's optimizer.moments_dtype bfloat16 (on the CPU only)."""
     paging = optimizer_kind(optimizer).paged and device == "cuda" and numel >= PAGED_MIN_NUMEL
-    if optimizer == "adamw_32bit":
+    if optimizer_kind(optimizer).own_adamw:
         return StateBytes(2 * numel * moment_bytes, 0)
     if optimizer_kind(optimizer).eight_bit and numel >= MIN_8BIT_NUMEL:
         blocks = -(-numel // BLOCKSIZE)
@@ -92,7 +92,7 @@ def step_temporaries(optimizer: str, largest_numel: int, dt: int, device: str,
         chunk = min(largest_numel, UPDATE_CHUNK_ELEMENTS) * UPDATE_CHUNK_BYTES_PER_ELEMENT
     elif sparse_numel and holds_chunk_buffers(dt, sparse_grad=True):
         chunk = min(sparse_numel, UPDATE_CHUNK_ELEMENTS) * 4  # one float32 chunk of the densified rows
-    if device == "cuda" or optimizer == "adamw_32bit":
+    if device == "cuda" or optimizer_kind(optimizer).own_adamw:
         return chunk
     per_elem = 20 if optimizer_kind(optimizer).eight_bit else 12
     if dt != 4:

@@ -31,20 +31,24 @@ def train_line(rec: dict, total: int, width: int = 80) -> str:
     """One train record in at most `width` columns: step, loss, lr, gradient norm (before
     clipping), tok/s, memory, layers. Fields are spaced by two, or by one when that makes the
     layers fit; a layer list that still does not fit is cut."""
-    fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.1e}"]
+    rewards = []
     if "reward_accuracy" in rec:  # a preference run: how often chosen outscores rejected, and by how much
-        fields += [f"acc {rec['reward_accuracy']:.0%}", f"margin {rec['reward_margin']:.3g}"]
-    if rec.get("grad_norm") is not None:
-        fields.append(f"gn {rec['grad_norm']:.2g}")
-    fields += [f"{_count(rec['tokens_per_s'])} tok/s", f"mem {_memory(rec['peak_memory_bytes'])}"]
+        rewards = [f"acc {rec['reward_accuracy']:.0%}", f"margin {rec['reward_margin']:.3g}"]
     layers = "all" if rec.get("active_layers") is None else ",".join(map(str, rec["active_layers"]))
     # Spacing is chosen for the widest step counter, so it does not change as the run goes on.
     widest = len(str(total)) - len(str(rec["step"]))
-    for sep in ("  ", " "):
-        head = sep.join(fields) + sep + "layers "
-        if len(head) + widest + len(layers) <= width:
-            break
-    return head + _cut(layers, width - len(head))
+    while True:  # the reward fields give way, margin first, where the line would not fit
+        fields = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.1e}", *rewards]
+        if rec.get("grad_norm") is not None:
+            fields.append(f"gn {rec['grad_norm']:.2g}")
+        fields += [f"{_count(rec['tokens_per_s'])} tok/s", f"mem {_memory(rec['peak_memory_bytes'])}"]
+        for sep in ("  ", " "):
+            head = sep.join(fields) + sep + "layers "
+            if len(head) + widest + len(layers) <= width:
+                break
+        if len(head) + widest + 2 <= width or not rewards:
+            return head + _cut(layers, width - len(head))
+        rewards.pop()
 
 
 def eval_line(rec: dict) -> str:

@@ -212,16 +212,22 @@ def _hub_folder(ref: str) -> Path:
         raise hub_error("model.name_or_path", ref, e) from None
 
 
+def enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant gradient checkpointing, under the name this transformers has: newer 5.x
+    releases call it activation_checkpointing_enable, earlier ones (5.17 among them)
+    gradient_checkpointing_enable. Non-reentrant works with frozen inputs, so no
+    enable_input_require_grads hack is needed and backward can stop at the lowest trainable layer."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def apply_model_settings(model: nn.Module, section: ModelSection, device: torch.device) -> None:
     """Checkpointing, long-context memory, no KV cache, train mode: what every loaded model gets."""
     if section.gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs, so no enable_input_require_grads
-        # hack is needed and backward can stop at the lowest trainable layer.
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if section.offload_activations or section.mlp_chunk_tokens:
         long_context_memory(model, section, device)
     if hasattr(model.config, "use_cache"):

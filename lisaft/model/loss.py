@@ -160,18 +160,11 @@ def _ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Te
     return None, grad.to(logits.dtype)
 
 
-def _positions(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions(model, batch: dict, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states of every position that predicts a token, flattened, and the targets."""
-    last = _sharded_last_hidden(model, batch) if _is_sharded(model) else \
-        model.base_model(**model_inputs(batch)).last_hidden_state
+    last = _sharded_last_hidden(model, batch) if sharded else model.base_model(**model_inputs(batch)).last_hidden_state
     hidden = last[:, :-1]
     return hidden.reshape(-1, hidden.size(-1)), batch["labels"][:, 1:].reshape(-1)
-
-
-def _is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
@@ -188,16 +181,18 @@ def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
     return seen[-1]
 
 
-def token_loss_sum(model, batch: dict) -> torch.Tensor:
-    """Sum of next-token cross entropy (float32) over the positions whose label is not -100."""
+def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:
+    """Sum of next-token cross entropy (float32) over the positions whose label is not -100.
+    `sharded`: training.fsdp's model (the parallel strategy says so), whose forward hooks gather
+    the weights, so its own forward and the head as a module run."""
     input_ids = batch["input_ids"]
     if not chunked(model, input_ids.numel()):
         logits = model(**model_inputs(batch)).logits
         return logits_loss_sum(logits, batch["labels"])
-    hidden, targets = _positions(model, batch)
+    hidden, targets = _positions(model, batch, sharded)
     head, cap = model.get_output_embeddings(), _softcap(model)
     step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
-    if head.bias is None and not _is_sharded(model):  # FSDP's head must run as a module (its hooks)
+    if head.bias is None and not sharded:  # FSDP's head must run as a module (its hooks)
         return _ChunkedHeadLoss.apply(hidden, targets, head.weight, step, cap)
     fn = functools.partial(_chunk_loss, head=head, softcap=cap)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -206,19 +201,20 @@ def token_loss_sum(model, batch: dict) -> torch.Tensor:
     return total
 
 
-def token_nll(model, batch: dict) -> torch.Tensor:
+def token_nll(model, batch: dict, sharded: bool = False) -> torch.Tensor:
     """Next-token cross entropy (float32) of every predicting position, [rows, width - 1], 0 where
     the label is -100: the per-token form of token_loss_sum, chunked over the vocabulary the same
-    way, so preference log-probs never hold [sequences x positions x vocab] float32 logits."""
+    way, so preference log-probs never hold [sequences x positions x vocab] float32 logits
+    (`sharded`: as token_loss_sum's)."""
     input_ids = batch["input_ids"]
     rows, width = input_ids.shape
     if not chunked(model, input_ids.numel()):
         logits = model(**model_inputs(batch)).logits[:, :-1]
         return _ce_rows(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1)).view(rows, -1)
-    hidden, targets = _positions(model, batch)
+    hidden, targets = _positions(model, batch, sharded)
     head, cap = model.get_output_embeddings(), _softcap(model)
     step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
-    if head.bias is None and not _is_sharded(model):
+    if head.bias is None and not sharded:
         return _ChunkedHeadLoss.apply(hidden, targets, head.weight, step, cap, True).view(rows, -1)
     fn = functools.partial(_chunk_rows, head=head, softcap=cap)
     parts = [checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
@@ -239,10 +235,11 @@ def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def eval_sums(model, batch: dict) -> tuple[float, int, int]:
-    """(loss sum, response tokens, argmax-correct response tokens) of one batch."""
+def eval_sums(model, batch: dict, sharded: bool = False) -> tuple[float, int, int]:
+    """(loss sum, response tokens, argmax-correct response tokens) of one batch (`sharded`: as
+    token_loss_sum's)."""
     if chunked(model, batch["input_ids"].numel()):
-        hidden, targets = _positions(model, batch)
+        hidden, targets = _positions(model, batch, sharded)
         head, cap = model.get_output_embeddings(), _softcap(model)
         step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
         # One chunk's logits at a time: each is reduced before the next is computed.

@@ -46,9 +46,10 @@ def pair_positions(pairs: list[dict]) -> int:
     return sum(len(p[k]["input_ids"]) for p in pairs for k in ("chosen", "rejected"))
 
 
-def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed log-prob of its scored tokens (float32) and how many it has."""
-    nll = token_nll(model, batch)
+def sequence_logps(model, batch: dict, sharded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-prob of its scored tokens (float32) and how many it has (`sharded`:
+    model/loss.py token_loss_sum's)."""
+    nll = token_nll(model, batch, sharded)
     return -nll.sum(1), (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
 
 
@@ -78,8 +79,9 @@ class PairObjective:
     """The step's preference loss: loss_sum(model, batch) for a collated batch of pairs, summing
     METRICS of the pairs it saw (detached, on the device) until `take_sums`."""
 
-    def __init__(self, section: PreferenceSection):
+    def __init__(self, section: PreferenceSection, sharded: bool = False):
         self.section = section
+        self.sharded = sharded  # the parallel strategy's sharded_forward
         self._sums: torch.Tensor | None = None
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
@@ -89,7 +91,7 @@ class PairObjective:
 
     def losses(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each pair's loss, and METRICS summed over the batch's pairs."""
-        logps, counts = sequence_logps(model, batch)
+        logps, counts = sequence_logps(model, batch, self.sharded)
         pairs = logps.size(0) // 2
         logps, counts = logps.view(2, pairs), counts.view(2, pairs)
         ref = batch["ref"].t().to(logps.device) if "ref" in batch else None

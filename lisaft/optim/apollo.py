@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.optim.adamw import CHUNK, AdamW, PagedPool, param_groups
 from lisaft.optim.rounding import Rounding, _mix
 
-DEFAULT_RANK = 256          # the paper's APOLLO rank
-MINI_SCALE = math.sqrt(128)  # the paper's α for APOLLO-Mini
+DEFAULT_RANK = 256  # the paper's APOLLO rank
 GROWTH_LIMIT = 1.01          # Fira's γ: the update's norm grows at most 1% per step
 # Mixed into the projection's seed so its stream is never the rounding noise's.
 _PROJECTION_TAG = 0x41504F4C4C4F
@@ -59,12 +59,12 @@ class ApolloSettings:
 
     @classmethod
     def of(cls, section: OptimizerSection) -> ApolloSettings:
-        """The recipe's keys with the paper's defaults for the named optimizer."""
-        mini = section.name == "apollo_mini"
-        return cls(rank=1 if mini else (section.rank or DEFAULT_RANK),
-                   scale=section.scale if section.scale is not None else (MINI_SCALE if mini else 1.0),
+        """The recipe's keys with the paper's defaults for the named optimizer (config/optimizers.py)."""
+        kind = optimizer_kind(section.name)
+        return cls(rank=kind.rank or section.rank or DEFAULT_RANK,
+                   scale=section.scale if section.scale is not None else kind.scale,
                    update_proj_gap=section.update_proj_gap,
-                   scale_type="tensor" if mini else (section.scale_type or "channel"))
+                   scale_type=kind.scale_type or section.scale_type or "channel")
 
 
 def projected_rank(rank: int, shape: tuple[int, ...]) -> int:

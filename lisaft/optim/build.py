@@ -8,7 +8,6 @@ import torch
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.console import warn
-from lisaft.errors import LisaftError
 from lisaft.optim.adamw import AdamW, PagedPool, param_groups
 from lisaft.optim.apollo import build_apollo
 from lisaft.optim.rounding import Rounding
@@ -24,9 +23,6 @@ def build_unit_optimizer(params: list[torch.nn.Parameter], section: OptimizerSec
     if kind.projected:
         return build_apollo(params, section, rounding, unit_index, layer)
     moments = torch.bfloat16 if section.moments_dtype == "bfloat16" else torch.float32
-    if moments == torch.bfloat16 and device.type != "cpu":
-        raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
-                          "true or training.device cpu")
     if kind.paged and device.type != "cuda" and section.name not in _warned_cpu_paging:
         _warned_cpu_paging.add(section.name)
         warn(f"optimizer.name {section.name}: paged state needs CUDA unified memory; on "

@@ -26,21 +26,40 @@ TASKS_PER_GRAB = 4  # host_kernel.TASK elements each (16 KiB of 8-bit moments)
 # already spreads over every core, so callers take turns.
 _lock = threading.Lock()
 
-FALLBACK_COST = ("the CPU optimizer step runs torch's unfused path, measured 9x slower with float32 moments "
-                 "and 10x with 8-bit (docs/memory.md)")
+_missing = ""  # why the kernel did not load
+_warned = False
+# Below this many parameters stepped on the host the kernel's start-up (numba's compile, its
+# thread pool) outweighs what it saves: the quickstart trains faster on torch's path.
+FUSED_MATTERS = 2**25
+# Seconds per 10^9 parameters on torch's path and in the kernel, float32 and 8-bit moments
+# (docs/memory.md, benchmarks/results/host_step/host_step.json: 2 cores, bf16 weights).
+SECONDS_PER_G = {False: (5.91, 0.66), True: (15.39, 1.61)}
 
 
 def available() -> bool:
-    """Whether the kernel loaded; the first failure warns once, saying what it costs."""
-    global _kernel, _tried
+    """Whether the kernel loaded (`note_missing` says what its absence costs a run)."""
+    global _kernel, _tried, _missing
     if not _tried:
         _tried = True
         try:
             from lisaft.optim import host_kernel
             _kernel = host_kernel
         except ImportError as e:
-            warn(f"host step kernel unavailable ({e}; pip install 'lisaft[host-step]'): {FALLBACK_COST}")
+            _missing = str(e)
     return _kernel is not None
+
+
+def note_missing(params: int, eight_bit: bool) -> None:
+    """Warn once when the kernel did not load and a run steps enough parameters on the host for
+    it to matter, with the cost for that many."""
+    global _warned
+    if available() or params < FUSED_MATTERS or _warned:
+        return
+    _warned = True
+    torch_s, kernel_s = SECONDS_PER_G[eight_bit]
+    warn(f"host step kernel unavailable ({_missing}; pip install 'lisaft[host-step]'): the CPU optimizer step of "
+         f"{params / 1e6:.0f}M parameters runs torch's unfused path, measured at about {params * torch_s / 1e9:.2g} s "
+         f"per step where the kernel takes {params * kernel_s / 1e9:.2g} s (2 cores, docs/memory.md)")
 
 
 def adam_scalars(group: dict, step: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import OptimizerSection
 from lisaft.distributed import dist
 from lisaft.model.units import Unit, UnitChanges
+from lisaft.optim import host_step
 from lisaft.optim.adamw import QUANTIZATION_MAP_BYTES, AdamW, PagedPool, Rounding
 from lisaft.optim.build import build_unit_optimizer
 
@@ -74,6 +75,9 @@ class UnitOptimizers:
         self.host: dict[str, dict] = {}
         self.disk: dict[str, tuple[Path, int]] = {}
         self.changes = UnitChanges()  # every update of a unit (its weights and moments) counts here
+        if self.device.type == "cpu":
+            params = sum(p.numel() for u in units for p in u.params)
+            host_step.note_missing(params, optimizer_kind(section.name).eight_bit)
         # Files a crashed run of this rank left behind are stale: a resume rewrites what it needs.
         if self.offload_dir.is_dir():
             for stale in self.offload_dir.glob("*.pt*"):

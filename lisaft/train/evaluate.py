@@ -8,9 +8,19 @@ from lisaft.data.collate import collate, to_device
 from lisaft.data.order import eval_index_batches
 from lisaft.distributed import dist
 from lisaft.model.attention import varlen_attention
-from lisaft.model.loss import eval_sums
 from lisaft.train.preference import evaluate_pairs
 from lisaft.train.session import Session
+
+
+def eval_set(session: Session) -> list[dict]:
+    """The examples evaluated: all of data.eval, or the first training.eval_batches global batches
+    of it (batch_size x grad_accum_steps x ranks examples each, which a resume on another number of
+    ranks keeps), so the same examples are scored however the ranks share them out."""
+    examples = session.eval_examples or []
+    t = session.recipe.training
+    if t.eval_batches is None:
+        return examples
+    return examples[: t.eval_batches * t.batch_size * t.grad_accum_steps * dist.world_size()]
 
 
 @torch.no_grad()
@@ -18,9 +28,7 @@ def evaluate(session: Session) -> dict:
     """eval_loss and teacher-forced argmax accuracy on response tokens, over ranks."""
     examples = session.eval_examples or []
     t = session.recipe.training
-    batches = eval_index_batches(len(examples), t.batch_size)
-    if t.eval_batches is not None:
-        batches = batches[: t.eval_batches]
+    batches = eval_index_batches(len(eval_set(session)), t.batch_size)
     mine, counted = session.parallel.eval_batches(batches)
     model = session.model
     model.eval()
@@ -33,7 +41,7 @@ def evaluate(session: Session) -> dict:
     for n, idx in enumerate(mine):
         batch = collate([examples[i] for i in idx], session.tokenizer.pad_token_id, varlen_attention(model))
         batch = to_device(batch, session.device)
-        loss_sum, n_tokens, n_correct = eval_sums(model, batch)
+        loss_sum, n_tokens, n_correct = session.parallel.eval_sums(model, batch)
         if n < counted:
             totals += torch.tensor([loss_sum, n_tokens, n_correct], dtype=torch.float64)
     model.train()

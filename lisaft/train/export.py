@@ -12,7 +12,7 @@ from lisaft.train.session import Session
 
 def save_final(session: Session) -> None:
     """Written beside the run as .final.tmp and renamed into place: final/ is complete or absent.
-    Under training.fsdp every rank writes its slices and rank 0 joins them tensor by tensor."""
+    The parallel strategy writes the model (under FSDP every rank its slices, joined by rank 0)."""
     final = session.run_dir / "final"
     tmp = session.run_dir / ".final.tmp"
     if dist.is_main():
@@ -21,13 +21,7 @@ def save_final(session: Session) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if session.adapters is not None:  # lora.enabled: merged, or peft's adapter folder (lora.export)
-        if dist.is_main():
-            from lisaft.model.lora import save_final as save_lora
-
-            save_lora(session.model, session.adapters, session.recipe, tmp)
-    else:
-        session.parallel.export(session.model, tmp)
+    session.parallel.export(session.model, tmp)  # a LoRA run's: merged, or peft's adapter folder
     if not dist.is_main():
         dist.barrier()
         return

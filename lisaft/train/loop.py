@@ -116,7 +116,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
             if logs:
                 rec = _train_record(session, result, window, time.perf_counter() - window_t0)
                 metrics.write(rec)
-                display.train(rec)
+                display.train(rec if session.recipe.lisa.enabled else {**rec, "active_layers": None})  # `all`
                 window, window_t0 = dict(_EMPTY_WINDOW), time.perf_counter()
             if session.eval_examples and (
                 (t.eval_every and progress.step % t.eval_every == 0) or progress.step == t.max_steps
@@ -128,7 +128,8 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
                 base = _save(session, checkpointer, base)
             if stopping and progress.step < t.max_steps:
                 assert base is not None  # saved just above: a stop always checkpoints
-                display.print(stop.message(progress.step, base.name, session.run_dir, t, asked=stop_at is not None))
+                display.print(stop.message(progress.step, base.name, session.parallel.resume_command(session.run_dir),
+                                           asked=stop_at is not None))
                 return 128 + stop.signum if stop.signum else 3
 
         _finish(session, base, metrics, display, dead, show)

@@ -1,7 +1,9 @@
 """The run's parallel strategy, chosen once at set-up (`choose`): how the model is loaded and
-placed, which parameters the optimizers step, how gradients are reduced and clipped, how eval
-batches are shared between ranks, how the final model is exported, and which weights component a
-checkpoint holds. Nothing else in the run asks which one it is.
+placed (with LoRA's adapters), which parameters the optimizers step and what the forward waits
+for, how gradients are reduced and clipped, how the loss runs, how eval batches are shared
+between ranks, how the final model is exported, which weights component a checkpoint holds, what
+the end-of-run report reads and which command resumes a stopped run. Nothing else in the run asks
+which one it is (tests/unit/test_strategy_interface.py reads train/ and model/ for it).
 
     Strategy        the base: what every strategy does unless it says otherwise (one process's way)
     SingleProcess   one process holds the whole model and steps it on the training device
@@ -21,31 +23,38 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import UnitWeights
 from lisaft.checkpoint.components import FolderComponent
 from lisaft.config.compat import check_world
 from lisaft.config.schema import Recipe
 from lisaft.distributed import dist
-from lisaft.errors import LisaftError
 from lisaft.lisa import LisaController
 from lisaft.model.load import load_model
+from lisaft.model.loss import eval_sums, token_loss_sum
 from lisaft.model.parts import ModelParts, model_parts, pretrained
 from lisaft.model.units import Unit
 from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.optim.gradients import clip_grad_norm
 from lisaft.optim.unit_optimizers import UnitOptimizers
+from lisaft.train.stop import resume_command
 
 if TYPE_CHECKING:
     import torch
 
     from lisaft.distributed.fsdp import LocalShards
+    from lisaft.memory.estimate import Estimate
     from lisaft.metrics.phases import Phases
+    from lisaft.model.lora import Adapters
+
+# A row of the end-of-run memory table: its name, the estimated bytes and the held ones.
+ReportRow = tuple[str, int | None, int | None]
 
 
-def choose(recipe: Recipe) -> Strategy:
+def choose(recipe: Recipe, device: torch.device) -> Strategy:
     """The strategy the recipe and the process group ask for; refuses what it cannot run, before
     anything is loaded (the rules that depend on the launch: config/compat.py check_world)."""
-    check_world(recipe, dist.world_size(), dist.is_initialized())
+    check_world(recipe, dist.world_size(), dist.is_initialized(), device.type)
     if recipe.training.fsdp:
         return Fsdp(recipe)
     if recipe.optimizer.cpu_offload:
@@ -65,14 +74,29 @@ class Strategy:
     sparse_embedding_grad = True
     # Each unit's optimizer file is one for the whole run, not one per rank's slices.
     optimizer_files_per_rank = False
+    # A resume needs a process group (torchrun) even on one rank.
+    resumes_under_torchrun = False
+    # The model's forward hooks gather its weights, so model/loss.py runs its own forward and the
+    # head as a module (the losses' `sharded`).
+    sharded_forward = False
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
+        self.adapters: Adapters | None = None  # lora.enabled: what trains, exports and is checkpointed
 
     # -- set-up ---------------------------------------------------------------------------------
 
     def load_model(self, device: torch.device) -> nn.Module:
         return load_model(self.recipe.model, device, seed=self.recipe.training.seed)
+
+    def attach_adapters(self, model: nn.Module) -> Adapters | None:
+        """lora.enabled: peft's adapters on the frozen base (model/lora.py); the export and the
+        checkpoint's weights are then the adapters'."""
+        if self.recipe.lora.enabled:
+            from lisaft.model.lora import attach_adapters
+
+            self.adapters = attach_adapters(model, self.recipe)
+        return self.adapters
 
     def place(self, model: nn.Module, parts: ModelParts, device: torch.device) -> ModelParts:
         """The model laid out over the ranks; its parts as the units are built from."""
@@ -82,10 +106,21 @@ class Strategy:
         return UnitOptimizers(units, self.recipe.optimizer, device, offload_dir=_offload_dir(run_dir),
                               seed=self.recipe.training.seed)
 
+    def hook_forward(self, model: nn.Module, parts: ModelParts) -> None:
+        """What the forward waits for, hooked in before the first forward traces a layer."""
+
     def layer_agreement(self) -> Callable[[int, list[int]], None] | None:
         """What LISA calls at each switch to prove every rank trains the same layers (None: no
         collective could hang on a disagreement)."""
         return None
+
+    def token_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The micro-batch's summed token loss (model/loss.py)."""
+        return token_loss_sum(model, batch, self.sharded_forward)
+
+    def eval_sums(self, model: nn.Module, batch: dict) -> tuple[float, int, int]:
+        """An eval batch's (loss sum, response tokens, argmax-correct ones)."""
+        return eval_sums(model, batch, self.sharded_forward)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -138,14 +173,38 @@ class Strategy:
         return mine, len(mine)
 
     def export(self, model: nn.Module, folder: Path) -> None:
-        """The model's weights and config as a Hugging Face folder (collective)."""
-        if dist.is_main():
+        """The model's weights and config as a Hugging Face folder (collective); a LoRA run's merged
+        model or peft's adapter folder, as lora.export says."""
+        if not dist.is_main():
+            return
+        if self.adapters is not None:
+            from lisaft.model.lora import save_final
+
+            save_final(model, self.adapters, self.recipe, folder)
+        else:
             pretrained(model).save_pretrained(folder, safe_serialization=True)
 
     def weights_component(self, model: nn.Module, units: list[Unit],
                           optimizers: UnitOptimizers) -> dict[str, FolderComponent]:
-        """The checkpoint's weights, by name: one file per unit, written by rank 0."""
+        """The checkpoint's weights, by name: one file per unit, written by rank 0; a LoRA run's
+        adapters, never the frozen base (checkpoint/adapters.py)."""
+        if self.adapters is not None:
+            return dict(adapter_component(model, self.adapters))
         return {"weights": UnitWeights(model, units, optimizers.changes)}
+
+    def resume_command(self, run_dir: Path) -> str:
+        """The command that continues this run from its newest checkpoint (train/stop.py)."""
+        return resume_command(run_dir, self.recipe.training.batch_size, torchrun=self.resumes_under_torchrun)
+
+    # -- what the end-of-run report reads -------------------------------------------------------
+
+    def weights_bytes(self, model: nn.Module) -> int:
+        """The weight bytes this rank holds."""
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def host_rows(self, estimate: Estimate) -> list[ReportRow]:
+        """Host memory the report shows beside the device's, estimated and held."""
+        return []
 
 
 class SingleProcess(Strategy):
@@ -154,12 +213,6 @@ class SingleProcess(Strategy):
 
 class DataParallel(Strategy):
     """torchrun ranks, each holding the whole model; the gradients are summed over ranks."""
-
-    def __init__(self, recipe: Recipe) -> None:
-        if recipe.optimizer.in_backward:
-            raise LisaftError("optimizer.in_backward cannot run data parallel: each update would run "
-                              "before the gradient all-reduce; set it false")
-        super().__init__(recipe)
 
     def optimizers(self, units: list[Unit], device: torch.device, run_dir: Path) -> UnitOptimizers:
         # Sharded state: each unit's owner is its index modulo the world size, stable across LISA
@@ -185,8 +238,21 @@ class CpuOffload(Strategy):
         self.offloaded.step_as_ready = t.max_grad_norm is None and t.on_nonfinite != "skip"
         return self.offloaded
 
+    def hook_forward(self, model: nn.Module, parts: ModelParts) -> None:
+        # The next step's forward starts before the CPU step ends: each unit waits for its own.
+        self.offloaded.wait_in_forward(model, parts.layers)
+
     def before_last_backward(self, controller: LisaController, measure_norm: bool) -> None:
         self.offloaded.arm(controller.trainable_units(), measure_norm)
+
+    def host_rows(self, estimate: Estimate) -> list[ReportRow]:
+        """The moments, the weights' host copy and the gradient accumulators (the device rows show
+        no gradients or moments for such a run)."""
+        held = self.offloaded.host_bytes()
+        est = estimate.host_components
+        return [("host: optimizer states", est.get("moments"), self.offloaded.state_bytes()[1]),
+                ("host: weight copies", est.get("host_weights"), held["host_weights"]),
+                ("host: gradient accumulators", est.get("gradient_accumulators"), held["grad_accumulators"])]
 
     def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
                measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[float | None, int, bool]:
@@ -205,6 +271,8 @@ class Fsdp(Strategy):
     # The embedding is a sharded unit with a dense gradient, even on one rank.
     sparse_embedding_grad = False
     optimizer_files_per_rank = True
+    resumes_under_torchrun = True
+    sharded_forward = True
 
     def __init__(self, recipe: Recipe) -> None:
         super().__init__(recipe)
@@ -265,6 +333,12 @@ class Fsdp(Strategy):
 
     def export(self, model: nn.Module, folder: Path) -> None:
         self._local().write_hf_model(folder)
+
+    def weights_bytes(self, model: nn.Module) -> int:
+        from lisaft.distributed.fsdp import local_tensor
+
+        # A parameter is a DTensor: this rank holds its local slice.
+        return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
 
     def weights_component(self, model: nn.Module, units: list[Unit],
                           optimizers: UnitOptimizers) -> dict[str, FolderComponent]:

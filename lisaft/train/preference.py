@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lisaft.config.schema import Recipe
-from lisaft.data.digest import DataChanged, changed_message, examples_digest
+from lisaft.data.digest import ACCEPT_KEY, DataChanged, examples_digest
 from lisaft.data.order import eval_index_batches
 from lisaft.distributed import dist
 from lisaft.metrics.display import PassBar
@@ -41,14 +41,16 @@ class ReferenceLogps:
     def load_state_dict(self, sd: dict) -> None:
         if sd["digest"] != self.digest:
             # Reference log-probs of other pairs cannot serve, and the run's reference may be gone.
-            raise DataChanged(changed_message(f"reference log-probs of digest {sd['digest']}, data {self.digest} "
-                                              "now; a DPO run cannot continue over other pairs"))
+            raise DataChanged(f"data: the pairs changed since the checkpoint (reference log-probs for digest "
+                              f"{sd['digest']}, pairs of {self.digest} now): DPO's reference log-probs belong to "
+                              "the pairs they were computed for, so this run cannot continue over other pairs, "
+                              f"not even with {ACCEPT_KEY}; start a new run")
         for pairs, refs in ((self.train, sd["train"]), (self.evals, sd["eval"])):
             for p, ref in zip(pairs, refs, strict=True):
                 p["ref"] = [float(ref[0]), float(ref[1])]
 
 
-def _reference_model(recipe: Recipe, parallel: Strategy, device: torch.device):
+def _reference_model(recipe: Recipe, device: torch.device):
     assert recipe.preference is not None and recipe.preference.reference is not None
     from lisaft.model.load import load_model
 
@@ -71,7 +73,7 @@ def reference_pass(model, pairs: list[dict], pad_id: int, batch_size: int, paral
         for n, idx in enumerate(mine):
             batch = collate_pairs([pairs[i] for i in idx], pad_id)
             batch = {k: v.to(device) for k, v in batch.items()}
-            logps = sequence_logps(model, batch)[0].view(2, len(idx)).t().double().cpu()
+            logps = sequence_logps(model, batch, parallel.sharded_forward)[0].view(2, len(idx)).t().double().cpu()
             if n < counted:
                 sums[idx] = logps
             bar.advance()
@@ -87,7 +89,7 @@ def compute_reference(recipe: Recipe, model, train: list[dict], evals: list[dict
     or, when `model` is None, with preference.reference loaded for it and freed after."""
     own = model is None
     if own:
-        model = _reference_model(recipe, parallel, device)
+        model = _reference_model(recipe, device)
     for pairs in (train, evals or []):
         reference_pass(model, pairs, pad_id, recipe.training.batch_size, parallel, device)
     if own:

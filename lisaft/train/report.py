@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lisaft.config.optimizers import optimizer_kind
+from lisaft.config.schema import Recipe
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
-from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.train.session import Session
 
 
@@ -17,15 +18,16 @@ def announce(session: Session, display: Display) -> None:
     n_params = sum(p.numel() for p in session.model.parameters())
     lisa = (f"LISA γ={r.lisa.active_layers} of {len(session.parts.layers)} layers every "
             f"{r.lisa.interval_steps} steps, {r.lisa.sampling}, state {r.lisa.state_policy}"
-            if r.lisa.enabled else "full fine-tuning")
+            if r.lisa.enabled else _adapters(r) if r.lora.enabled else "full fine-tuning")
     if session.auto_layers is not None:
-        display.print(f"lisa.active_layers auto: {session.auto_layers.line()} estimated at the peak, the largest "
-                      f"γ that fits the {session.device.type} memory")
+        display.print(f"lisa.active_layers auto chose the largest γ that fits the {session.device.type} memory "
+                      f"at its estimated peak: {session.auto_layers.line()}")
     display.print(
         f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
         f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
         f"{' on the CPU' if r.optimizer.cpu_offload else ''}; "
-        f"{len(session.train_examples)} train {'rows' if session.packing else 'examples'}"
+        + (f"{r.preference.loss} β={r.preference.beta:g}; " if r.preference is not None else "")
+        + f"{len(session.train_examples)} train {'rows' if session.packing else _unit(r)}"
         + (f", {len(session.eval_examples)} eval" if session.eval_examples else "")
         + f"; steps {session.progress.step}->{r.training.max_steps}; run {session.run_dir}"
     )
@@ -33,11 +35,20 @@ def announce(session: Session, display: Display) -> None:
         display.print(session.packing.summary())
 
 
+def _adapters(r: Recipe) -> str:
+    kind = "DoRA" if r.lora.dora else "LoRA"
+    base = f" on a 4-bit {r.model.quantize} base (Q{kind})" if r.model.quantize else " on a frozen base"
+    return f"{kind} rank {r.lora.rank}{base}"
+
+
+def _unit(recipe: Recipe) -> str:
+    return "pairs" if recipe.preference is not None else "examples"
+
+
 def memory_report(session: Session, metrics: RunLog) -> None:
     """The run's own memory, measured, beside what `lisaft estimate-memory` predicts for it."""
     from rich.console import Console
 
-    from lisaft.distributed.fsdp import local_tensor
     from lisaft.memory.command import estimate_for_recipe
     from lisaft.memory.render import estimated_vs_measured_table
     from lisaft.metrics.measure import peak_memory
@@ -61,14 +72,13 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     peak = peak_memory(session.device)
     if session.device.type == "cuda":
         # Paged optimizer state lives in unified memory, outside the allocator's counters.
-        paged = peaks.state_bytes if "paged" in session.recipe.optimizer.name else 0
+        paged = peaks.state_bytes if optimizer_kind(session.recipe.optimizer.name).paged else 0
         assert peak.cuda_reserved_bytes is not None  # measured on CUDA
         peak_bytes = peak.cuda_reserved_bytes + paged
     else:
         peak_bytes = peak.rss_bytes
     measured = {
-        # Under training.fsdp a parameter is a DTensor: this rank holds its local slice.
-        "weights_bytes": sum(local_tensor(p).numel() * p.element_size() for p in session.model.parameters()),
+        "weights_bytes": session.parallel.weights_bytes(session.model),
         "grad_bytes": peaks.grad_bytes,
         "optimizer_state_bytes": peaks.state_bytes,
         "activation_bytes": peaks.activation_bytes,
@@ -76,22 +86,10 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     }
     metrics.memory(estimate, measured)
     console = Console(highlight=False, soft_wrap=True)
-    console.print(estimated_vs_measured_table(estimate, measured, host_rows(estimate, session.optimizers)))
+    console.print(estimated_vs_measured_table(estimate, measured, session.parallel.host_rows(estimate)))
     console.print(f"(estimated for the run's longest batch, {recipe.training.batch_size} x {seq_len} tokens, "
                   f"where its activations were measured; data.max_seq_len is {session.recipe.data.max_seq_len})",
                   markup=False)
-
-
-def host_rows(estimate, optimizers) -> list[tuple[str, int | None, int | None]]:
-    """optimizer.cpu_offload's host memory, estimated and held: the moments, the weights' host copy
-    and the gradient accumulators (the GPU rows show no gradients or moments for such a run)."""
-    if not isinstance(optimizers, OffloadedOptimizers):
-        return []
-    held = optimizers.host_bytes()
-    est = estimate.host_components
-    return [("host: optimizer states", est.get("moments"), optimizers.state_bytes()[1]),
-            ("host: weight copies", est.get("host_weights"), held["host_weights"]),
-            ("host: gradient accumulators", est.get("gradient_accumulators"), held["grad_accumulators"])]
 
 
 def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:

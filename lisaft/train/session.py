@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import Checkpointer
 from lisaft.checkpoint.components import OptionalComponent, OwnFile, PerRank
 from lisaft.checkpoint.optimizer_files import OptimizerFiles
@@ -122,9 +121,7 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
     OptionalComponent(component, default) lets checkpoints written before it still resume."""
     parallel = session.parallel
     return {
-        # A LoRA run's checkpoint holds the adapters, never the frozen base (checkpoint/adapters.py).
-        **(parallel.weights_component(session.model, session.units, session.optimizers)
-           if session.adapters is None else adapter_component(session.model, session.adapters)),
+        **parallel.weights_component(session.model, session.units, session.optimizers),
         "progress": session.progress,
         "data": session.order,
         "lisa": session.controller,
@@ -155,7 +152,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     t = recipe.training
     device = dist.resolve_device(t.device)
     dist.init_from_env(device)  # a torchrun launch: the backend of the training device
-    parallel = choose(recipe)  # refuses what it cannot run before anything loads
+    parallel = choose(recipe, device)  # refuses what it cannot run before anything loads
     apply_threads(t.threads, dist.local_world_size())
     # Before the sampler exists: auto becomes a number here, and the run's recipe.yaml keeps it.
     auto_layers = resolve_for_run(recipe, device.type)
@@ -171,8 +168,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
         compute_reference(recipe, model, train_examples, eval_examples, tokenizer.pad_token_id, parallel, device)
     units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
     optimizers = parallel.optimizers(units, device, run_dir)
-    if hasattr(optimizers, "wait_in_forward"):  # cpu_offload, before the first forward traces a layer
-        optimizers.wait_in_forward(model, parts.layers)
+    parallel.hook_forward(model, parts)
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed, check_agreement=parallel.layer_agreement())
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
@@ -185,7 +181,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
                    parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters,
-                   objective=PairObjective(pref) if pref is not None else None,
+                   objective=PairObjective(pref, parallel.sharded_forward) if pref is not None else None,
                    reference=ReferenceLogps(train_examples, eval_examples) if pref is not None and pref.loss == "dpo"
                    else None)
 
@@ -220,7 +216,7 @@ def _model(recipe: Recipe, parallel: Strategy,
     t = recipe.training
     model = parallel.load_model(device)
     check_context_length(model.config, recipe.data.max_seq_len)
-    adapters = _attach_adapters(model, recipe)
+    adapters = parallel.attach_adapters(model)
     use_sparse_embedding_grad(model, recipe.model.sparse_embedding_grad and parallel.sparse_embedding_grad,
                               trains=_embeddings_train(recipe),
                               tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
@@ -229,14 +225,6 @@ def _model(recipe: Recipe, parallel: Strategy,
     if t.compile:
         compile_layers(parts.layers, device)
     return model, parallel.place(model, parts, device), adapters
-
-
-def _attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters | None:
-    if not recipe.lora.enabled:
-        return None
-    from lisaft.model.lora import attach_adapters
-
-    return attach_adapters(model, recipe)
 
 
 def _embeddings_train(recipe: Recipe) -> bool:

@@ -12,7 +12,6 @@ from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.distributed import dist
 from lisaft.metrics.phases import Phases
 from lisaft.model.attention import varlen_attention
-from lisaft.model.loss import token_loss_sum
 from lisaft.model.preference import collate_pairs, pair_positions
 from lisaft.train.preference import step_metrics
 from lisaft.train.session import Session
@@ -58,11 +57,12 @@ def _micro_batches(session: Session) -> tuple[list[dict], torch.Tensor]:
 
 
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
-               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] = token_loss_sum,
+               phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None,
                longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
     measure_activations: what the step's longest micro-batch saves for backward, if it is longer
-    than `longer_than` positions (the hooks only observe)."""
+    than `longer_than` positions (the hooks only observe); `forward`: a benchmark's own loss."""
+    forward = forward or session.parallel.token_loss
     t = session.recipe.training
     controller = session.controller
     with phases.phase("lisa"):
@@ -100,9 +100,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             with phases.phase("backward"):
                 (loss / loss_tokens).backward()
             loss_sum += loss.item()
-    skipped = False
     if norm is not None:
-        grad_norm, grad_bytes = norm.value, 0
+        grad_norm, grad_bytes, skipped = norm.value, 0, False
     else:
         grad_norm, grad_bytes, skipped = session.parallel.update(
             session.controller, session.optimizers, t.max_grad_norm, measure_norm, phases,

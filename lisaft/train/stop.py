@@ -41,23 +41,24 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def message(self, step: int, checkpoint: str, run_dir: Path, training, asked: bool) -> str:
-        """The stop's one line: why, the checkpoint written, the command that continues the run.
-        `asked`: a test's stop_at, not a signal; neither means another rank was signalled."""
+    def message(self, step: int, checkpoint: str, resume: str, asked: bool) -> str:
+        """The stop's one line: why, the checkpoint written, the command that continues the run
+        (`resume`, the parallel strategy's). `asked`: a test's stop_at, not a signal; neither means
+        another rank was signalled."""
         why = signal.Signals(self.signum).name if self.signum else ("stop requested" if asked else
                                                                      "another rank was stopped")
         return (f"stopped ({why}) at step {step}; checkpoint {checkpoint} written. "
-                f"Continue with: {resume_command(run_dir, training.batch_size, training.fsdp)}")
+                f"Continue with: {resume}")
 
 
-def resume_command(run_dir: Path, batch_size: int, fsdp: bool = False) -> str:
+def resume_command(run_dir: Path, batch_size: int, torchrun: bool = False) -> str:
     """How to continue a stopped run: under torchrun, the same launch (a plain `lisaft resume`
     would be one rank, another global batch), and the one-process form that keeps the batch
-    (under torchrun too with training.fsdp, which needs a process group even on one rank)."""
+    (under torchrun too where the strategy needs a process group even on one rank: FSDP)."""
     world = dist.world_size()
     if world == 1:
-        return f"{'torchrun --nproc-per-node 1 -m ' if fsdp else ''}lisaft resume {run_dir}"
-    one = "torchrun --nproc-per-node 1 -m lisaft" if fsdp else "lisaft"
+        return f"{'torchrun --nproc-per-node 1 -m ' if torchrun else ''}lisaft resume {run_dir}"
+    one = "torchrun --nproc-per-node 1 -m lisaft" if torchrun else "lisaft"
     return (f"torchrun --nproc-per-node {dist.local_world_size()} -m lisaft resume {run_dir}"
             + (f" (on {world} ranks in all)" if dist.local_world_size() != world else "")
             + f", or on one process `{one} resume {run_dir} --set training.batch_size={batch_size * world}`,"

@@ -21,9 +21,11 @@ def _env(tmp_path):
 
 @pytest.mark.timeout(900)  # ~100 s on a quiet machine; minutes on a loaded shared one
 def test_gpu_suite_dry_run_end_to_end(tmp_path):
-    """`bash benchmarks/gpu_run.sh --dry-run`: the GPU plan, in its order, on CPU at tiny size,
-    preflight included; each measurement leaves its JSON."""
+    """`OUT=D bash benchmarks/gpu_run.sh --dry-run`: the GPU plan, in its order, on CPU at tiny
+    size, preflight included; no named run skipped by the GPU's clock; everything back in D as at
+    most 8 files of at most 16 MiB (an archive and its summary)."""
     import resource
+    import tarfile
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_run.sh"), "--dry-run"],
@@ -31,30 +33,81 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "out"
-    assert "preflight ok" in (out / "preflight.log").read_text()
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert sorted(f.name for f in files) == ["gpu-results.tar.gz", "summary.json"]
+    assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
     order = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("== ")]
-    assert order == ["lisa-8b", "offload-full", "paged-full", "equality", "packing", "fsdp", "apollo-8b"]
-    runs = {}
-    for name in ("lisa-8b", "offload-full", "paged-full", "fsdp", "apollo-8b"):
-        summary = json.loads((out / f"{name}.json").read_text())
-        assert summary["mode"] == "tiny-cpu" and summary["complete"] is True
-        runs.update({r["run"]: r for r in summary["runs"]})
-    assert list(runs) == ["headroom", "offload-full-ga8", "full-in-backward", "fsdp-ref", "fsdp-1rank", "apollo-8b"]
+    assert order == ["lisa", "offload", "apollo", "lora", "equality", "resume", "peer", "packing", "gpu-tests"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and not summary["faults"]
+    assert all(s["exit"] == 0 and not s["skipped_runs"] for s in summary["steps"].values()), summary["steps"]
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        def read(name):
+            return json.load(tar.extractfile(name))
+
+        assert "preflight ok" in tar.extractfile("preflight.log").read().decode()
+        runs = {}
+        for name in ("lisa", "offload", "apollo", "lora"):
+            step = read(f"{name}.json")
+            assert step["mode"] == "tiny-cpu" and step["complete"] is True
+            runs.update({r["run"]: r for r in step["runs"]})
+        checks = read("equality.json")["checks"]
+        resume = read("resume.json")["variants"]
+        peer = read("peer.json")
+        packing = read("packing/packing.json")
+    assert list(runs) == ["lisa-8b", "offload-full-ga4", "apollo-8b", "lora-8b", "qlora-8b"]
     for r in runs.values():
-        assert r["steps_done"] == 3 and not r["oom"] and "error" not in r
+        assert r["steps_done"] == len(r["step_times_s"]) >= 3 and not r["oom"] and "error" not in r
         assert r["tokens_per_s"] > 0 and r["estimated_total_bytes"] > 0 and r["peak_rss_bytes"] > 0
         assert abs(r["estimate_error"]) < 0.5  # on CPU: against peak RSS
-    assert runs["headroom"]["offload_activations"] and runs["headroom"]["lisa"]
-    assert runs["offload-full-ga8"]["cpu_offload"] and runs["full-in-backward"]["in_backward"]
+        assert len(r["step_parts"]) == r["steps_done"] and r["expected"]["seconds"] > 0
+    lisa = runs["lisa-8b"]
+    assert lisa["offload_activations"] and lisa["lisa"]
+    assert len({tuple(a) for a in lisa["active_layers"][2:]}) > 1  # a layer switch inside the timed steps
+    offload = runs["offload-full-ga4"]
+    assert offload["cpu_offload"] and {"drain", "step_unit"} <= set(offload["offload_parts_timed"])
+    assert all(len(p["backward"]) == len(p["forward"]) == 4 for p in offload["step_parts"])
+    # The host steps overlap the next step's forward: each shows in the step whose time it took.
+    assert sum(p.get("offload_step_unit", 0) for p in offload["step_parts"]) > 0
     assert runs["apollo-8b"]["optimizer"] == "apollo_mini" and runs["apollo-8b"]["in_backward"]
-    assert runs["fsdp-1rank"]["last_loss"] == pytest.approx(runs["fsdp-ref"]["last_loss"], rel=1e-4)
-    checks = json.loads((out / "equality.json").read_text())["checks"]
+    assert runs["lora-8b"]["lora"] and runs["qlora-8b"]["quantize"] == "nf4"
     assert set(checks) == {"offload-vs-resident", "activation-offload", "packed-sdpa", "packed-varlen",
                            "compile-offload", "paged-in-backward"}
     assert all(c.get("ok") or c.get("skipped") for c in checks.values()), checks
+    assert checks["packed-sdpa"]["ok"] and checks["packed-sdpa"]["route"] == "position ids"
+    assert resume["resident"]["ok"] and resume["resident"]["compared_steps"] == [6, 7, 8]
+    assert peer["sides"]["lisaft"]["tokens_per_s"] > 0 and peer["sides"]["hf-trainer"]["tokens_per_s"] > 0
+    assert packing["complete"]
     # Tiny: the plan's CPU time, which a loaded machine does not inflate as it does wall time.
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu_s < 150, cpu_s
+
+
+def test_the_plan_fits_its_command_and_names_every_subject():
+    """`gpu_run.sh --plan`: one JSON line per step, each expected within its budget, the budgets
+    within 540 s, a step for each README subject."""
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_run.sh"), "--plan"], capture_output=True,
+                          text=True, timeout=120, env=_env(Path("/nonexistent")))
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines()]
+    assert all(set(r) == {"step", "budget_s", "expected_s"} and 0 < r["expected_s"] <= r["budget_s"] for r in rows)
+    assert sum(r["budget_s"] for r in rows) <= 540
+    names = " ".join(r["step"] for r in rows)
+    assert all(s in names for s in ("lisa", "offload", "apollo", "lora", "resume", "peer", "packing", "equality"))
+
+
+def test_a_plan_over_its_time_fails_before_running(monkeypatch, tmp_path):
+    """A step expected over its box, or boxes over 540 s, is a fault the dry run stops on."""
+    from benchmarks import gpu_plan
+
+    rows = gpu_plan.plan()
+    assert gpu_plan.check(rows) == []
+    slow = [{**r, "expected_s": r["budget_s"] + 1} if r["step"] == "offload" else r for r in rows]
+    assert gpu_plan.check(slow) == [f"offload: expected {rows[1]['budget_s'] + 1} s over its budget of "
+                                    f"{rows[1]['budget_s']} s"]
+    monkeypatch.setattr(gpu_plan, "plan", lambda: [*rows, {"step": "extra", "budget_s": 60, "expected_s": 1}])
+    assert gpu_plan.run(tmp_path / "out", tmp_path / "work", dry=True) == 1
+    assert "over 540 s" in json.loads((tmp_path / "out" / "summary.json").read_text())["faults"][0]
 
 
 def test_the_preflight_refuses_in_one_line_before_measuring(tmp_path):
@@ -65,7 +118,7 @@ def test_the_preflight_refuses_in_one_line_before_measuring(tmp_path):
     assert proc.returncode == 2
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error: preflight")]
     assert len(errors) == 1 and "xxhash" in errors[0] and "gpu_wheels.sh" in errors[0]
-    assert "==" not in proc.stdout and not (tmp_path / "out" / "lisa-8b.json").exists()
+    assert "==" not in proc.stdout and [f.name for f in (tmp_path / "out").iterdir()] == ["preflight.log"]
 
 
 def _wheel(folder: Path, name: str) -> None:
@@ -82,11 +135,10 @@ def _wheel(folder: Path, name: str) -> None:
 
 
 def test_wheels_carried_in_turns_add_up(tmp_path):
-    """A copy capped below the wheels' total carries them in turns (gpu_wheels.sh puts each wheel
-    over 40 MB in a folder of its own): each --install-only adds to the suite's site folder."""
+    """The two carries gpu_wheels.sh makes (wheels/base/, then wheels/jit/ with numba and its
+    llvmlite together): each --install-only adds to the suite's site folder."""
     env = _env(tmp_path)
-    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    for turn, (folder, name) in enumerate([("any", "carried_first"), (f"py{py}-big", "carried_second")]):
+    for turn, (folder, name) in enumerate([("base", "carried_first"), ("jit", "carried_second")]):
         wheels = tmp_path / f"turn{turn}"
         _wheel(wheels / folder, name)
         proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_run.sh"), "--install-only"],
@@ -94,6 +146,11 @@ def test_wheels_carried_in_turns_add_up(tmp_path):
         assert proc.returncode == 0 and "installed 1 wheels" in proc.stdout, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "carried_first.py").exists() and (tmp_path / "site" / "carried_second.py").exists()
     assert not (tmp_path / "out" / "preflight.log").exists()  # nothing measured, not even checked
+
+
+def test_gpu_wheels_keeps_numba_with_its_llvmlite_and_carries_annotated_doc():
+    script = (REPO / "benchmarks" / "gpu_wheels.sh").read_text()
+    assert "jit=(numba llvmlite)" in script and "annotated-doc" in script.split("jit=")[0]
 
 
 def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
@@ -106,5 +163,32 @@ def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
 
     suite = importlib.import_module("benchmarks.gpu_8b_24gb")
     assert summary["complete"] and [r["run"] for r in summary["runs"]] == [c.name for c in suite.CONFIGS]
-    assert [r["run"] for r in summary["runs"][:3]] == ["headroom", "table-g2-s2048", "long-16k"]
+    assert [r["run"] for r in summary["runs"][:3]] == ["lisa-8b", "headroom", "table-g2-s2048"]
     assert all(r["skipped"].startswith("budget") for r in summary["runs"])
+
+
+def test_expected_times_add_up_from_their_parts():
+    """An offload run's time: per micro-batch the longer of compute and the gradients' copy, plus
+    the host's accumulation; per step the host step and the weights back; the start once."""
+    from benchmarks.gpu_8b_24gb import CONFIG_8B, RECIPE_FULL
+    from benchmarks.gpu_times import START_S, run_seconds
+
+    ga4, ga8 = (run_seconds(RECIPE_FULL, (f"training.grad_accum_steps={n}",), 3, CONFIG_8B) for n in (4, 8))
+    p = ga4["parts"]
+    per_micro = max(p["compute_per_micro_batch_s"], p["transfer_per_micro_batch_s"]) + p["accumulate_per_micro_batch_s"]
+    assert ga8["seconds"] - ga4["seconds"] == pytest.approx(3 * 4 * per_micro)
+    assert ga4["seconds"] == pytest.approx(START_S + p["extra_s"] + 3 * (4 * per_micro + p["host_step_s"]
+                                                                        + p["weights_back_s"]))
+    assert 7.9e9 < p["host_step_s"] / 1.61 * 1e9 < 8.1e9  # 1.61 s per 10^9 parameters, 8.03 x 10^9 of them
+
+
+def test_packing_at_gpu_size_makes_its_data_in_a_moment():
+    """The GPU size's documents draw on 1,024 ids (an 8 MB chain), not 32,000 (8.2 GB)."""
+    import time
+
+    from benchmarks.packing_bench import GPU, make_data
+
+    t0 = time.process_time()
+    train, evals = make_data(GPU, 0)
+    assert time.process_time() - t0 < 20
+    assert len(train) == GPU["n_train"] and max(t for d in train for t in d["input_ids"]) < GPU["data_vocab"]

@@ -135,3 +135,14 @@ def test_a_resume_against_another_base_is_refused_in_one_line(tiny_run):
     assert result.exit_code != 0 and "Traceback" not in result.output, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "fingerprint" in lines[0] and "trained on base" in lines[0], lines
+
+
+def test_a_lora_run_says_it_trains_adapters_and_every_layer(tiny_run):
+    recipe = _recipe(tiny_run, model={"gradient_checkpointing": True}, training={"max_steps": 2, "eval_every": 0})
+    result = runner.invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 0, result.output
+    assert "LoRA rank 4 on a frozen base, adamw_32bit" in result.output and "full fine-tuning" not in result.output
+    steps = [line for line in result.output.splitlines() if line.startswith("step ")]
+    assert steps and all("  layers all" in line for line in steps), result.output
+    # transformers' deprecation of is_gradient_checkpointing is advisory: hidden (docs/logging.md).
+    assert "is_gradient_checkpointing" not in result.output and "warning" not in result.output, result.output

@@ -28,6 +28,17 @@ def test_eval_line():
         "eval step 50  loss 0.9700  token accuracy 65.4%"
 
 
+def test_a_preference_run_shows_its_reward_accuracy_and_margin_within_80_columns():
+    rec = {**RECORD, "reward_accuracy": 0.75, "reward_margin": 0.01642}
+    line = train_line(rec, 400, width=120)
+    assert "lr 1.0e-05  acc 75%  margin 0.0164  gn 0.5" in line and line.endswith("layers 3,17"), line
+    assert "  acc 75%  gn 0.5" in train_line(rec, 400, width=95)  # the margin gives way first
+    for total in (400, 100000):  # then the accuracy: a line still fits 80 columns
+        assert len(train_line(rec, total)) <= 80
+    assert eval_line({"step": 6, "eval_loss": 0.6826, "eval_reward_accuracy": 0.375, "eval_reward_margin": 0.0232}) \
+        == "eval step 6  loss 0.6826  reward accuracy 37.5%  margin 0.0232"
+
+
 def test_the_example_lines_in_docs_logging_are_what_the_code_prints():
     import re
     from pathlib import Path

@@ -38,18 +38,18 @@ def test_what_fsdp_cannot_run_is_refused_by_the_recipe_in_one_line(sections, wor
 
 def test_fsdp_without_torchrun_is_refused_in_one_line():
     with pytest.raises(LisaftError, match="torchrun --nproc-per-node") as e:
-        check_world(recipe(), world_size=1, launched=False)  # one process: nothing to shard over
+        check_world(recipe(), world_size=1, launched=False, device="cpu")  # one process: nothing to shard over
     assert "\n" not in str(e.value)
-    check_world(recipe(), world_size=1, launched=True)  # one rank under torchrun: allowed
+    check_world(recipe(), world_size=1, launched=True, device="cpu")  # one rank under torchrun: allowed
 
 
 def test_sharded_optimizer_state_without_torchrun_is_refused_like_fsdp_naming_the_resume_launch():
     data = {k: dict(v) for k, v in BASE.items()}
     data["training"].update(fsdp=False, shard_optimizer_state=True)
     with pytest.raises(LisaftError, match=r"training.shard_optimizer_state shards over torchrun's ranks") as e:
-        check_world(recipe_from_dict(data), world_size=1, launched=False)
+        check_world(recipe_from_dict(data), world_size=1, launched=False, device="cpu")
     assert "-m lisaft resume RUN`" in str(e.value) and "for a new run, set" in str(e.value)
-    check_world(recipe_from_dict(data), world_size=1, launched=True)
+    check_world(recipe_from_dict(data), world_size=1, launched=True, device="cpu")
 
 
 @pytest.mark.parametrize("optimizer, words", [
@@ -61,9 +61,9 @@ def test_what_data_parallel_cannot_run_is_refused_at_set_up(optimizer, words):
     data["training"].update(fsdp=False, max_grad_norm=None)
     data["optimizer"] = optimizer
     r = recipe_from_dict(data)
-    check_world(r, world_size=1, launched=False)  # one process: fine
+    check_world(r, world_size=1, launched=False, device="cpu")  # one process: fine
     with pytest.raises(LisaftError, match=words):
-        check_world(r, world_size=2, launched=True)
+        check_world(r, world_size=2, launched=True, device="cpu")
 
 
 def test_slices_of_different_ranks_round_with_different_noise_and_each_is_repeatable():

@@ -148,3 +148,26 @@ def test_context_length_error_and_rope_scaling_warning(tiny_llama_config):
     tiny_llama_config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
     with pytest.warns(UserWarning, match="rope_scaling"):
         check_context_length(tiny_llama_config, 512)
+
+
+@pytest.mark.parametrize("newer_name", [True, False], ids=["activation_checkpointing", "gradient_checkpointing"])
+def test_checkpointing_is_enabled_under_either_transformers_name(monkeypatch, newer_name):
+    """transformers 5.17 (the lent GPU machine's) has only gradient_checkpointing_enable; later
+    5.x add activation_checkpointing_enable: enable_checkpointing turns it on with either."""
+    from transformers import PreTrainedModel
+
+    from lisaft.model.load import enable_checkpointing
+    from tests.unit._tiny import tiny
+
+    real = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
+    if not newer_name and real is not None:  # as 5.17 has it: the older name, doing the work
+
+        def older(self, gradient_checkpointing_kwargs=None):
+            return real(self, activation_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+        monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", older)
+        monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
+    model = tiny()
+    assert hasattr(model, "activation_checkpointing_enable") == (newer_name and real is not None)
+    enable_checkpointing(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)

@@ -101,15 +101,16 @@ def test_no_offload_without_checkpointing():
 
 
 def test_recipe_key_needs_checkpointing_and_load_model_applies_it(tiny_llama_config, tmp_path):
-    from pydantic import ValidationError
-
-    from lisaft.config.schema import ModelSection
+    from lisaft.config.schema import ModelSection, recipe_from_dict
+    from lisaft.errors import LisaftError
     from lisaft.model.load import load_model
 
     tiny_llama_config.save_pretrained(tmp_path)
     tiny_llama_config = tmp_path / "config.json"
-    with pytest.raises(ValidationError, match="gradient_checkpointing"):
-        ModelSection(config=str(tiny_llama_config), tokenizer="x", offload_activations=True)
+    with pytest.raises(LisaftError, match="model.offload_activations offloads checkpointed layer inputs: set "
+                       "model.gradient_checkpointing: true as well"):
+        recipe_from_dict({"model": {"config": str(tiny_llama_config), "tokenizer": "x", "offload_activations": True},
+                          "data": {"train": "t.jsonl"}, "training": {"max_steps": 1, "output_dir": "r"}})
     section = ModelSection(config=str(tiny_llama_config), tokenizer="x", dtype="float32",
                            attention="sdpa", gradient_checkpointing=True, offload_activations=True)
     model = load_model(section, torch.device("cpu"))

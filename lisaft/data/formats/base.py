@@ -40,6 +40,7 @@ class DataFormat:
 
     name: ClassVar[str]
     fields: ClassVar[str]            # the fields a row holds, for messages and docs
+    required: ClassVar[tuple[str, ...]] = ()  # the fields every row must hold (a missing one names the format they fit)
     sequences_per_example: ClassVar[int] = 1  # sequences one example puts through the forward
     input_note: ClassVar[str | None] = None   # why `lisaft generate --input` has no place, if it has none
 
@@ -88,8 +89,22 @@ def row_field(rows: Rows, i: int, name: str, optional: bool = False) -> str | No
 
 
 def missing_field(rows: Rows, i: int, name: str) -> LisaftError:
-    have = ", ".join(sorted(map(str, rows.rows[i]))) or "none"
-    return LisaftError(f"{rows.where(i)}: missing field {name!r} (fields: {have})")
+    fields = set(map(str, rows.rows[i]))
+    have = ", ".join(sorted(fields)) or "none"
+    return LisaftError(f"{rows.where(i)}: missing field {name!r} (fields: {have}){_way_out(fields, name)}")
+
+
+def _way_out(fields: set[str], name: str) -> str:
+    """What the row's fields suggest: ShareGPT's names, another format's fields, or a rename."""
+    from lisaft.data.formats import FORMATS
+
+    if name == "messages" and "conversations" in fields:
+        return ("; ShareGPT data: set data.columns {conversations: messages, from: role, value: content} and "
+                "data.roles {human: user, gpt: assistant}")
+    for fmt in FORMATS.values():
+        if fmt.required and name not in fmt.required and set(fmt.required) <= fields:
+            return f"; these are data.format {fmt.name}'s fields: set data.format: {fmt.name}"
+    return "; data.columns renames a dataset's fields (old: new)" if fields else ""
 
 
 class Fit:

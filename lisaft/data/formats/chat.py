@@ -131,7 +131,9 @@ def _turn_has_special(ids: list[int], labels: list[int], special: set[int]) -> b
 
 def need_chat_template(tokenizer, key: str, fmt: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise LisaftError(f"{key}: data.format is {fmt} but the tokenizer has no chat template")
+        raise LisaftError(f"{key}: data.format is {fmt} but the tokenizer has no chat template; point "
+                          "model.tokenizer at one that has (an instruct model's folder: its tokenizer_config.json "
+                          "holds chat_template), or write the rows for data.format: instruction")
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], where: str) -> list[int]:
@@ -149,6 +151,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict], where: str) -> list[int]:
 
 class Chat(DataFormat):
     name = "chat"
+    required = ("messages",)
     fields = "`messages`, a list of {role, content} (loss on assistant turns only)"
     input_note = "--input is ignored for chat prompts (it fills an instruction's input); put the whole " \
                  "user message in --prompt"

@@ -39,6 +39,7 @@ def render_instruction_prompt(instruction: str, input: str | None = None, templa
 
 class Instruction(DataFormat):
     name = "instruction"
+    required = ("instruction", "output")
     fields = "`instruction`, optional `input`, `output` (loss on the output only)"
 
     def examples(self, rows: Rows, tokenizer, template: str | None, roles: dict[str, str]) -> list[Example]:

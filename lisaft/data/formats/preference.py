@@ -108,6 +108,7 @@ def prompt_length(example: Example) -> int:
 
 class Preference(DataFormat):
     name = "preference"
+    required = ("prompt", "chosen", "rejected")
     fields = ("`prompt`, `chosen`, `rejected`: strings (prompt tokens, then each answer plus EOS) or messages "
               "(the prompt's turns, then the assistant answer)")
     sequences_per_example = 2

@@ -8,6 +8,7 @@ from lisaft.data.read import Rows
 
 class Text(DataFormat):
     name = "text"
+    required = ("text",)
     fields = "field `text`"
     input_note = "--input is ignored for text prompts; put the whole text in --prompt"
 

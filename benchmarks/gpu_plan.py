@@ -1,0 +1,211 @@
+"""The GPU suite's plan and its runner: benchmarks/gpu_run.sh calls this after the preflight.
+
+Steps, ordered by value per device minute, each named by its subject, each under its own time
+box (budget_s), their boxes summing to at most TOTAL_S so the whole suite fits one 10-minute
+command with a margin. Every step's expected time is computed before it runs
+(benchmarks/gpu_times.py: the 8B runs' from their recipes; the others' from the parts named in
+`_small`), and a step whose named run would be skipped for time fails the plan's check, which
+`--dry-run` runs first.
+
+    python -m benchmarks.gpu_plan plan                     # one JSON line per step
+    python -m benchmarks.gpu_plan run --out DIR [--dry-run]
+
+What comes back: DIR holds two files, written again after every step: gpu-results.tar.gz (every
+step's JSON, markdown and log, and the preflight's) and summary.json (each step's exit, time and
+JSON files). Everything else goes to --work (default: a temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.gpu_times import START_S
+
+REPO = Path(__file__).resolve().parents[1]
+TOTAL_S = 540  # of the 600 s one command may run: 60 s for the preflight and the archive
+ARCHIVE, SUMMARY = "gpu-results.tar.gz", "summary.json"
+SUITE_MARGIN_S = 8  # a gpu_8b_24gb step's own start before its first run (imports, no CUDA)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    budget_s: int
+    module: str
+    args: tuple[str, ...] = ()
+    dry_args: tuple[str, ...] = ("--dry-run",)
+    configs: tuple[str, ...] = ()  # gpu_8b_24gb runs: their expected times are the step's
+    writes_out: bool = True  # takes --out (pytest writes only its log)
+
+    def expected(self) -> dict:
+        if self.configs:
+            from benchmarks.gpu_8b_24gb import BY_NAME
+
+            runs = {c: BY_NAME[c].expected["seconds"] for c in self.configs}
+            return {"seconds": SUITE_MARGIN_S + sum(runs.values()), "how": "gpu_times.run_seconds per run",
+                    "runs": runs}
+        return _small(self.name)
+
+    def argv(self, out: Path, dry: bool) -> list[str]:
+        if self.configs:
+            inner = self.budget_s - 2  # the box's own 2 s for the process to end
+            return [sys.executable, "-m", self.module, *(["--tiny"] if dry else []), "--configs",
+                    ",".join(self.configs), "--budget-s", str(inner), "--out", str(out / f"{self.name}.json")]
+        if not self.writes_out:
+            return [sys.executable, "-m", self.module, *self.args]
+        return [sys.executable, "-m", self.module, *(self.dry_args if dry else self.args),
+                "--out", str(out / (self.name if self.name == "packing" else f"{self.name}.json"))]
+
+
+def _small(name: str) -> dict:
+    """The steps of small models: a start (gpu_times.START_S, whose 5 s of 8B model build they
+    do not pay) and their own parts, each assumed where no figure exists."""
+    start = START_S - 5
+    parts = {
+        # 6 checks on 4-layer models: inductor compiling one layer on CUDA (30 s, assumed), the
+        # other five under 2 s each (their CPU dry run takes 2-8 s each at hidden 64-256).
+        "equality": {"start_s": start, "compile_s": 30.0, "checks_s": 5 * 2.0},
+        # 2 variants x 3 runs of the quickstart model (8 steps of 32 x 64 tokens): 2 s each on a
+        # GPU (assumed), and cpu_offload's host kernel compiled once (gpu_times' 10 s).
+        "resume": {"start_s": start, "runs_s": 6 * 2.0, "host_kernel_s": 10.0},
+        # pytest over the test files that hold a CUDA-only (`gpu`) test: collecting
+        # tests/unit/test_lisa.py took 4.3 s of CPU here (/usr/bin/time), its 12 cases 0.5 s each
+        # on a GPU (assumed).
+        "gpu-tests": {"start_s": 6.6, "collect_s": 4.3 * len(gpu_test_files()), "tests_s": 12 * 0.5},
+        # gpu_8b_24gb's peer-lisaft run, and HF Trainer's process: the same start and steps.
+        "peer": None,
+        # packing_bench --gpu-size: 1 seed, 5 contenders, one epoch of 384 documents each (about
+        # 275 tokens each: a log-normal of median 200, sigma 0.8) through a 1.1B model, 6P
+        # FLOPs a token at 25% of 788 TFLOP/s; batch1's 384 micro-batches launch-bound at 25 ms
+        # each (assumed); models built on the device and evals (15 s, assumed).
+        "packing": {"start_s": start, "train_s": 5 * 384 * 275 * 6 * 1.1e9 / (788e12 * 0.25),
+                    "batch1_launches_s": 384 * 0.025, "models_evals_s": 15.0},
+    }[name]
+    if name == "peer":
+        from benchmarks.gpu_8b_24gb import BY_NAME
+
+        lisaft = BY_NAME["peer-lisaft"].expected["seconds"]
+        parts = {"lisaft_s": lisaft, "hf_trainer_s": lisaft}
+    return {"seconds": sum(parts.values()), "how": "parts", "parts": parts}
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with a CUDA-only test (marker `gpu`, which tests/conftest.py skips on CPU)."""
+    return sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").rglob("test_*.py")
+                  if "pytest.mark.gpu" in f.read_text())
+
+
+STEPS = (
+    Step("lisa", 35, "benchmarks.gpu_8b_24gb", configs=("lisa-8b",)),
+    Step("offload", 135, "benchmarks.gpu_8b_24gb", configs=("offload-full-ga4",)),
+    Step("apollo", 33, "benchmarks.gpu_8b_24gb", configs=("apollo-8b",)),
+    Step("lora", 120, "benchmarks.gpu_8b_24gb", configs=("lora-8b", "qlora-8b")),
+    Step("equality", 55, "benchmarks.gpu_equality"),
+    Step("resume", 35, "benchmarks.gpu_resume"),
+    Step("peer", 45, "benchmarks.gpu_peer"),
+    Step("packing", 60, "benchmarks.packing_bench", args=("--gpu-size", "--device", "cuda"),
+         dry_args=("--quick", "--device", "cpu")),
+    Step("gpu-tests", 20, "pytest", args=("-q", "-p", "no:cacheprovider", "-m", "gpu", *gpu_test_files()),
+         writes_out=False),
+)
+
+
+def plan() -> list[dict]:
+    return [{"step": s.name, "budget_s": s.budget_s, "expected_s": round(s.expected()["seconds"], 1)}
+            for s in STEPS]
+
+
+def check(rows: list[dict]) -> list[str]:
+    """What would make the GPU run skip or cut a named run: the plan's faults, one line each."""
+    faults = [f"{r['step']}: expected {r['expected_s']} s over its budget of {r['budget_s']} s"
+              for r in rows if r["expected_s"] > r["budget_s"]]
+    total = sum(r["budget_s"] for r in rows)
+    if total > TOTAL_S:
+        faults.append(f"the budgets sum to {total} s, over {TOTAL_S} s")
+    return faults
+
+
+def _skipped(step: Step, out: Path) -> list[str]:
+    """The step's named runs its JSON says were skipped for time."""
+    path = out / f"{step.name}.json"
+    if not step.configs or not path.exists():
+        return []
+    return [r["run"] for r in json.loads(path.read_text()).get("runs", []) if r.get("skipped")]
+
+
+def pack(work: Path, out: Path, summary: dict) -> None:
+    """Everything the steps wrote into one archive, beside the summary: two files in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{ARCHIVE}.partial"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in sorted(work.rglob("*")):
+            if f.is_file() and f.suffix in (".json", ".md", ".log"):
+                tar.add(f, arcname=str(f.relative_to(work)))
+    tmp.replace(out / ARCHIVE)
+    (out / SUMMARY).write_text(json.dumps(summary, indent=1))
+
+
+def run(out: Path, work: Path, dry: bool) -> int:
+    rows = plan()
+    summary: dict = {"mode": "dry-run" if dry else "gpu", "plan": rows, "faults": check(rows), "steps": {}}
+    for fault in summary["faults"]:
+        print(f"plan: {fault}")
+    if summary["faults"]:
+        pack(work, out, summary)
+        return 1
+    failed = False
+    for step in STEPS:
+        # The dry run's box is the CI machine's, not the GPU's: a loaded CPU must not cut it.
+        box = 900 if dry else step.budget_s
+        print(f"== {step.name} (at most {step.budget_s} s)", flush=True)
+        t0 = time.monotonic()
+        with (work / f"{step.name}.log").open("w") as log:
+            try:
+                rc = subprocess.run(step.argv(work, dry), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=box).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        skipped = _skipped(step, work)
+        seconds = round(time.monotonic() - t0, 1)
+        summary["steps"][step.name] = {"exit": rc, "seconds": seconds, "skipped_runs": skipped}
+        print(f"{step.name}: {seconds} s, exit {rc}" + (f", skipped for time: {', '.join(skipped)}" if skipped else ""),
+              flush=True)
+        failed |= rc != 0 or bool(skipped)
+        pack(work, out, summary)
+    summary["complete"] = True
+    pack(work, out, summary)
+    print(f"results in {out / ARCHIVE} and {out / SUMMARY}")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=("plan", "run"))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--work", type=Path, help="where the steps write (default: a temporary folder)")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    if args.command == "plan":
+        rows = plan()
+        for r in rows:
+            print(json.dumps(r))
+        for fault in check(rows):
+            print(f"plan: {fault}", file=sys.stderr)
+        return 1 if check(rows) else 0
+    if args.work:
+        args.work.mkdir(parents=True, exist_ok=True)
+        return run(args.out, args.work, args.dry_run)
+    with tempfile.TemporaryDirectory(prefix="lisaft-gpu-") as work:
+        return run(args.out, Path(work), args.dry_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

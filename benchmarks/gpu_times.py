@@ -1,0 +1,129 @@
+"""How long each GPU-suite run should take on the lent H200, computed before it runs.
+
+No lisaft figure on a GPU exists yet, so every expected time is computed from named parts, each
+measured (on the lent machine by others, or by this project's benchmarks on the build CPU) or
+assumed, and the plan (benchmarks/gpu_plan.py) fits its budgets to them:
+
+    run   = START_S + steps x step + extra
+    step  = micro-batches x max(FLOPs / (BF16_RATE x TRAIN_SHARE), gradient bytes out / LINK)
+            + host parts (cpu_offload: accumulation per micro-batch, the host step, weights back)
+
+Once the suite has run, its JSON holds each run's step time, share of the FLOP bound and wall
+time: the assumptions below are then to be replaced by those figures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+# Measured on the lent kind (the device notes, 2026-10-28): an 8192^3 bf16 product through
+# PyTorch at 788 TFLOP/s on random data.
+BF16_RATE = 788e12
+# Assumed: the share of that bound a checkpointed 8B training step reaches (the suite measures
+# it: share_of_flop_bound). 25% is below what checkpointed Llama training reports at this size.
+TRAIN_SHARE = 0.25
+# Assumed: 4-bit layers dequantize their weight on every use (bitsandbytes): matmul time x 1.5.
+NF4_SLOWDOWN = 1.5
+# Assumed: the host link, the 25 GB/s recipes/llama3.1-8b-full-24gb.yaml states for PCIe.
+LINK_BYTES_PER_S = 25e9
+# A child's start, in parts: Python with torch, transformers and lisaft imported (6.6 s of CPU
+# on the build machine, measured with /usr/bin/time), the CUDA context (2 s, assumed), an 8B
+# model of random bf16 weights built on the GPU (5 s, assumed: init kernels over 16 GB), the
+# estimate and the bf16 rate probe (2 s, assumed).
+START_S = 6.6 + 2 + 5 + 2
+# Assumed: numba compiling the host kernel on first use (cached on disk afterwards).
+HOST_KERNEL_COMPILE_S = 10.0
+# Assumed: quantizing 8B random weights to NF4 on the GPU, after building them.
+NF4_QUANTIZE_S = 5.0
+# Assumed: the lent machine's disk, for the random weights a quantized base is loaded from
+# (model.quantize needs a pretrained folder): written at 1 GB/s, read back at 2 GB/s.
+DISK_WRITE_BYTES_PER_S, DISK_READ_BYTES_PER_S = 1e9, 2e9
+
+
+def recipe_values(recipe: Path, overrides: tuple[str, ...]) -> dict:
+    """The recipe as a plain mapping with dotted overrides applied (the values YAML parses them
+    to): what the time model reads, without pydantic, so `--plan` runs on a bare machine."""
+    data = yaml.safe_load(recipe.read_text())
+    for o in overrides:
+        key, _, value = o.partition("=")
+        *parents, leaf = key.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    return data
+
+
+def model_shape(config: Path) -> dict:
+    """Matmul weights per decoder layer and in the head, from a config.json."""
+    c = json.loads(config.read_text())
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    kv = h * c.get("num_key_value_heads", c["num_attention_heads"]) // c["num_attention_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * inter
+    total = c["num_hidden_layers"] * layer + 2 * c["vocab_size"] * h  # embeddings and head
+    return {"layers": c["num_hidden_layers"], "hidden": h, "layer": layer, "head": c["vocab_size"] * h,
+            "params": total}
+
+
+def flops_per_token(shape: dict, seq: int, kind: str, gamma: int = 0, recompute: bool = True) -> float:
+    """Matmul FLOPs per token, counted as benchmarks/lisa_bench.py counts them: 2P forward, 2P
+    input gradient, 2P weight gradient; attention 4·L·d forward, 8·L·d backward; checkpointing
+    runs each layer's forward again. kind: full, lisa (γ layers and the head take weight
+    gradients; all layers input gradients, the embeddings training) or lora (no weight gradient
+    but the adapters', which are negligible)."""
+    n, layer, head = shape["layers"], shape["layer"], shape["head"]
+    attn = 4 * seq * shape["hidden"]
+    again = (2 * layer + attn) * recompute
+    if kind == "full":
+        return n * (6 * layer + 3 * attn + again) + 6 * head
+    if kind == "lisa":
+        return n * (4 * layer + 3 * attn + again) + gamma * 2 * layer + 6 * head
+    return n * (4 * layer + 3 * attn + again) + 4 * head
+
+
+def _host_rates() -> dict:
+    """Seconds per 10^9 parameters of the cpu_offload host parts, measured on the build machine
+    (2 threads): the fused 8-bit host step (benchmarks/results/host_step/host_step.json) and the
+    accumulation of a micro-batch's gradients (benchmarks/results/offload/offload.json, 218.1M
+    parameters, adamw_8bit, 2 threads). The lent machine has 16 cores: a bound from above."""
+    host = json.loads((RESULTS / "host_step" / "host_step.json").read_text())
+    offload = json.loads((RESULTS / "offload" / "offload.json").read_text())
+    rows = [r for r in offload["results"] if r["optimizer"] == "adamw_8bit" and r["threads"] == 2]
+    big = max(rows, key=lambda r: r["params"])
+    return {"host_step": host["moments"]["8bit"]["kernel"]["s_per_1e9_params"],
+            "accumulate": big["seconds_per_1e9_params"]["accumulate"]}
+
+
+def run_seconds(recipe: Path, overrides: tuple[str, ...], steps: int, config: Path) -> dict:
+    """The expected wall time of one run of `steps` optimizer steps, with its parts."""
+    r = recipe_values(recipe, overrides)
+    model, lisa, lora, opt = r["model"], r.get("lisa", {}), r.get("lora", {}), r["optimizer"]
+    t = r["training"]
+    shape = model_shape(config)
+    seq, micro = r["data"]["max_seq_len"], t.get("grad_accum_steps", 1) * t.get("batch_size", 1)
+    kind = "lora" if lora.get("enabled") else "lisa" if lisa.get("enabled") else "full"
+    flops = flops_per_token(shape, seq, kind, lisa.get("active_layers", 2) or 2,
+                            model.get("gradient_checkpointing", False))
+    compute = flops * seq / (BF16_RATE * TRAIN_SHARE) * (NF4_SLOWDOWN if model.get("quantize") else 1.0)
+    parts = {"start_s": START_S, "compute_per_micro_batch_s": compute}
+    per_step = micro * compute
+    extra = 0.0
+    if model.get("quantize"):
+        weights = 2 * shape["params"]
+        extra = NF4_QUANTIZE_S + weights / DISK_WRITE_BYTES_PER_S + weights / DISK_READ_BYTES_PER_S
+    if opt.get("cpu_offload"):
+        rates, p = _host_rates(), shape["params"] / 1e9
+        out = 2 * shape["params"] / LINK_BYTES_PER_S  # bf16 gradients, overlapped with backward
+        parts.update(transfer_per_micro_batch_s=out, accumulate_per_micro_batch_s=rates["accumulate"] * p,
+                     host_step_s=rates["host_step"] * p, weights_back_s=out)
+        per_step = (micro * (max(compute, out) + parts["accumulate_per_micro_batch_s"])
+                    + parts["host_step_s"] + parts["weights_back_s"])
+        extra += HOST_KERNEL_COMPILE_S
+    parts.update(step_s=per_step, steps=steps, extra_s=extra)
+    return {"seconds": START_S + steps * per_step + extra, "parts": parts}
