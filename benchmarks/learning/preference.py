@@ -4,10 +4,11 @@ task's right answer, and to give it, with each method at equal optimizer memory?
     python -m benchmarks.learning_bench --protocol 2 --preference           # what ran (docs/learning.md)
     python -m benchmarks.learning_bench --protocol 2 --preference --quick   # tiny: a smoke of every arm
 
-The model is protocol 2's smallest: 6 decoder layers pre-trained on task family A (Reverse,
-Uppercase, Sort), here for 150 steps instead of protocol 2's 500, so that it answers some held-out
-items right and many wrong. Pairs are family A's rows: `chosen` the right answer, `rejected` a
-plausible wrong one (`wrong_answer`). Train pairs are the pre-training inputs, eval pairs A's
+The model is protocol 2's smallest, its --quick depth: 4 decoder layers x 64, pre-trained on task
+family A (Reverse, Uppercase, Sort) with protocol 2's pre-training settings for 200 steps instead
+of 500, so that it answers some held-out items right and most wrong (on the shared 2-core machine
+a 6-layer pre-training alone did not fit the time this ran in: docs/learning.md). Pairs are
+family A's rows: `chosen` the right answer, `rejected` a plausible wrong one (`wrong_answer`). Train pairs are the pre-training inputs, eval pairs A's
 held-out inputs. Each arm (full, LISA γ=2, LoRA at LISA γ=2's optimizer state, APOLLO-Mini; the
 arms and lrs of protocol 2) trains with each loss through lisaft's own loop, and is scored
 before and after on the held-out pairs: the loss's own implicit reward accuracy, the summed
@@ -28,13 +29,13 @@ from benchmarks.learning import protocol2 as p2
 
 LOSSES = ("dpo", "simpo", "orpo")
 ARMS = ("full", "lisa_g2_uniform", "lora_eq_g2", "apollo_mini")
-# Each arm's lr: protocol 2's pick at depth 6 on the new skill (APOLLO mode, three seeds).
+# Each arm's lr: protocol 2's pick at depth 6 (its smallest swept depth) on the new skill, APOLLO mode.
 LR_SOURCE = ("benchmarks/results/learning2-apollo/learning2.json", "results", "new_skill", "6")
 # Protocol 2's settings (the pre-training's batch, lr and warm-up among them), fewer steps and pairs.
 _BASE = dict({k: v for k, v in p2.SETTINGS["reduced"].items() if k not in ("stages", "extend_edges")},
-             pretrain_steps=150, batch_size=8, max_seq_len=64, warmup_steps=3, interval_steps=10)
+             pretrain_steps=200, batch_size=8, max_seq_len=64, warmup_steps=3, interval_steps=10)
 SETTINGS = {
-    "run": dict(_BASE, depth=6, steps=30, train_pairs=240, eval_pairs=100, seeds=[0, 1, 2],
+    "run": dict(_BASE, depth=4, steps=20, train_pairs=160, eval_pairs=100, seeds=[0, 1, 2],
                 grid=[(loss, arm) for loss in LOSSES for arm in ARMS]),
     "quick": dict(_BASE, depth=4, pretrain_steps=60, pretrain_warmup_steps=6, steps=4, batch_size=8,
                   interval_steps=2, warmup_steps=1, train_pairs=32, eval_pairs=16, seeds=[0],
