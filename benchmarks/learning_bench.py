@@ -272,6 +272,8 @@ def parse_args() -> argparse.Namespace:
                     "QLoRA arms at LISA γ=2's memory, depth 6, one seed and lr, a short pre-training")
     ap.add_argument("--preference", action="store_true", help="protocol 2 only: the preference protocol, DPO, "
                     "SimPO and ORPO with full, LISA, LoRA and APOLLO-Mini (benchmarks/learning/preference.py)")
+    ap.add_argument("--lr-scale", type=float, default=1.0, help="--preference only: every arm's lr times this "
+                    "(its protocol 2 pick is an SFT lr)")
     ap.add_argument("--out", type=Path, help="results folder")
     ap.add_argument("--workers", type=int, default=None, help="runs in parallel (default: 1 quick, 2 full)")
     ap.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
@@ -324,7 +326,7 @@ def main_preference(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
-    preference.main(mode, out, workers, args.resume, environment(1, workers), REPO)
+    preference.main(mode, out, workers, args.resume, environment(1, workers), REPO, args.lr_scale)
     shutil.rmtree(out / "work" / "data", ignore_errors=True)
     if args.quick:
         shutil.rmtree(out / "work", ignore_errors=True)

@@ -4,16 +4,17 @@ task's right answer, and to give it, with each method at equal optimizer memory?
     python -m benchmarks.learning_bench --protocol 2 --preference           # what ran (docs/learning.md)
     python -m benchmarks.learning_bench --protocol 2 --preference --quick   # tiny: a smoke of every arm
 
-The model is protocol 2's smallest, its --quick depth: 4 decoder layers x 64, pre-trained on task
-family A (Reverse, Uppercase, Sort) with protocol 2's pre-training settings for 200 steps instead
-of 500, so that it answers some held-out items right and most wrong (on the shared 2-core machine
-a 6-layer pre-training alone did not fit the time this ran in: docs/learning.md). Pairs are
-family A's rows: `chosen` the right answer, `rejected` a plausible wrong one (`wrong_answer`). Train pairs are the pre-training inputs, eval pairs A's
-held-out inputs. Each arm (full, LISA γ=2, LoRA at LISA γ=2's optimizer state, APOLLO-Mini; the
-arms and lrs of protocol 2) trains with each loss through lisaft's own loop, and is scored
-before and after on the held-out pairs: the loss's own implicit reward accuracy, the summed
-log-prob accuracy (chosen more likely than rejected, the same measure for every loss), and the
-exact match of the greedy answer to the prompt. Each finished run is appended to
+The model is protocol 2's smallest, its --quick depth: 4 decoder layers x 64, pre-trained on
+task family A (Reverse, Uppercase, Sort) with protocol 2's pre-training settings for 200 steps
+instead of 500, so that it answers some held-out items right and some wrong (on the shared
+2-core machine a 6-layer pre-training alone did not fit the time this ran in: docs/learning.md).
+Pairs are family A's rows: `chosen` the right answer, `rejected` a plausible wrong one
+(`wrong_answer`). Train pairs are the pre-training inputs, eval pairs A's held-out inputs. Each
+arm (full, LISA γ=2, LoRA at LISA γ=2's optimizer state, APOLLO-Mini; the arms and lrs of
+protocol 2, `--lr-scale` times them) trains with each loss through lisaft's own loop, and is
+scored before and after on the held-out pairs: the loss's own implicit reward accuracy, the
+summed log-prob accuracy (chosen more likely than rejected, the same measure for every loss),
+and the exact match of the greedy answer to the prompt. Each finished run is appended to
 OUT/work/runs.jsonl and OUT/learning-pref.json and .md are rewritten, so a killed run keeps
 what it measured and `--resume` runs only the rest.
 """
@@ -238,12 +239,12 @@ def jobs(s: dict, work: Path, lrs: dict[str, float], cfg: dict) -> list[dict]:
             for loss, arm, seed in grid]
 
 
-def main(mode: str, out: Path, workers: int, resume: bool, env: dict, repo: Path) -> dict:
+def main(mode: str, out: Path, workers: int, resume: bool, env: dict, repo: Path, lr_scale: float = 1.0) -> dict:
     from benchmarks.learning import report_pref
     from benchmarks.learning.run2 import TOKENIZER, _pool_map
 
     t0 = time.perf_counter()
-    s = p2.depth_settings(SETTINGS[mode], SETTINGS[mode]["depth"])
+    s = {**p2.depth_settings(SETTINGS[mode], SETTINGS[mode]["depth"]), "lr_scale": lr_scale}
     work = out / "work"
     log = work / "runs.jsonl"
     done = {}
@@ -257,7 +258,7 @@ def main(mode: str, out: Path, workers: int, resume: bool, env: dict, repo: Path
     pre["before"] = before_scores(str(depth_dir / "pretrained"), str(work / "data"), s)
     print(f"pre-trained {pre['steps']} steps: held-out greedy exact match {100 * pre['before']['exact_match']:.1f}, "
           f"log-prob accuracy {100 * pre['before']['logp_accuracy']:.1f}", flush=True)
-    lrs = picked_lrs(repo)
+    lrs = {arm: lr * lr_scale for arm, lr in picked_lrs(repo).items()}
     from benchmarks.learning.run2 import Bench
 
     bench = Bench.__new__(Bench)
