@@ -322,6 +322,8 @@ def main_preference(args: argparse.Namespace) -> None:
 
     mode = "quick" if args.quick else "run"
     out = args.out or REPO / "benchmarks" / "results" / ("learning-pref-quick" if args.quick else "learning-pref")
+    if args.lr_scale != 1.0 and not args.out:
+        out = out / f"lr-x{args.lr_scale:g}"
     workers = args.workers or (1 if args.quick else 2)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
