@@ -53,7 +53,8 @@ def row(model: str, method: str, ranks: int, cpu_offload: bool = False) -> dict:
         "model": model, "method": method, "ranks": ranks, "fsdp": ranks > 1, "cpu_offload": cpu_offload,
         "total_bytes": est.total_bytes, "training_peak_bytes": training, "peak_phase": est.peak_phase,
         "load_bytes": est.phases.get("model_load"), "components": est.components, "sizes": est.sizes,
-        "step_phase": step, "step_components": est.phase_components[step], "host_bytes": est.host_bytes,
+        "step_phase": step, "step_components": est.phase_components[step],
+        "host_bytes": sum(est.host_components.values()),  # optimizer.cpu_offload's host table
     }
     for name, card in CARDS.items():
         out[f"fits {name}"] = est.total_bytes <= card.usable_bytes

@@ -77,7 +77,8 @@ def run_one(cfg: dict) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lisaft.config.optimizers import optimizer_kind
-    from lisaft.memory.estimate import Settings, compute
+    from lisaft.memory.estimate import compute
+    from lisaft.memory.settings import settings_for_config
     from lisaft.metrics.measure import (
         grad_bytes,
         optimizer_state_bytes,
@@ -132,15 +133,14 @@ def run_one(cfg: dict) -> dict:
     measured["peak"] = peak_rss_bytes()
     seconds = time.perf_counter() - t0
 
-    est = compute(Settings(
-        model_label=cfg["name"], config=config, dtype=cfg["dtype"], attention="sdpa",
-        gradient_checkpointing=cfg["checkpointing"], optimizer=cfg["optimizer"],
-        lisa=bool(gamma), active_layers=gamma or 2, batch_size=cfg["batch"], seq_len=cfg["seq"],
-        clipping=True, device="cpu", budget_bytes=1 << 50,
+    est = compute(settings_for_config(config, {
+        "model.dtype": cfg["dtype"], "model.attention": "sdpa", "model.gradient_checkpointing": cfg["checkpointing"],
+        "optimizer.name": cfg["optimizer"], "lisa.enabled": bool(gamma), "lisa.active_layers": gamma or 2,
+        "training.batch_size": cfg["batch"], "data.max_seq_len": cfg["seq"], "training.max_grad_norm": 1.0,
         # This loop keeps the embedding's gradient dense; the sparse term is tested in
         # tests/unit/test_memory_estimate.py and tests/integration/test_precision.py.
-        sparse_embedding_grad=False,
-    ))
+        "model.sparse_embedding_grad": False,
+    }, cfg["name"], device="cpu", budget_bytes=1 << 50, full_rows=True))  # every row full: no padding mask
     estimated = {
         "weights": est.weights_bytes, "gradients": est.grad_bytes,
         "optimizer_states": est.optimizer_state_bytes, "activations": est.saved_activation_bytes,

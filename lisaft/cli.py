@@ -163,8 +163,8 @@ def estimate_memory(
         None, "--cpu-offload/--no-cpu-offload",
         help="Moments, accumulated gradients and the step in host memory (or not)."),
     host_ram: Optional[str] = typer.Option(
-        None, "--host-ram", metavar="SIZE", help="Host memory for --cpu-offload, e.g. 64GiB "
-        "(default: this machine's RAM)."),
+        None, "--host-ram", metavar="SIZE", help="The machine's RAM, e.g. 64GiB, for what "
+        "stays in host memory: --cpu-offload's, offloaded layer inputs' (default: this machine's)."),
     budget: Optional[str] = typer.Option(None, "--budget", metavar="SIZE", help="Memory budget with a unit: "
                                          "24GB (10^9 bytes) or 24GiB (2^30). Default 24GiB."),
     gpu: Optional[str] = typer.Option(None, "--gpu", metavar="NAME", help="Budget of a card: rtx-3090, "

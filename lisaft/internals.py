@@ -84,6 +84,15 @@ def get_paged(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return F.get_paged(numel, dtype=dtype, device=device)
 
 
+def prefetch_paged(t: torch.Tensor) -> None:
+    """Start moving a unified-memory tensor to its GPU (cudaMemPrefetchAsync), as bitsandbytes'
+    own optimizers do for each parameter's state before its update (Optimizer8bit.prefetch_state):
+    without it, state evicted to the host comes back one page fault at a time."""
+    import bitsandbytes.functional as F
+
+    F.prefetch_tensor(t)
+
+
 def fill_paged(t: torch.Tensor, value: float) -> None:
     """Fill a paged tensor where it lives: a torch fill_ would fault every page onto the GPU."""
     import bitsandbytes.functional as F

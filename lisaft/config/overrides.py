@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,16 @@ class Override:
     parts: tuple[str, ...]
     value: Any
     raw: str  # the text after "="
+    flag: str | None = None  # the command-line flag that set the key, as typed, when not --set
+
+    @property
+    def typed(self) -> str:
+        """As the user typed it: `--set key=value`, or the flag."""
+        return self.flag if self.flag is not None else f"--set {self.item}"
+
+    def blame(self, line: str) -> str:
+        """A message about the key this sets, naming what the user typed."""
+        return f"--set {line}" if self.flag is None else f"{self.flag}: {line}"
 
     def as_text(self) -> str:
         return quoted_as_text(self.key, self.raw)
@@ -58,9 +69,18 @@ def parse_override(item: str) -> Override:
     return Override(item, tuple(key.split(".")), value, raw)
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
+def flag_override(flag: str, key: str, value: Any) -> Override:
+    """What a command-line flag sets: recipe `key` to `value`, with the flag as typed for messages."""
+    return Override(f"{key}={json.dumps(value)}", tuple(key.split(".")), value, json.dumps(value), flag)
+
+
+def parsed_overrides(overrides: Sequence[str | Override]) -> tuple[Override, ...]:
+    return tuple(o if isinstance(o, Override) else parse_override(o) for o in overrides)
+
+
+def apply_overrides(data: dict, overrides: Sequence[str | Override]) -> dict:
     """Apply dotted `key.path=value` overrides (values parsed as YAML) to a raw recipe dict."""
-    for o in map(parse_override, overrides):
+    for o in parsed_overrides(overrides):
         node = data
         for part in o.parts[:-1]:
             nxt = node.get(part)

@@ -11,6 +11,7 @@ import difflib
 import json
 import re
 import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -30,7 +31,7 @@ from lisaft.config.fields import Bool, Float, Int, Section, whole_number
 from lisaft.config.hub import can_only_be_path
 from lisaft.config.lora import LoraSection
 from lisaft.config.optimizers import OptimizerName
-from lisaft.config.overrides import Override, apply_overrides, parse_override
+from lisaft.config.overrides import Override, apply_overrides, parsed_overrides
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
@@ -514,16 +515,20 @@ def format_validation_error(err: ValidationError, source: str, overrides: tuple[
                      if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "bool"))))
         loc = ".".join(map(str, keys))
         line = f"{loc}: {_message(e)}" if loc else _message(e)
-        recipe_wide |= not keys
+        recipe_wide |= len(keys) <= 1  # the recipe or a whole section: a --set may play a part
         by = next((o for o in overrides if keys and o.covers(keys)), None)
         if by is not None and e["type"] == "string_type" and not isinstance(by.value, str):
             # YAML read the text as something else ("Q: {instruction}" is a mapping).
             line += f" (YAML read {by.raw!r} as a {type(by.value).__name__}); to pass it as text, quote it: " \
                     + by.as_text()
-        (from_set if by is not None else from_file).append(line)
-    parts = [f"--set {line}" for line in dict.fromkeys(from_set)]
+        if by is not None:
+            from_set.append(by.blame(line))
+        else:
+            from_file.append(line)
+    parts = list(dict.fromkeys(from_set))
     if from_file:
-        where = source + ("".join(f" --set {o.item}" for o in overrides) if recipe_wide else "")
+        where = source + ("".join(f" {typed}" for typed in dict.fromkeys(o.typed for o in overrides))
+                          if recipe_wide else "")
         parts.insert(0, f"{where}: invalid recipe: " + "; ".join(dict.fromkeys(from_file)))
     return "; ".join(parts)
 
@@ -535,8 +540,10 @@ def recipe_from_dict(data: dict, source: str = "recipe", overrides: tuple[Overri
         raise LisaftError(format_validation_error(e, source, overrides)) from None
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_paths: bool = True) -> Recipe:
-    """Read a recipe YAML, apply --set overrides, resolve relative paths, validate."""
+def load_recipe(path: str | Path, overrides: Sequence[str | Override] | None = None,
+                resolve_paths: bool = True) -> Recipe:
+    """Read a recipe YAML, apply --set overrides (or a command's flags, config/overrides.py
+    flag_override), resolve relative paths, validate."""
     path = Path(path)
     if not path.is_file():
         raise LisaftError(f"{path}: recipe file not found")
@@ -555,10 +562,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, resolve_pa
         data = {}
     if not isinstance(data, dict):
         raise LisaftError(f"{path}: a recipe must be a YAML mapping of sections, got {type(data).__name__}")
-    parsed = tuple(parse_override(item) for item in overrides or [])
+    parsed = parsed_overrides(overrides or [])
     if resolve_paths:  # the file's paths mean its folder, the command line's the current directory
         _resolve_paths(data, path.resolve().parent)
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(data, parsed)
     if resolve_paths and parsed:
         _resolve_paths(data, Path.cwd(), only=list(parsed))
     return recipe_from_dict(data, str(path), parsed)

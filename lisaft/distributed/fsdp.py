@@ -160,9 +160,9 @@ class LocalShards:
         for shadow in self.local(params):
             shadow.grad = None
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> float:
-        """The global gradient norm: local sums of squares summed over ranks; with max_norm the
-        slices are scaled as clip_grad_norm scales whole gradients."""
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+        """The global gradient norm (on the device, unread): local sums of squares summed over
+        ranks; with max_norm the slices are scaled as clip_grad_norm scales whole gradients."""
         grads = [s.grad for s in self.bind_grads(params) if s.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
         for g in grads:
@@ -173,7 +173,7 @@ class LocalShards:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
-        return float(total)
+        return total
 
     def check_same_layers(self, interval: int, layers: list[int]) -> None:
         """Every rank must train the same layers, or the next collective would hang."""

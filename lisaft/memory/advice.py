@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
 from lisaft.memory.apollo_state import is_apollo
-from lisaft.memory.estimate import Estimate, Settings, compute
+from lisaft.memory.estimate import Estimate, compute
+from lisaft.memory.settings import Settings
 
 # The shipped recipe that trains every layer with the optimizer on the CPU.
 OFFLOAD_RECIPE = "recipes/llama3.1-8b-full-24gb.yaml"
@@ -31,7 +32,6 @@ FREE, SLOWER, SLOWER_AND_HOST_MEMORY, LEARNS_LESS, CHANGES_TRAINING, LEARNS_MUCH
 class Option:
     overrides: dict  # recipe keys and values, as `--set key=value` takes them
     why: str
-    fields: dict  # the Settings fields it changes
     cost: int
 
 
@@ -51,11 +51,13 @@ class Change:
 
 
 def _lisa_options(s: Settings, layer_count: int) -> list[Option]:
-    def gamma(g: int, why: str, cost: int) -> Option:
-        keys = {"lisa.active_layers": g} if s.lisa else {"lisa.enabled": True, "lisa.active_layers": g}
-        return Option(keys, why, {"lisa": True, "active_layers": g}, cost)
+    lisa = s.recipe.lisa.enabled
 
-    if not s.lisa:
+    def gamma(g: int, why: str, cost: int) -> Option:
+        keys = {"lisa.active_layers": g} if lisa else {"lisa.enabled": True, "lisa.active_layers": g}
+        return Option(keys, why, cost)
+
+    if not lisa:
         first = min(2, layer_count)
         out = [gamma(first, f"train {first} layers at a time", LEARNS_LESS)]
     elif s.active_layers > 1:
@@ -72,73 +74,77 @@ def _step_options(s: Settings) -> list[Option]:
     """Where the optimizer step runs instead: inside backward, or on the CPU (one or the other:
     the step on the CPU replaces the step in backward). Neither runs under training.fsdp."""
     out: list[Option] = []
+    opt = s.recipe.optimizer
     if s.fsdp:
         return out
-    if not s.in_backward and not s.cpu_offload and s.grad_accum_steps == 1:
+    if not opt.in_backward and not opt.cpu_offload and s.recipe.training.grad_accum_steps == 1:
         out.append(Option({"optimizer.in_backward": True, "training.max_grad_norm": None},
-                          "no full gradient set resident (and no clipping)",
-                          {"in_backward": True, "clipping": False}, CHANGES_TRAINING))
-    if not s.cpu_offload and s.device == "cuda" and not is_apollo(s.optimizer):
+                          "no full gradient set resident (and no clipping)", CHANGES_TRAINING))
+    if not opt.cpu_offload and s.device == "cuda" and not is_apollo(opt.name):
         keys: dict[str, object] = {"optimizer.cpu_offload": True}
-        fields = {"cpu_offload": True, "in_backward": False, "clipping": s.clipping or s.in_backward}
-        if s.in_backward:
+        if opt.in_backward:
             keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
         # {host} is the RAM of the combination this option ends up in (_combine).
         out.append(Option(keys, "moments, gradients and the step on the CPU (needs {host} of RAM; "
-                          f"{OFFLOAD_RECIPE} does this)", fields, SLOWER_AND_HOST_MEMORY))
-    if s.cpu_offload:
+                          f"{OFFLOAD_RECIPE} does this)", SLOWER_AND_HOST_MEMORY))
+    if opt.cpu_offload:
         out.append(Option({"optimizer.cpu_offload": False}, "moments and the step back on the GPU, no host copies",
-                          {"cpu_offload": False}, FREE))
+                          FREE))
     return out
 
 
 def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
+    r = s.recipe
     groups = []
-    if not s.gradient_checkpointing:
-        groups.append([Option({"model.gradient_checkpointing": True}, "keep one hidden state per layer",
-                              {"gradient_checkpointing": True}, SLOWER)])
+    if not r.model.gradient_checkpointing:
+        groups.append([Option({"model.gradient_checkpointing": True}, "keep one hidden state per layer", SLOWER)])
     if s.attention == "eager":
         attention = "flash_attention_2" if s.device == "cuda" else "sdpa"
-        groups.append([Option({"model.attention": attention}, "no s x s score matrix", {"attention": attention}, FREE)])
-    kind = optimizer_kind(s.optimizer)
+        groups.append([Option({"model.attention": attention}, "no s x s score matrix", FREE)])
+    kind = optimizer_kind(r.optimizer.name)
     if not (kind.paged and kind.eight_bit) and s.device == "cuda" and not s.fsdp:
-        groups.append([Option({"optimizer.name": "paged_adamw_8bit"}, "2 B/param of moments, paged on pressure",
-                              {"optimizer": "paged_adamw_8bit"}, SLOWER)])
+        groups.append([Option(_eight_bit("paged_adamw_8bit", s), "2 B/param of moments, paged on pressure", SLOWER)])
     elif not kind.eight_bit:
-        groups.append([Option({"optimizer.name": "adamw_8bit"}, "2 B/param of moments",
-                              {"optimizer": "adamw_8bit"}, SLOWER)])
-    if s.lora is None:  # a LoRA run's ways to train less are in the methods table (memory/methods.py)
+        groups.append([Option(_eight_bit("adamw_8bit", s), "2 B/param of moments", SLOWER)])
+    if not s.lora:  # a LoRA run's ways to train less are in the methods table (memory/methods.py)
         groups.append(_lisa_options(s, layer_count))
         groups.append(_step_options(s))
-    if s.batch_size > 1:
-        accum = s.grad_accum_steps * s.batch_size
+    batch = r.training.batch_size
+    if batch > 1:
+        accum = r.training.grad_accum_steps * batch
         groups.append([Option({"training.batch_size": 1, "training.grad_accum_steps": accum},
-                              "fewer tokens in flight, same batch", {"batch_size": 1, "grad_accum_steps": accum},
-                              SLOWER)])
+                              "fewer tokens in flight, same batch", SLOWER)])
     # lisaft's long-context settings (docs/memory.md): layer inputs off the GPU, MLPs in chunks.
-    if s.device == "cuda" and not s.offload_activations:
+    if s.device == "cuda" and not r.model.offload_activations:
         groups.append([Option({"model.gradient_checkpointing": True, "model.offload_activations": True},
-                              "layer inputs in pinned host memory",
-                              {"gradient_checkpointing": True, "offload_activations": True},
-                              SLOWER_AND_HOST_MEMORY)])
-    if s.mlp_chunk_tokens is None and s.seq_len > MLP_CHUNK_TOKENS:
+                              "layer inputs in pinned host memory", SLOWER_AND_HOST_MEMORY)])
+    if r.model.mlp_chunk_tokens is None and r.data.max_seq_len > MLP_CHUNK_TOKENS:
         groups.append([Option({"model.mlp_chunk_tokens": MLP_CHUNK_TOKENS},
-                              f"MLP intermediates for {MLP_CHUNK_TOKENS} positions at a time",
-                              {"mlp_chunk_tokens": MLP_CHUNK_TOKENS}, SLOWER)])
+                              f"MLP intermediates for {MLP_CHUNK_TOKENS} positions at a time", SLOWER)])
     return [g for g in groups if g]
 
 
+def _eight_bit(name: str, s: Settings) -> dict:
+    """optimizer.name `name`, and float32 moments where the recipe had bfloat16 ones (adamw_32bit's
+    own setting, which the 8-bit optimizers refuse)."""
+    keys: dict[str, object] = {"optimizer.name": name}
+    if s.recipe.optimizer.moments_dtype != "float32":
+        keys["optimizer.moments_dtype"] = "float32"
+    return keys
+
+
 def _combine(s: Settings, options: tuple[Option, ...]) -> Change:
-    overrides, fields = {}, {}
+    overrides: dict = {}
     for o in options:
         overrides.update(o.overrides)
-        fields.update(o.fields)
     whys = [o.why for o in options]
-    if fields.get("cpu_offload", s.cpu_offload) and "optimizer" in fields and optimizer_kind(fields["optimizer"]).paged:
+    name = overrides.get("optimizer.name")
+    if overrides.get("optimizer.cpu_offload", s.recipe.optimizer.cpu_offload) and name is not None \
+            and optimizer_kind(name).paged:
         # Paging is CUDA unified memory; with the step on the CPU the 8-bit moments live in host RAM.
-        fields["optimizer"] = overrides["optimizer.name"] = optimizer_kind(fields["optimizer"]).unpaged
+        overrides["optimizer.name"] = optimizer_kind(name).unpaged
         whys = [w.replace("paged on pressure", "in host memory") for w in whys]
-    est = compute(s.with_(**fields))
+    est = compute(s.with_keys(overrides))
     whys = [w.replace("{host}", f"{est.host_bytes / 1024**3:.1f} GiB") for w in whys]
     why = "together: " + "; ".join(whys) if len(options) > 1 else whys[0]
     return Change(overrides, why, est, sum(o.cost for o in options), len(options))
@@ -167,7 +173,7 @@ def leanest(s: Settings, layer_count: int) -> Change:
 
 def host_is_the_limit(est: Estimate) -> bool:
     """The GPU holds the run, but optimizer.cpu_offload's host memory exceeds the RAM."""
-    return est.total_bytes <= est.budget_bytes and not est.fits_host
+    return est.total_bytes <= est.budget_bytes and not est.fits_host and bool(est.host_components)
 
 
 def advice(est: Estimate, layer_count: int) -> list[Change]:
@@ -190,10 +196,10 @@ def advice(est: Estimate, layer_count: int) -> list[Change]:
     every_weight = _every_weight(s)
     if not est.fits and every_weight is not None and every_weight.estimate.fits:
         changes.append(every_weight)
-    seq = largest_fitting(s, "seq_len")
-    if not est.fits and seq and seq < s.seq_len and not host_is_the_limit(est):
+    seq = largest_fitting(s, "data.max_seq_len")
+    if not est.fits and seq and seq < s.recipe.data.max_seq_len and not host_is_the_limit(est):
         changes.append(Change({"data.max_seq_len": seq}, "largest sequence length that fits",
-                              compute(s.with_(seq_len=seq))))
+                              compute(s.with_keys({"data.max_seq_len": seq}))))
     return changes
 
 
@@ -201,20 +207,21 @@ def _every_weight(s: Settings) -> Change | None:
     """Full fine-tuning that does not fit as asked: every weight still trains, on the device, with
     APOLLO-Mini's rank-1 moments and the step in backward (recipes/llama3.1-8b-apollo-24gb.yaml's
     way). Not under LISA (the user chose to train some layers), nor under training.fsdp."""
-    if s.lisa or s.fsdp or is_apollo(s.optimizer):
+    r = s.recipe
+    if r.lisa.enabled or s.fsdp or is_apollo(r.optimizer.name):
         return None
     keys = {"optimizer.name": "apollo_mini", "optimizer.in_backward": True, "training.max_grad_norm": None}
-    fields = {"optimizer": "apollo_mini", "in_backward": True, "clipping": False, "cpu_offload": False,
-              "grad_accum_steps": 1}
-    if s.cpu_offload:
+    if r.optimizer.cpu_offload:
         keys["optimizer.cpu_offload"] = False
-    if s.grad_accum_steps > 1:  # in backward, each micro-batch is a step
+    if r.optimizer.moments_dtype != "float32":
+        keys["optimizer.moments_dtype"] = "float32"
+    if r.training.grad_accum_steps > 1:  # in backward, each micro-batch is a step
         keys["training.grad_accum_steps"] = 1
-    if not s.gradient_checkpointing:
-        keys["model.gradient_checkpointing"] = fields["gradient_checkpointing"] = True
+    if not r.model.gradient_checkpointing:
+        keys["model.gradient_checkpointing"] = True
     why = ("every weight trains, on the GPU: APOLLO-Mini's rank-1 moments, the step in backward "
            "(recipes/llama3.1-8b-apollo-24gb.yaml; docs/optimizers.md)")
-    return Change(keys, why, compute(s.with_(**fields)), CHANGES_TRAINING)
+    return Change(keys, why, compute(s.with_keys(keys)), CHANGES_TRAINING)
 
 
 # Process counts offered for training.fsdp, fewest first.
@@ -225,16 +232,15 @@ def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
     """`s` as training.fsdp runs it, and the recipe keys that says: paged optimizers become their
     unpaged kind, the step in backward or on the CPU goes back to the optimizer step (each refused
     under FSDP, lisaft/config/compat.py)."""
+    opt = s.recipe.optimizer
     keys: dict[str, object] = {"training.fsdp": True}
-    fields: dict[str, object] = {"fsdp": True}
-    if optimizer_kind(s.optimizer).paged:
-        keys["optimizer.name"] = fields["optimizer"] = optimizer_kind(s.optimizer).unpaged
-    if s.in_backward:
+    if optimizer_kind(opt.name).paged:
+        keys["optimizer.name"] = optimizer_kind(opt.name).unpaged
+    if opt.in_backward:
         keys.update({"optimizer.in_backward": False, "training.max_grad_norm": 1.0})
-        fields.update(in_backward=False, clipping=True)
-    if s.cpu_offload:
-        keys["optimizer.cpu_offload"] = fields["cpu_offload"] = False
-    return s.with_(**fields), keys
+    if opt.cpu_offload:
+        keys["optimizer.cpu_offload"] = False
+    return s.with_keys(keys), keys
 
 
 def fewest_ranks(s: Settings, layer_count: int) -> Change | None:
@@ -257,17 +263,17 @@ def fewest_ranks(s: Settings, layer_count: int) -> Change | None:
     return None
 
 
-def largest_fitting(s: Settings, field: str, limit: int | None = None) -> int | None:
-    """Largest value of `field` (seq_len or batch_size) whose estimate fits with nothing paged;
-    None if even 1 does not. Memory grows with both, so a binary search is exact. Sequences stop
-    at the model's context length."""
+def largest_fitting(s: Settings, key: str, limit: int | None = None) -> int | None:
+    """Largest value of recipe `key` (data.max_seq_len or training.batch_size) whose estimate fits
+    with nothing paged; None if even 1 does not. Memory grows with both, so a binary search is
+    exact. Sequences stop at the model's context length."""
     from lisaft.model.load import context_length
 
     if limit is None:
-        limit = (context_length(s.config) if field == "seq_len" else None) or 1 << 20
+        limit = (context_length(s.config) if key == "data.max_seq_len" else None) or 1 << 20
 
     def fits(v: int) -> bool:
-        return compute(s.with_(**{field: v})).fits
+        return compute(s.with_keys({key: v})).fits
 
     if not fits(1):
         return None
@@ -288,13 +294,16 @@ def optimizer_grid(s: Settings, gamma: int) -> dict[tuple[str, str], Estimate]:
     """The four optimizers x (full fine-tuning, LISA γ), everything else as in `s`. Columns are
     keyed "full" and "lisa_<γ>". Under training.fsdp the paged ones, which it refuses, are left out."""
     grid: dict[tuple[str, str], Estimate] = {}
+    no_lora = {"lora.enabled": False, "model.quantize": None}
     for opt in OPTIMIZERS:
         if optimizer_kind(opt).projected or (s.fsdp and optimizer_kind(opt).paged):
             continue  # APOLLO's estimate is its own advice row (_apollo_option)
-        grid[(opt, "full")] = compute(s.with_(optimizer=opt, lisa=False, lora=None))
-        grid[(opt, f"lisa_{gamma}")] = compute(s.with_(optimizer=opt, lisa=True, active_layers=gamma, lora=None))
-        if s.lora is not None:  # the run's own adapters beside the other two
-            grid[(opt, "lora")] = compute(s.with_(optimizer=opt))
+        name = {"optimizer.name": opt}
+        grid[(opt, "full")] = compute(s.with_keys({**name, **no_lora, "lisa.enabled": False}))
+        grid[(opt, f"lisa_{gamma}")] = compute(s.with_keys({**name, **no_lora, "lisa.enabled": True,
+                                                            "lisa.active_layers": gamma}))
+        if s.lora:  # the run's own adapters beside the other two
+            grid[(opt, "lora")] = compute(s.with_keys(name))
     return grid
 
 
@@ -310,10 +319,10 @@ def largest_fitting_layers(s: Settings, layer_count: int, margin: float = 0.0) -
     limit = s.with_(budget_bytes=int(s.budget_bytes * (1 - margin)))
 
     def estimate(gamma: int) -> Estimate:
-        return compute(limit.with_(lisa=True, active_layers=gamma))
+        return compute(limit.with_keys({"lisa.enabled": True, "lisa.active_layers": gamma}))
 
     lo, hi = 0, layer_count + 1  # estimate(lo) fits (or lo is 0), estimate(hi) does not (or hi is past the top)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if estimate(mid).fits else (lo, mid)
-    return compute(s.with_(lisa=True, active_layers=lo)) if lo else None
+    return compute(s.with_keys({"lisa.enabled": True, "lisa.active_layers": lo})) if lo else None

@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.memory.counts import ParamCounts
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
+from lisaft.memory.trainable import end_numels, layers_with_state
 from lisaft.optim.adamw import CHUNK, CHUNK_BYTES_PER_ELEMENT
+from lisaft.optim.apollo import ApolloSettings
 
 if TYPE_CHECKING:
-    from lisaft.memory.estimate import Settings
+    from lisaft.memory.settings import Settings
 
 
 def is_apollo(optimizer: str) -> bool:
@@ -32,23 +34,15 @@ def is_apollo(optimizer: str) -> bool:
 
 
 def rank_of(s: Settings) -> int:
-    return optimizer_kind(s.optimizer).rank or s.apollo_rank
+    return optimizer_kind(s.recipe.optimizer.name).rank or ApolloSettings.of(s.recipe.optimizer).rank
 
 
 def _rest(s: Settings) -> str:
     """The optimizer whose rule the tensors apollo does not project follow."""
-    rest = optimizer_kind(s.optimizer).rest
-    assert rest is not None, f"{s.optimizer} projects no tensor"  # is_apollo(s.optimizer) holds here
+    name = s.recipe.optimizer.name
+    rest = optimizer_kind(name).rest
+    assert rest is not None, f"{name} projects no tensor"  # is_apollo(name) holds here
     return rest
-
-
-def _layers_with_state(counts: ParamCounts, s: Settings) -> list[int]:
-    """Decoder layers whose moments are on the device (trainable.state_numels' rule): every layer
-    without LISA or under `keep` (and offload_cpu on CPU); else the γ largest."""
-    if not s.lisa or s.state_policy == "keep" or (s.state_policy == "offload_cpu" and s.device == "cpu"):
-        return list(range(counts.layer_count))
-    gamma = min(s.active_layers, counts.layer_count)
-    return sorted(range(counts.layer_count), key=counts.layer_params, reverse=True)[:gamma]
 
 
 def _matrices(counts: ParamCounts, layers: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
@@ -64,16 +58,11 @@ def _matrices(counts: ParamCounts, layers: list[int]) -> tuple[list[tuple[int, i
     return matrices, rest
 
 
-def _outside_layers(counts: ParamCounts, s: Settings) -> list[int]:
-    numels = list(counts.embeddings) if not s.lisa or s.train_embeddings else []
-    return numels + (list(counts.head) if not s.lisa or s.train_head else [])
-
-
 def apollo_state(counts: ParamCounts, s: Settings, dt: int) -> StateBytes:
-    matrices, rest = _matrices(counts, _layers_with_state(counts, s))
+    matrices, rest = _matrices(counts, layers_with_state(counts, s))
     r = rank_of(s)
     projected = sum(2 * 4 * min(r, m, n) * max(m, n) + 4 for m, n in matrices)
-    other = state_bytes(_rest(s), rest + _outside_layers(counts, s), dt, s.device)
+    other = state_bytes(_rest(s), rest + end_numels(counts, s), dt, s.device)
     return StateBytes(projected + other.total, 0)
 
 
@@ -85,8 +74,8 @@ def projected_step_bytes(m: int, n: int, rank: int, dt: int) -> int:
 
 
 def apollo_step_temporaries(counts: ParamCounts, s: Settings, dt: int, sparse_numel: int = 0) -> int:
-    matrices, rest = _matrices(counts, _layers_with_state(counts, s))
+    matrices, rest = _matrices(counts, layers_with_state(counts, s))
     projected = max((projected_step_bytes(m, n, rank_of(s), dt) for m, n in matrices), default=0)
-    largest_other = max(rest + _outside_layers(counts, s), default=0)
-    return max(projected, step_temporaries(_rest(s), largest_other, dt, s.device, s.bf16_update,
+    largest_other = max(rest + end_numels(counts, s), default=0)
+    return max(projected, step_temporaries(_rest(s), largest_other, dt, s.device, s.recipe.optimizer.bf16_update,
                                            sparse_numel))

@@ -16,7 +16,8 @@ from lisaft.errors import LisaftError
 from lisaft.memory.advice import AUTO_MARGIN, largest_fitting_layers
 from lisaft.memory.counts import param_counts
 from lisaft.memory.cuda_process import CUDA_CONTEXT_BYTES
-from lisaft.memory.estimate import GiB, Settings, compute
+from lisaft.memory.estimate import compute
+from lisaft.memory.settings import GiB, Settings
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,10 @@ def device_memory_bytes(device: str) -> int:
 
 def choose_active_layers(s: Settings) -> LayerChoice:
     """The largest fitting γ; LisaftError naming lisa.active_layers when not even γ=1 fits."""
-    layers = param_counts(s.config).layer_count
+    layers = param_counts(s.config, s.recipe.model.layers_path).layer_count
     est = largest_fitting_layers(s, layers, AUTO_MARGIN)
     if est is None:
-        one = compute(s.with_(lisa=True, active_layers=1))
+        one = compute(s.with_keys({"lisa.enabled": True, "lisa.active_layers": 1}))
         raise LisaftError(
             f"lisa.active_layers: auto: even γ=1 needs an estimated {one.total_bytes / GiB:.1f} GiB, more than "
             f"{1 - AUTO_MARGIN:.0%} of the {s.budget_bytes / GiB:.1f} GiB budget; `lisaft estimate-memory RECIPE` "

@@ -1,4 +1,9 @@
-"""`lisaft estimate-memory`: parse the recipe and flags into Settings, compute, render."""
+"""`lisaft estimate-memory`: the recipe and flags into Settings, compute, render.
+
+Each flag is a recipe key (`FLAG_KEYS`): the recipe file is read, then --set, then the flags, and
+the result is validated as `lisaft train` validates a recipe, so a flag refused there is refused
+here in the same words, and `--model` combines with --set and every flag alike.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
+from lisaft.config.optimizers import OPTIMIZERS
+from lisaft.config.overrides import Override, flag_override
 from lisaft.config.schema import Recipe, load_recipe
 from lisaft.env.allocator import expandable_segments
 from lisaft.errors import LisaftError
@@ -22,16 +29,14 @@ from lisaft.memory.advice import (
     leanest,
     optimizer_grid,
 )
-from lisaft.memory.apollo_state import is_apollo
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
-from lisaft.memory.estimate import DTYPE_BYTES, Estimate, GiB, Settings, compute
+from lisaft.memory.estimate import Estimate, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
-from lisaft.memory.lora import lora_settings
 from lisaft.memory.methods import methods
-from lisaft.optim.apollo import ApolloSettings
+from lisaft.memory.preference import preference_summary
+from lisaft.memory.settings import GiB, Settings, recipe_for_model
 
-_ATTENTION = ("auto", "flash_attention_2", "sdpa", "eager")
 DEFAULT_BUDGET = "24GiB"
 
 
@@ -56,20 +61,9 @@ def parse_budget(budget: str | None, gpu_name: str | None) -> Budget:
     return Budget(parse_bytes(text), text.strip())
 
 
-def _recipe_device(recipe: Recipe, device: str | None) -> str:
-    """--device, else the recipe's training.device; `auto` estimates for CUDA, the device the
-    estimate exists for."""
-    if device is not None:
-        return device
+def _recipe_device(recipe: Recipe) -> str:
+    """The recipe's training.device; `auto` estimates for CUDA, the device the estimate exists for."""
     return "cpu" if recipe.training.device == "cpu" else "cuda"
-
-
-def _attention_for(choice: str, device: str, dtype: str) -> str:
-    # FlashAttention and SDPA keep the same tensors (q, k, v, output, log-sum-exp), so "auto"
-    # needs no knowledge of whether flash-attn is installed to be estimated right.
-    if choice == "auto":
-        return "flash_attention_2" if device == "cuda" and dtype != "float32" else "sdpa"
-    return choice
 
 
 def _model_ref(recipe: Recipe) -> tuple[str, str]:
@@ -89,32 +83,13 @@ def _ranks(recipe: Recipe, ranks: int | None) -> int:
 
 
 def settings_from_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int = 24 * GiB,
-                         model: str | None = None, ranks: int | None = None) -> Settings:
-    ref, key = (model, "--model") if model else _model_ref(recipe)
-    config, label = resolve_model(ref, key)
-    return Settings(
-        model_label=label, config=config, layers_path=recipe.model.layers_path, dtype=recipe.model.dtype,
-        attention=_attention_for(recipe.model.attention, device, recipe.model.dtype),
-        gradient_checkpointing=recipe.model.gradient_checkpointing,
-        offload_activations=recipe.model.offload_activations,
-        mlp_chunk_tokens=recipe.model.mlp_chunk_tokens,
-        optimizer=recipe.optimizer.name, apollo_rank=ApolloSettings.of(recipe.optimizer).rank,
-        in_backward=recipe.optimizer.in_backward,
-        cpu_offload=recipe.optimizer.cpu_offload, host_budget_bytes=host_ram_bytes(),
-        bf16_update=recipe.optimizer.bf16_update, moments_dtype=recipe.optimizer.moments_dtype,
-        sparse_embedding_grad=recipe.model.sparse_embedding_grad,
-        expandable_segments=expandable_segments(),
-        lisa=recipe.lisa.enabled, active_layers_auto=recipe.lisa.active_layers == "auto",
-        # auto's placeholder; the choice needs the rest of the settings (choose_active_layers).
-        active_layers=1 if recipe.lisa.active_layers == "auto" else recipe.lisa.active_layers,
-        train_embeddings=recipe.lisa.train_embeddings, train_head=recipe.lisa.train_head,
-        state_policy=recipe.lisa.state_policy, batch_size=recipe.training.batch_size,
-        seq_len=recipe.data.max_seq_len, packing=recipe.data.packing, padded_rows=not recipe.data.packing,
-        grad_accum_steps=recipe.training.grad_accum_steps,
-        clipping=recipe.training.max_grad_norm is not None, device=device,
-        budget_bytes=budget_bytes, fsdp=recipe.training.fsdp, ranks=_ranks(recipe, ranks),
-        model_from_config=recipe.model.config is not None, lora=lora_settings(recipe),
-    )
+                         ranks: int | None = None, model_key: str | None = None) -> Settings:
+    """The recipe on `device` with `budget_bytes`; `model_key` names what set the model in messages."""
+    ref, key = _model_ref(recipe)
+    config, label = resolve_model(ref, model_key or key)
+    return Settings(recipe, config, label, device=device, budget_bytes=budget_bytes,
+                    host_budget_bytes=host_ram_bytes(), ranks=_ranks(recipe, ranks),
+                    expandable_segments=expandable_segments())
 
 
 def host_ram_bytes() -> int | None:
@@ -151,11 +126,6 @@ def estimate_for_recipe(recipe: Recipe, device: str = "cuda", budget_bytes: int 
     return compute(s.with_(datasets_imported="datasets" in sys.modules))
 
 
-def _check_choice(key: str, value: str | None, allowed) -> None:
-    if value is not None and value not in allowed:
-        raise LisaftError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-
-
 @dataclass(frozen=True)
 class EstimateFlags:
     """What `lisaft estimate-memory` was given: the recipe, --set, and each flag (None: not given,
@@ -184,94 +154,85 @@ class EstimateFlags:
     explain: bool = False
 
 
+# The flags that are recipe keys: (EstimateFlags field, the flag, its key). A true/false flag is
+# typed --flag or --no-flag.
+FLAG_KEYS = (
+    ("optimizer", "--optimizer", "optimizer.name"),
+    ("batch_size", "--batch-size", "training.batch_size"),
+    ("seq_len", "--seq-len", "data.max_seq_len"),
+    ("gradient_checkpointing", "--gradient-checkpointing", "model.gradient_checkpointing"),
+    ("attention", "--attention", "model.attention"),
+    ("dtype", "--dtype", "model.dtype"),
+    ("in_backward", "--in-backward", "optimizer.in_backward"),
+    ("cpu_offload", "--cpu-offload", "optimizer.cpu_offload"),
+    ("device", "--device", "training.device"),
+    ("fsdp", "--fsdp", "training.fsdp"),
+)
+
+
+def _typed(flag: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return flag if value else flag.replace("--", "--no-", 1)
+    return f"{flag} {value}"
+
+
+def flag_overrides(f: EstimateFlags) -> list[Override]:
+    """The recipe keys the flags given set, each naming its flag; they apply after --set."""
+    out = []
+    if f.model is not None and f.recipe is not None:  # the model replaces the recipe's, whichever key named it
+        out += [flag_override(f"--model {f.model}", "model.name_or_path", f.model),
+                flag_override(f"--model {f.model}", "model.config", None)]
+    for name, flag, key in FLAG_KEYS:
+        value = getattr(f, name)
+        if value is not None:
+            out.append(flag_override(_typed(flag, value), key, value))
+    if f.in_backward:  # the total norm is known only after every update ran
+        out.append(flag_override("--in-backward", "training.max_grad_norm", None))
+    if f.no_lisa:
+        out.append(flag_override("--no-lisa", "lisa.enabled", False))
+    if f.lisa_layers is not None:
+        out += [flag_override(f"--lisa-layers {f.lisa_layers}", "lisa.enabled", True),
+                flag_override(f"--lisa-layers {f.lisa_layers}", "lisa.active_layers", f.lisa_layers)]
+    return out
+
+
+def estimate_recipe(f: EstimateFlags) -> Recipe:
+    """The recipe file (or --model's defaults), then --set, then the flags; validated."""
+    overrides: list[str | Override] = [*f.overrides, *flag_overrides(f)]
+    if f.recipe is not None:
+        return load_recipe(f.recipe, overrides)
+    if f.model is None:
+        raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")
+    return recipe_for_model(f.model, overrides)
+
+
 def build_settings(f: EstimateFlags, budget_bytes: int) -> Settings:
-    """Recipe values (after --set) first, each flag given on the command line overriding its key."""
-    _check_flags(f)
-    s = _base_settings(f, budget_bytes)
-    s = s.with_(**_flag_changes(f, s))
+    """The estimate's settings: the recipe with every flag given applied, on the machine the
+    flags describe."""
+    if f.lisa_layers is not None and f.no_lisa:
+        raise LisaftError("--lisa-layers and --no-lisa contradict each other; give one")
+    if f.ranks is not None and f.ranks < 1:
+        raise LisaftError(f"--ranks: must be at least 1, got {f.ranks}")
+    recipe = estimate_recipe(f)
+    s = settings_from_recipe(recipe, _recipe_device(recipe), budget_bytes, f.ranks or 1,
+                             "--model" if f.model is not None else None)
+    if f.host_ram is not None:
+        s = s.with_(host_budget_bytes=parse_bytes(f.host_ram, "--host-ram"))
     check_ranks(s, f.ranks)
-    _check_step_place(s, f.cpu_offload, f.in_backward)
-    layers = param_counts(s.config, s.layers_path).layer_count
-    if s.lisa and s.active_layers_auto:
+    layers = param_counts(s.config, recipe.model.layers_path).layer_count
+    if s.auto:
         chosen = largest_fitting_layers(s, layers, AUTO_MARGIN)
-        s = s.with_(active_layers=chosen.settings.active_layers if chosen else 1)
-    if s.lisa and s.active_layers > layers:
-        key = "--lisa-layers" if f.lisa_layers is not None else "lisa.active_layers"
+        s = s.with_keys({"lisa.active_layers": chosen.settings.active_layers if chosen else 1})
+        s = s.with_(active_layers_auto=True)
+    if recipe.lisa.enabled and s.active_layers > layers:
+        key = f"--lisa-layers {f.lisa_layers}" if f.lisa_layers is not None else "lisa.active_layers"
         raise LisaftError(f"{key}: {s.active_layers} is more than the model's {layers} layers")
     return s
 
 
-def _check_flags(f: EstimateFlags) -> None:
-    _check_choice("--device", f.device, ("cuda", "cpu"))
-    _check_choice("--optimizer", f.optimizer, OPTIMIZERS)
-    _check_choice("--attention", f.attention, _ATTENTION)
-    _check_choice("--dtype", f.dtype, tuple(DTYPE_BYTES))
-    if f.lisa_layers is not None and f.no_lisa:
-        raise LisaftError("--lisa-layers and --no-lisa contradict each other; give one")
-    for key, v in (("--lisa-layers", f.lisa_layers), ("--batch-size", f.batch_size), ("--seq-len", f.seq_len),
-                   ("--ranks", f.ranks)):
-        if v is not None and v < 1:
-            raise LisaftError(f"{key}: must be at least 1, got {v}")
-    if f.overrides and f.recipe is None:
-        raise LisaftError("--set changes a recipe's keys: give a RECIPE, or use the flags with --model")
-
-
-def _base_settings(f: EstimateFlags, budget_bytes: int) -> Settings:
-    """The recipe's settings (after --set), or the defaults for --model alone."""
-    if f.recipe is not None:
-        r = load_recipe(f.recipe, list(f.overrides))
-        return settings_from_recipe(r, _recipe_device(r, f.device), budget_bytes, f.model)
-    if f.model is None:
-        raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")
-    device = f.device or "cuda"
-    config, label = resolve_model(f.model)
-    return Settings(model_label=label, config=config, device=device, budget_bytes=budget_bytes,
-                    host_budget_bytes=host_ram_bytes(), expandable_segments=expandable_segments(),
-                    attention=_attention_for("auto", device, f.dtype or "bfloat16"))
-
-
-def _flag_changes(f: EstimateFlags, s: Settings) -> dict:
-    """The fields the flags given on the command line change."""
-    plain = {"optimizer": f.optimizer, "batch_size": f.batch_size, "seq_len": f.seq_len, "dtype": f.dtype,
-             "gradient_checkpointing": f.gradient_checkpointing, "in_backward": f.in_backward,
-             "cpu_offload": f.cpu_offload, "fsdp": f.fsdp}
-    changes: dict = {k: v for k, v in plain.items() if v is not None}
-    if f.no_lisa:
-        changes["lisa"] = False
-    if f.lisa_layers is not None:
-        changes.update(lisa=True, active_layers=f.lisa_layers, active_layers_auto=False)
-    if f.attention is not None:
-        changes["attention"] = _attention_for(f.attention, s.device, f.dtype or s.dtype)
-    if f.in_backward:
-        changes["clipping"] = False  # in-backward steps cannot clip by the total norm
-    if f.host_ram is not None:
-        changes["host_budget_bytes"] = parse_bytes(f.host_ram, "--host-ram")
-    changes["ranks"] = f.ranks or 1
-    return changes
-
-
-def _check_step_place(s: Settings, cpu_offload: bool | None, in_backward: bool | None) -> None:
-    """Where the step runs, each refusal naming what the user typed: a flag, or the recipe's key."""
-    if s.cpu_offload and s.in_backward:
-        why = "with the step on the CPU no gradient stays on the device anyway"
-        if in_backward and cpu_offload:
-            raise LisaftError(f"--in-backward cannot be combined with --cpu-offload: {why}; give one")
-        if in_backward:
-            raise LisaftError(f"--in-backward cannot be combined with the recipe's optimizer.cpu_offload: {why}; "
-                              "add --no-cpu-offload, or drop --in-backward")
-        raise LisaftError(f"--cpu-offload cannot be combined with the recipe's optimizer.in_backward: {why}; "
-                          "add --no-in-backward")
-    if s.in_backward and s.grad_accum_steps > 1:
-        inb = "--in-backward" if in_backward else "optimizer.in_backward"
-        raise LisaftError(f"{inb} cannot be combined with training.grad_accum_steps > 1")
-    if s.cpu_offload and is_apollo(s.optimizer):
-        raise LisaftError(f"--cpu-offload cannot be combined with optimizer.name {s.optimizer}: its state is a few "
-                          "MiB and steps on the GPU")
-
-
 def check_ranks(s: Settings, ranks: int | None) -> None:
-    """--ranks and training.fsdp as `lisaft train` under torchrun would take them (the recipe
-    refuses the same combinations, lisaft/config/compat.py), each refusal one line."""
+    """--ranks against training.fsdp, as `lisaft train` under torchrun would take them (the rest of
+    FSDP's refusals are the recipe's, lisaft/config/compat.py)."""
     if not s.fsdp:
         if s.ranks > 1:
             raise LisaftError(f"--ranks {s.ranks}: without training.fsdp every rank holds the whole model (data "
@@ -281,15 +242,6 @@ def check_ranks(s: Settings, ranks: int | None) -> None:
     if ranks is None:
         raise LisaftError("training.fsdp: give --ranks N, the number of processes (torchrun --nproc-per-node N): "
                           "the estimate is one rank's")
-    if is_apollo(s.optimizer):
-        raise LisaftError(f"optimizer.name {s.optimizer} cannot be combined with training.fsdp: the projection "
-                          "needs each matrix's whole gradient and a rank holds a slice")
-    if optimizer_kind(s.optimizer).paged:
-        raise LisaftError(f"optimizer.name {s.optimizer} is not supported with training.fsdp; use "
-                          f"--optimizer {optimizer_kind(s.optimizer).unpaged} (or adamw_32bit)")
-    for on, key in ((s.in_backward, "optimizer.in_backward"), (s.cpu_offload, "optimizer.cpu_offload")):
-        if on:
-            raise LisaftError(f"{key} cannot be combined with training.fsdp (docs/distributed.md); set it false")
 
 
 @dataclass
@@ -309,6 +261,7 @@ class Report:
     smallest_gpu_as_is: str | None  # the smallest catalogue card for the settings as given
     ranks: Change | None = None  # when nothing offered fits one card: training.fsdp over the fewest ranks
     methods: list = field(default_factory=list)  # memory/methods.py: every way to train, learning order
+    host_ram: str | None = None  # --host-ram as given
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -328,6 +281,7 @@ class Report:
                         for opt in OPTIMIZERS if any(o == opt for o, _ in self.grid)},
             methods=[{"method": m.name, "set": m.overrides, "learned": m.learned,
                       "total_bytes": m.estimate.total_bytes, "fits": m.estimate.fits} for m in self.methods],
+            preference=preference_summary(self.estimate),
         )
         return out
 
@@ -337,30 +291,30 @@ class Report:
         return [*self.changes, *([self.ranks] if self.ranks else [])]
 
 
-def build_report(s: Settings, budget: Budget) -> Report:
+def build_report(s: Settings, budget: Budget, host_ram: str | None = None) -> Report:
     from lisaft.model.load import context_length
 
     est = compute(s)
-    layers = param_counts(s.config, s.layers_path).layer_count
+    layers = param_counts(s.config, s.recipe.model.layers_path).layer_count
     weights_fit = est.weights_bytes + est.components.get("cuda_context", 0) <= s.budget_bytes
     changes = advice(est, layers) if not est.fits and weights_fit else []
     lean = None
     if not est.fits and not any(c.estimate.fits for c in changes):
         lean = leanest(s, layers)
         changes = [c for c in changes if c.overrides != lean.overrides]
-    gamma = s.active_layers if s.lisa else min(2, layers)
+    gamma = s.active_layers if s.recipe.lisa.enabled else min(2, layers)
     card = smallest_gpu(lean.estimate.total_bytes) if lean else None
     as_is = smallest_gpu(est.total_bytes)
-    return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "seq_len"),
-                  largest_fitting(s, "batch_size"), context_length(s.config), weights_fit, lean,
+    return Report(est, budget, changes, optimizer_grid(s, gamma), largest_fitting(s, "data.max_seq_len"),
+                  largest_fitting(s, "training.batch_size"), context_length(s.config), weights_fit, lean,
                   card.name if card else None, as_is.name if as_is else None,
-                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None, methods(s))
+                  fewest_ranks(s, layers) if lean or (s.fsdp and not est.fits) else None, methods(s), host_ram)
 
 
 def estimate_memory_command(flags: EstimateFlags) -> int:
     b = parse_budget(flags.budget, flags.gpu)
     s = build_settings(flags, b.bytes)
-    report = build_report(s, b)
+    report = build_report(s, b, flags.host_ram)
     if flags.json_out:
         print(json.dumps(report.to_json(), indent=2))
         return 0

@@ -11,7 +11,7 @@ docs/memory.md gives every formula.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.memory.activations import Shape, offloaded_host_bytes, shape_from_config
@@ -23,15 +23,14 @@ from lisaft.memory.cuda_process import (
     cublas_workspace_bytes,
 )
 from lisaft.memory.host import offload_host_bytes
-from lisaft.memory.lora import LoraSettings
+from lisaft.memory.settings import DTYPE_BYTES, GiB, Settings, moment_bytes
 from lisaft.memory.sharded import fsdp_phases, fsdp_units
 from lisaft.memory.step_terms import Backward, Resident, backward, resident, weight_bytes
+
+__all__ = ["DTYPE_BYTES", "GiB", "MiB", "Estimate", "Settings", "compute"]
 from lisaft.memory.trainable import state_numels
 
-GiB = 1024**3
 MiB = 1024**2
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Resident memory of the Python process itself on CPU: torch and transformers imported and a
 # first forward/backward run (thread pools, oneDNN kernels), measured as the peak RSS of the
@@ -52,55 +51,10 @@ COMPONENTS = (
     "cublas_workspace", "allocator_overhead", "cuda_context", "cuda_kernels", "process_baseline",
     "host_weight_copies",
 )
+# Moments before the first step: a random init whole on each rank (training.fsdp), DPO's reference pass.
+SETUP_PHASES = ("model_load", "reference_pass")
 # Outside PyTorch's allocator counters (torch.cuda.max_memory_reserved), inside NVML-used.
 OUTSIDE_ALLOCATOR = ("cuda_context", "cuda_kernels")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything the estimate depends on: the parsed recipe plus command-line flags."""
-
-    model_label: str
-    config: object  # transformers PretrainedConfig
-    layers_path: str | None = None  # model.layers_path, where lisaft cannot find the layers itself
-    dtype: str = "bfloat16"
-    attention: str = "sdpa"  # flash_attention_2 | sdpa | eager
-    gradient_checkpointing: bool = False
-    offload_activations: bool = False  # checkpointed layer inputs kept in pinned host memory
-    mlp_chunk_tokens: int | None = None  # MLP run in checkpointed chunks of this many positions
-    optimizer: str = "adamw_32bit"
-    apollo_rank: int = 256  # optimizer.rank for apollo (apollo_mini is rank 1)
-    bf16_update: str = "stochastic"  # stochastic | nearest (optimizer.bf16_update)
-    moments_dtype: str = "float32"  # float32 | bfloat16 (optimizer.moments_dtype, adamw_32bit on the CPU)
-    sparse_embedding_grad: bool = True  # model.sparse_embedding_grad (single process)
-    in_backward: bool = False
-    cpu_offload: bool = False  # moments, gradient accumulators and the step in host memory
-    lisa: bool = False
-    active_layers: int = 2
-    active_layers_auto: bool = False  # lisa.active_layers: auto (active_layers holds the choice)
-    train_embeddings: bool = True
-    train_head: bool = True
-    state_policy: str = "discard"
-    batch_size: int = 1
-    seq_len: int = 1024
-    packing: bool = False  # data.packing: rows of documents kept apart by a mask or varlen kernels
-    padded_rows: bool = False  # rows padded to the longest in a batch (batch > 1, no packing)
-    grad_accum_steps: int = 1
-    clipping: bool = True
-    device: str = "cuda"
-    budget_bytes: int = 24 * GiB
-    host_budget_bytes: int | None = None  # the machine's RAM, for cpu_offload's host memory
-    datasets_imported: bool = False  # on CPU, the process baseline includes `datasets`
-    expandable_segments: bool = True  # CUDA allocator setting (lisaft sets it unless the user did)
-    fsdp: bool = False  # training.fsdp: per-rank figures for `ranks` processes (memory/sharded.py)
-    # model.config: a random init, built whole on every rank and then sharded (training.fsdp);
-    # weights from model.name_or_path are read shard by shard and never whole on a rank.
-    model_from_config: bool = False
-    ranks: int = 1
-    lora: LoraSettings | None = None  # lora.enabled: adapters on a frozen base (memory/lora.py)
-
-    def with_(self, **changes) -> Settings:
-        return replace(self, **changes)
 
 
 @dataclass
@@ -129,14 +83,15 @@ class Estimate:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.host_components.values())
+        """What the run keeps in host memory: cpu_offload's host components, else the pinned layer
+        inputs of model.offload_activations (0 when neither runs)."""
+        return sum(self.host_components.values()) if self.host_components else self.activation_host_bytes
 
     @property
     def fits_host(self) -> bool:
-        """cpu_offload's host memory fits the machine's RAM (True when nothing is offloaded or
-        the RAM is not known)."""
+        """That host memory fits the machine's RAM (the host budget; True when the RAM is not known)."""
         budget = self.settings.host_budget_bytes
-        return not self.host_components or budget is None or self.host_bytes <= budget
+        return budget is None or self.host_bytes <= budget
 
     @property
     def fits(self) -> bool:
@@ -190,31 +145,16 @@ class Estimate:
             "fits_host": self.fits_host,
             "total_params": self.total_params,
             "trainable_params": self.trainable_params,
-            "settings": {
-                "model": s.model_label, "dtype": s.dtype, "attention": s.attention,
-                "gradient_checkpointing": s.gradient_checkpointing,
-                "offload_activations": s.offload_activations,
-                "mlp_chunk_tokens": s.mlp_chunk_tokens, "optimizer": s.optimizer,
-                "bf16_update": s.bf16_update, "moments_dtype": s.moments_dtype,
-                "sparse_embedding_grad": s.sparse_embedding_grad,
-                "expandable_segments": s.expandable_segments,
-                "in_backward": s.in_backward, "cpu_offload": s.cpu_offload, "lisa": s.lisa,
-                "active_layers": s.active_layers if s.lisa else None,
-                "active_layers_auto": s.lisa and s.active_layers_auto,
-                "train_embeddings": s.train_embeddings, "train_head": s.train_head,
-                "state_policy": s.state_policy, "batch_size": s.batch_size, "seq_len": s.seq_len,
-                "grad_accum_steps": s.grad_accum_steps, "clipping": s.clipping, "device": s.device,
-                "fsdp": s.fsdp, "ranks": s.ranks, "model_from_config": s.model_from_config,
-                "lora": asdict(s.lora) if s.lora is not None else None,
-            },
+            "settings": s.to_json(),
             "notes": list(self.notes),
         }
 
 
 def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None = None) -> Estimate:
-    counts = counts or param_counts(s.config, s.layers_path)
+    rec = s.recipe
+    counts = counts or param_counts(s.config, rec.model.layers_path)
     shape = shape or shape_from_config(s.config)
-    dt = DTYPE_BYTES[s.dtype]
+    dt = DTYPE_BYTES[rec.model.dtype]
     r = resident(s, counts, shape, dt)
     b = backward(s, counts, shape, dt, r)
     phases = _phases(s, counts, dt, r, b)
@@ -225,7 +165,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     # the device must hold at least everything else; what is left over keeps paged state.
     without_paged = max(fixed.total(parts, False)[0] for parts in phases.values())
     paged_gpu = max(0, min(r.state.paged, s.budget_bytes - without_paged))
-    activation_host = offloaded_host_bytes(shape, dt, s.batch_size, s.seq_len) if b.offload_act else 0
+    tokens = (s.sequences, rec.data.max_seq_len)
+    activation_host = offloaded_host_bytes(shape, dt, *tokens) if b.offload_act else 0
     return Estimate(
         settings=s, total_params=counts.total, trainable_params=r.trainable_params,
         components=fixed.with_fixed(phases[peak_phase]),
@@ -268,10 +209,27 @@ def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward)
         phases["optimizer_step"] = moment(b.step_phase, 0, 0, b.step_temp, "optimizer_step")
     if "root_backward" in extra:  # the embeddings' backward ends it: every other slice's gradient is kept
         phases["root_backward"] = moment(r.grads_full, 0, 0, 0, "root_backward")
-    if s.fsdp and s.model_from_config:  # set-up: the whole model on the device before fully_shard splits it
+    if s.reference_pass:
+        phases["reference_pass"] = _reference_pass(moment(0, 0, b.loss_peak, 0, "loss_backward"), r, b)
+    if s.fsdp and s.recipe.model.config is not None:
+        # Set-up: a random init is whole on the device before fully_shard splits it.
         phases["model_load"] = {**moment(0, 0, 0, 0, "model_load"), "optimizer_states": 0,
                                 "unsharded_load": weight_bytes(counts, dt) - r.weights}
     return phases
+
+
+def _reference_pass(m: dict[str, int], r: Resident, b: Backward) -> dict[str, int]:
+    """DPO's reference log-probs, one pass over the pairs before step 1 (lisaft/train/preference.py):
+    under no_grad nothing is saved for backward and no gradient exists; the optimizer is built
+    after it, so no state; a layer's forward at a time (at most what its recompute holds, the
+    dequantized weight of a 4-bit linear included) and the loss's chunk of log-probs. Under FSDP
+    the units gathered as in the forward, nothing reduced. The weights are the policy's, or a
+    preference.reference of the same architecture, loaded for the pass and freed before it."""
+    forward = b.act.one_layer_full + b.act.mlp_chunk + (r.lora.transient if r.lora is not None else 0)
+    out = {**m, "optimizer_states": 0, "transient": forward}
+    if "gradient_reduce" in out:
+        out["gradient_reduce"] = 0
+    return out
 
 
 @dataclass(frozen=True)
@@ -291,13 +249,13 @@ class _Fixed:
         if cuda:
             outside = {"cuda_context": CUDA_CONTEXT_BYTES, "cuda_kernels": CUDA_KERNELS_BYTES}
         else:
-            bnb = optimizer_kind(s.optimizer).imports_bitsandbytes or s.lora is not None
+            bnb = optimizer_kind(s.recipe.optimizer.name).imports_bitsandbytes or s.lora
             baseline = CPU_PROCESS_BASELINE_BYTES + (BITSANDBYTES_IMPORT_BYTES if bnb else 0) + \
-                (PEFT_IMPORT_BYTES if s.lora is not None else 0)
+                (PEFT_IMPORT_BYTES if s.lora else 0)
             outside = {"process_baseline": baseline + (DATASETS_IMPORT_BYTES if s.datasets_imported else 0)}
-            if s.cpu_offload:
+            if s.recipe.optimizer.cpu_offload:
                 # The host is the device: the step's weight copies are in the memory that counts.
-                outside["host_weight_copies"] = counts.total * DTYPE_BYTES[s.dtype]
+                outside["host_weight_copies"] = counts.total * DTYPE_BYTES[s.recipe.model.dtype]
         return cls(outside, cublas_workspace_bytes() if cuda else 0, paged, cuda, s.expandable_segments)
 
     def total(self, m: dict[str, int], with_paged: bool) -> tuple[int, int]:
@@ -323,35 +281,37 @@ def _host(s: Settings, counts: ParamCounts, dt: int, r: Resident, activation_hos
     sparse = counts.embeddings[0] if r.sparse_saving else 0
     # LISA's offload_cpu keeps frozen units' moments in host memory, beside the trained ones.
     host_state = state_numels(counts, s.with_(device="cpu"), r.trainable)
-    return offload_host_bytes(s.optimizer, host_state, all_numels, r.trainable, dt, s.bf16_update,
+    opt = s.recipe.optimizer
+    return offload_host_bytes(opt.name, host_state, all_numels, r.trainable, dt, opt.bf16_update,
                               activation_host, CPU_PROCESS_BASELINE_BYTES
-                              + (BITSANDBYTES_IMPORT_BYTES if optimizer_kind(s.optimizer).imports_bitsandbytes else 0),
+                              + (BITSANDBYTES_IMPORT_BYTES if optimizer_kind(opt.name).imports_bitsandbytes else 0),
                               sparse_numel=sparse, sparse_bytes=sparse * dt - r.sparse_saving if sparse else 0,
-                              moment_bytes=2 if s.moments_dtype == "bfloat16" else 4)
+                              moment_bytes=moment_bytes(opt.moments_dtype))
 
 
 def _notes(s: Settings, r: Resident, b: Backward, peak_phase: str) -> list[str]:
     notes = []
-    if s.in_backward:
+    rec = s.recipe
+    if rec.optimizer.in_backward:
         notes.append("in_backward: no full gradient set is ever resident; clipping is off")
-    if s.device != "cuda" and optimizer_kind(s.optimizer).paged:
+    if s.device != "cuda" and optimizer_kind(rec.optimizer.name).paged:
         notes.append("paged optimizers run unpaged on CPU: their state is ordinary memory")
-    if s.offload_activations and not s.gradient_checkpointing:
+    if rec.model.offload_activations and not rec.model.gradient_checkpointing:
         notes.append("offload_activations needs gradient_checkpointing: nothing is offloaded")
     if r.offload:
         notes.append("cpu_offload: moments, gradient accumulators and the step live in host memory "
                      "(the host table)")
     if b.act.packed_mask:
         # The same mask serves packed rows (documents kept apart) and padded rows (padding hidden).
-        what = ("data.packing under {a}: each row's documents are kept apart by" if s.packing else
+        what = ("data.packing under {a}: each row's documents are kept apart by" if rec.data.packing else
                 "rows padded to the longest in the batch under {a}: the padding is hidden by")
-        notes.append(f"{what.format(a=s.attention)} a {s.seq_len} x {s.seq_len} mask "
+        notes.append(f"{what.format(a=s.attention)} a {rec.data.max_seq_len} x {rec.data.max_seq_len} mask "
                      f"({b.act.packed_mask / 2**20:,.0f} MiB for the micro-batch); flash_attention_2 needs none")
     if s.fsdp:
         notes.append(f"training.fsdp over {s.ranks} ranks: one rank's memory (rank 0 holds the largest slices); NCCL's "
                      "buffers are not modelled" + ("; the peak is the set-up, where each rank holds the whole "
                                                    "model before sharding it" if peak_phase == "model_load" else ""))
-    if s.lisa and s.state_policy == "keep":
+    if rec.lisa.enabled and rec.lisa.state_policy == "keep":
         notes.append("lisa.state_policy keep: moments of every layer ever sampled stay resident "
                      "(counted as all layers)")
     return notes

@@ -25,33 +25,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from lisaft.memory.counts import ParamCounts, build_meta_model
+
+if TYPE_CHECKING:
+    from lisaft.config.lora import LoraSection
+    from lisaft.config.schema import Recipe
 
 BLOCK = 64           # bitsandbytes' NF4 block size
 NESTED_BLOCK = 256   # double quantization: absmax values per float32 second-level constant
 # Each 4-bit tensor's own quantization state besides its blocks: the 16-value NF4 code, the
 # 256-value 8-bit code of the nested absmax and its offset, all float32 (bitsandbytes 0.50).
 QUANT_STATE_BYTES = 4 * (16 + 256 + 1)
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int = 8
-    targets: str | tuple[str, ...] = "all-linear"
-    dora: bool = False
-    dropout: float = 0.0
-    train_embeddings: bool = False
-    quantize: str | None = None
-
-
-def lora_settings(recipe) -> LoraSettings | None:
-    lora = recipe.lora
-    if not lora.enabled:
-        return None
-    targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
-    return LoraSettings(rank=lora.rank, targets=targets, dora=lora.dora, dropout=lora.dropout,
-                        train_embeddings=lora.train_embeddings, quantize=recipe.model.quantize)
 
 
 def nf4_bytes(numel: int) -> int:
@@ -96,13 +82,14 @@ class Saving:
     mlp_chunked: bool = False  # model.mlp_chunk_tokens: the MLP's input is kept anyway, its insides per chunk
 
 
-def _adapted(lora: LoraSettings, name: str) -> bool:
-    return lora.targets == "all-linear" or name in lora.targets
+def _adapted(lora: LoraSection, name: str) -> bool:
+    return lora.target_modules == "all-linear" or name in lora.target_modules
 
 
-def lora_counts(counts: ParamCounts, config, layers_path: str | None, lora: LoraSettings, dt: int,
-                saving: Saving = Saving()) -> LoraCounts:
-    linears = _layer_linears(config, layers_path)
+def lora_counts(counts: ParamCounts, config, recipe: Recipe, dt: int, saving: Saving = Saving()) -> LoraCounts:
+    """The adapters of recipe.lora on the base recipe.model describes (model.quantize: its 4-bit form)."""
+    lora, quantize = recipe.lora, recipe.model.quantize
+    linears = _layer_linears(config, recipe.model.layers_path)
     adapter_layers, adapted_numel, quantized_numel, largest = [], 0, 0, 0
     for layer in linears:
         numels: list[int] = []
@@ -114,7 +101,7 @@ def lora_counts(counts: ParamCounts, config, layers_path: str | None, lora: Lora
         adapter_layers.append(tuple(numels))
         adapted_numel += sum(numels)
     base = counts.total * dt + counts.buffer_bytes_fp32 + (counts.buffer_numel * 4 - counts.buffer_bytes_fp32) * dt // 4
-    if lora.quantize:
+    if quantize:
         base += sum(nf4_bytes(fi * fo) for layer in linears for _, fi, fo in layer) - quantized_numel * dt
     ends = lora.train_embeddings
     trainable = replace(counts, layers=tuple(adapter_layers),
@@ -123,14 +110,14 @@ def lora_counts(counts: ParamCounts, config, layers_path: str | None, lora: Lora
                         embedding_rows=counts.embedding_rows if ends else (),
                         head_rows=counts.head_rows if ends else ())
     first = linears[0] if linears else []
-    per_token, per_layer, first_unsaved, first_weights = _saved(first, lora, dt, saving)
+    per_token, per_layer, first_unsaved, first_weights = _saved(first, lora, quantize, dt, saving)
     return LoraCounts(trainable=trainable, weight_bytes=base + adapted_numel * dt, largest_linear=largest,
                       saved_per_token_layer=per_token, saved_per_layer=per_layer, first_layer_unsaved=first_unsaved,
                       first_layer_weights_unsaved=first_weights,
-                      transient=_transient(first, largest, lora, dt))
+                      transient=_transient(first, largest, lora, quantize, dt))
 
 
-def _saved(linears: list[tuple[str, int, int]], lora: LoraSettings, dt: int,
+def _saved(linears: list[tuple[str, int, int]], lora: LoraSection, quantize: str | None, dt: int,
            saving: Saving) -> tuple[int, int, int, int]:
     """(bytes per token, bytes whatever the tokens) one adapted layer saves beyond a frozen layer,
     and the same two that the first layer keeps the less with frozen embeddings."""
@@ -157,7 +144,7 @@ def _saved(linears: list[tuple[str, int, int]], lora: LoraSettings, dt: int,
             per_token += 2 * fan_out * dt
             # That weight is a whole bf16 copy of the layer's adapted linears, kept until backward
             # (not where the dropped input needs no gradient: the first layer's q/k/v).
-            weight = fan_in * fan_out * dt if lora.quantize and lora.dropout else 0
+            weight = fan_in * fan_out * dt if quantize and lora.dropout else 0
             per_layer += 3 * fan_out * dt + weight
             first_weights += weight if name in _ATTN_IN else 0
     # The first layer's input norm: its input (the frozen embeddings') needs no gradient.
@@ -169,14 +156,15 @@ def _hidden(linears: list[tuple[str, int, int]]) -> int:
     return next((fi for name, fi, _ in linears if name in _ATTN_IN), 0)
 
 
-def _transient(linears: list[tuple[str, int, int]], largest: int, lora: LoraSettings, dt: int) -> int:
+def _transient(linears: list[tuple[str, int, int]], largest: int, lora: LoraSection, quantize: str | None,
+               dt: int) -> int:
     """Bytes alive at once inside one adapted layer's forward (or its recompute), beyond the plain
     layer: a 4-bit linear's dequantized weight; DoRA's identity, B(A(I)), the scaled copy and
     the sum whose row norm it takes, beside the dequantized weight it holds."""
-    out = largest * dt if lora.quantize else 0
+    out = largest * dt if quantize else 0
     if lora.dora:
         for name, fan_in, fan_out in linears:
             if _adapted(lora, name):
                 dora = fan_in * fan_in + fan_in * lora.rank + 3 * fan_out * fan_in
-                out = max(out, (dora + (fan_in * fan_out if lora.quantize else 0)) * dt)
+                out = max(out, (dora + (fan_in * fan_out if quantize else 0)) * dt)
     return out

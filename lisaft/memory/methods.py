@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lisaft.memory.estimate import Estimate, Settings, compute
-from lisaft.memory.lora import LoraSettings
+from lisaft.memory.estimate import Estimate, compute
+from lisaft.memory.settings import Settings
 
 
 @dataclass
 class Method:
     name: str
-    overrides: dict      # recipe keys that select it
+    overrides: dict      # recipe keys that select it (with gradient checkpointing on)
     learned: str         # what docs/learning.md measured, in a few words
     estimate: Estimate
 
@@ -33,33 +33,32 @@ _DORA = "LoRA with learned magnitudes: 63.6% against LoRA's 61.5 at 6 layers, on
 _QLORA = "LoRA on a 4-bit base: level with LoRA at 6 layers, 61.7% against 61.5 (docs/learning.md)"
 _LISA = "learned least: 48.4% at 24 layers at LoRA's optimizer memory (docs/learning.md)"
 
+# What every row sets, so that none inherits another method from the recipe it starts from.
+_PLAIN = {"lora.enabled": False, "model.quantize": None, "lisa.enabled": False, "optimizer.cpu_offload": False,
+          "optimizer.in_backward": False}
+_IN_BACKWARD = {"optimizer.in_backward": True, "training.max_grad_norm": None, "training.grad_accum_steps": 1}
 
-def _choices(s: Settings) -> list[tuple[str, dict, str, dict]]:
-    """(name, recipe keys, learning note, Settings fields) per method, in learning order."""
-    plain = {"lora": None, "lisa": False, "cpu_offload": False, "in_backward": False}
-    lora = LoraSettings(rank=8)
-    lora_keys = {"lora.enabled": True, "lisa.enabled": False, "optimizer.cpu_offload": False}
+
+def _choices(s: Settings) -> list[tuple[str, dict, str]]:
+    """(name, recipe keys, learning note) per method, in learning order."""
+    r = s.recipe
+    # A row that clips where the recipe does not (its step in backward) clips at the default norm.
+    clip = {"training.max_grad_norm": 1.0} if r.training.max_grad_norm is None else {}
+    float32 = {"optimizer.moments_dtype": "float32"} if r.optimizer.moments_dtype != "float32" else {}
+    lora = {**_PLAIN, "lora.enabled": True, "lora.rank": 8, "lora.dora": False, "lora.dropout": 0.0,
+            "lora.target_modules": "all-linear", "lora.train_embeddings": False}
     return [
-        ("full fine-tuning, optimizer on the CPU", {"lisa.enabled": False, "optimizer.cpu_offload": True,
-                                                    "optimizer.name": "adamw_8bit"}, _FULL,
-         {**plain, "cpu_offload": True, "optimizer": "adamw_8bit", "clipping": True}),
+        ("full fine-tuning, optimizer on the CPU", {**_PLAIN, "optimizer.cpu_offload": True,
+                                                    "optimizer.name": "adamw_8bit", **float32, **clip}, _FULL),
         ("full fine-tuning, paged 8-bit, step in backward",
-         {"lisa.enabled": False, "optimizer.name": "paged_adamw_8bit", "optimizer.in_backward": True,
-          "training.max_grad_norm": None, "training.grad_accum_steps": 1}, _FULL,
-         {**plain, "optimizer": "paged_adamw_8bit", "in_backward": True, "clipping": False,
-          "grad_accum_steps": 1}),
+         {**_PLAIN, "optimizer.name": "paged_adamw_8bit", **float32, **_IN_BACKWARD}, _FULL),
         ("APOLLO-Mini, every weight, step in backward",
-         {"lisa.enabled": False, "optimizer.name": "apollo_mini", "optimizer.in_backward": True,
-          "optimizer.cpu_offload": False, "training.max_grad_norm": None, "training.grad_accum_steps": 1}, _APOLLO,
-         {**plain, "optimizer": "apollo_mini", "in_backward": True, "clipping": False, "grad_accum_steps": 1}),
-        ("LoRA r8 (bf16 base)", lora_keys, _LORA, {**plain, "lora": lora}),
-        ("DoRA r8 (bf16 base)", {**lora_keys, "lora.dora": True}, _DORA,
-         {**plain, "lora": LoraSettings(rank=8, dora=True)}),
-        ("QLoRA r8 (4-bit base)", {**lora_keys, "model.quantize": "nf4"}, _QLORA,
-         {**plain, "lora": LoraSettings(rank=8, quantize="nf4")}),
-        ("LISA γ=2", {"lisa.enabled": True, "lisa.active_layers": 2, "optimizer.name": "paged_adamw_8bit"},
-         _LISA, {**plain, "lisa": True, "active_layers": 2, "active_layers_auto": False,
-                 "optimizer": "paged_adamw_8bit"}),
+         {**_PLAIN, "optimizer.name": "apollo_mini", **float32, **_IN_BACKWARD}, _APOLLO),
+        ("LoRA r8 (bf16 base)", lora, _LORA),
+        ("DoRA r8 (bf16 base)", {**lora, "lora.dora": True}, _DORA),
+        ("QLoRA r8 (4-bit base)", {**lora, "model.quantize": "nf4"}, _QLORA),
+        ("LISA γ=2", {**_PLAIN, "lisa.enabled": True, "lisa.active_layers": 2,
+                      "optimizer.name": "paged_adamw_8bit", **float32}, _LISA),
     ]
 
 
@@ -69,9 +68,27 @@ def methods(s: Settings) -> list[Method]:
     if s.fsdp:
         return []
     out = []
-    for name, keys, learned, fields in _choices(s):
-        if fields.get("cpu_offload") and s.device != "cuda":
+    for name, keys, learned in _choices(s):
+        if keys.get("optimizer.cpu_offload") and s.device != "cuda":
             continue  # on CPU the host is the device: nothing to offload to
-        est = compute(s.with_(gradient_checkpointing=True, **fields))
-        out.append(Method(name, {"model.gradient_checkpointing": True, **keys}, learned, est))
+        keys = {"model.gradient_checkpointing": True, **keys}
+        out.append(Method(name, keys, learned, compute(s.with_keys(keys).with_(active_layers_auto=False))))
     return out
+
+
+def shared_settings(s: Settings) -> str:
+    """What every row keeps from the settings it starts from, where it weighs on memory."""
+    r = s.recipe
+    parts = [f"data.max_seq_len {r.data.max_seq_len}", f"training.batch_size {r.training.batch_size}",
+             f"model.attention {s.attention}"]
+    if r.data.packing:
+        parts.append("data.packing true")
+    if r.model.offload_activations:
+        parts.append("model.offload_activations true")
+    if r.model.mlp_chunk_tokens is not None:
+        parts.append(f"model.mlp_chunk_tokens {r.model.mlp_chunk_tokens}")
+    if r.training.grad_accum_steps > 1:
+        parts.append(f"training.grad_accum_steps {r.training.grad_accum_steps} (1 where the step is in backward)")
+    if r.model.dtype != "bfloat16":
+        parts.append(f"model.dtype {r.model.dtype}")
+    return ", ".join(parts)

@@ -6,8 +6,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from lisaft.memory.advice import AUTO_MARGIN, RANKS, Change, host_is_the_limit
-from lisaft.memory.estimate import Estimate
+from lisaft.memory.advice import AUTO_MARGIN, RANKS, host_is_the_limit
+from lisaft.memory.estimate import SETUP_PHASES, Estimate
+from lisaft.memory.methods import shared_settings
+from lisaft.memory.preference import preference_lines
+from lisaft.memory.tables import HOST_RAM_NO, advice_table, fit_mark, grid_table, human, methods_table
 
 _DESCRIPTIONS = {
     "weights": "all parameters and buffers, model dtype",
@@ -55,30 +58,24 @@ PAGED_EXPLANATION = (
 )
 
 
-def human(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def settings_line(est: Estimate) -> str:
     s = est.settings
-    gamma = f"auto → {s.active_layers}" if s.active_layers_auto else s.active_layers
-    lisa = f"LISA γ={gamma} ({s.state_policy})" if s.lisa else "full fine-tuning"
-    if s.lora is not None:
-        lisa = (f"{'QLoRA' if s.lora.quantize else 'LoRA'} r{s.lora.rank}{' DoRA' if s.lora.dora else ''}"
-                f"{' on a 4-bit base' if s.lora.quantize else ''}")
+    r = s.recipe
+    gamma = f"auto → {s.active_layers}" if s.auto else s.active_layers
+    lisa = f"LISA γ={gamma} ({r.lisa.state_policy})" if r.lisa.enabled else "full fine-tuning"
+    if r.lora.enabled:
+        four_bit = r.model.quantize is not None
+        lisa = (f"{'QLoRA' if four_bit else 'LoRA'} r{r.lora.rank}{' DoRA' if r.lora.dora else ''}"
+                f"{' on a 4-bit base' if four_bit else ''}")
+    accum = r.training.grad_accum_steps
     return (
         f"{s.model_label}: {est.total_params:,} params, {est.trainable_params:,} trainable; "
-        f"{lisa}; {s.optimizer}{' in backward' if s.in_backward else ''}"
-        f"{' on the CPU (cpu_offload)' if s.cpu_offload else ''}; {s.dtype}; "
-        f"{s.attention}; checkpointing {'on' if s.gradient_checkpointing else 'off'}; "
-        f"batch {s.batch_size} x seq {s.seq_len}"
-        f"{f' x accum {s.grad_accum_steps}' if s.grad_accum_steps > 1 else ''}; device {s.device}"
+        f"{lisa}; {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
+        f"{' on the CPU (cpu_offload)' if r.optimizer.cpu_offload else ''}; {r.model.dtype}; "
+        f"{s.attention}; checkpointing {'on' if r.model.gradient_checkpointing else 'off'}; "
+        f"batch {r.training.batch_size}{' pairs (2 sequences each)' if r.preference is not None else ''} x seq "
+        f"{r.data.max_seq_len}"
+        f"{f' x accum {accum}' if accum > 1 else ''}; device {s.device}"
         f"{f'; training.fsdp, per rank of {s.ranks}' if s.fsdp else ''}"
     )
 
@@ -100,8 +97,8 @@ def components_table(est: Estimate, phase: str | None = None) -> Table:
 
 
 def step_peak_phase(est: Estimate) -> str:
-    """The training step's own peak moment, apart from loading the model (training.fsdp)."""
-    return max((p for p in est.phases if p != "model_load"), key=lambda p: est.phases[p])
+    """The training step's own peak moment, apart from the set-up's (SETUP_PHASES)."""
+    return max((p for p in est.phases if p not in SETUP_PHASES), key=lambda p: est.phases[p])
 
 
 def host_table(est: Estimate) -> Table:
@@ -121,6 +118,10 @@ def host_table(est: Estimate) -> Table:
 
 
 def verdict(est: Estimate) -> Text:
+    if not est.fits_host and not est.host_components:
+        return Text(f"Does not fit in host memory: model.offload_activations pins {human(est.host_bytes)} of layer "
+                    f"inputs in host memory, the machine has {human(est.settings.host_budget_bytes)} of RAM (the "
+                    f"GPU needs {human(est.total_bytes)} of {human(est.budget_bytes)}).", style="bold red")
     if not est.fits_host:
         return Text(f"Does not fit in host memory: cpu_offload needs {human(est.host_bytes)} of RAM, the "
                     f"machine has {human(est.settings.host_budget_bytes)} (the GPU needs "
@@ -182,63 +183,7 @@ def explain_lines(est: Estimate) -> Text:
         return Text(NOTHING_PAGED_CPU)
     if est.host_components:
         return Text(CPU_OFFLOAD_COUNTED)
-    return Text(NOTHING_PAGED.format(optimizer=est.settings.optimizer))
-
-
-def advice_table(changes: list[Change], host: bool = False) -> Table:
-    """host: a column of each row's host RAM, when that RAM is what decides."""
-    t = Table(title="What brings it under", title_justify="left")
-    t.add_column("change (recipe keys; --set key=value)")
-    t.add_column("why", style="dim", overflow="fold")  # a recipe path stays readable
-    t.add_column("total", justify="right")
-    if host:
-        t.add_column("host RAM", justify="right")
-    t.add_column("fits")
-    for c in changes:
-        ram = [human(c.estimate.host_bytes) if c.estimate.host_components else "-"] if host else []
-        t.add_row(c.what, c.why, human(c.estimate.total_bytes), *ram, "yes" if c.estimate.fits else "no")
-    return t
-
-
-def _column_title(key: str) -> str:
-    if key in ("full", "lora"):
-        return "full" if key == "full" else "as given (adapters)"
-    return f"LISA γ={key.removeprefix('lisa_')}"
-
-
-def grid_table(grid: dict, budget: int) -> Table:
-    columns = sorted({k[1] for k in grid}, key=lambda c: (c != "lora", c != "full", c))
-    t = Table(title=f"Optimizers side by side (budget {human(budget)})", title_justify="left")
-    t.add_column("optimizer")
-    for c in columns:
-        t.add_column(_column_title(c), justify="right")
-    for opt in dict.fromkeys(k[0] for k in grid):
-        cells = []
-        for c in columns:
-            e = grid[(opt, c)]
-            mark = "[green]fits[/]" if e.fits else (
-                "[yellow]paged[/]" if e.paged_state_bytes and e.fits_with_paging else "[red]no[/]")
-            cells.append(f"{human(e.total_bytes)} {mark}")
-        t.add_row(opt, *cells)
-    return t
-
-
-def methods_table(methods: list, budget: int) -> Table:
-    """Every way to train, in the order the learning benchmark ranked them; those that fit first."""
-    t = Table(title=f"Ways to train it in {human(budget)}, by what they learned (fitting first)",
-              title_justify="left")
-    t.add_column("method", justify="left")
-    t.add_column("peak", justify="right")
-    t.add_column("learning", justify="left")
-    # The recipe keys of each are in the --json output (methods[].set).
-    for m in sorted(methods, key=lambda m: not m.estimate.fits):
-        e = m.estimate
-        mark = "[green]fits[/]" if e.fits else "[red]no[/]"
-        if not e.fits and e.total_bytes <= e.budget_bytes:
-            # The GPU would hold it; the moments in host memory would not fit this machine's RAM.
-            mark = f"[red]no[/]: needs {human(e.host_bytes)} of host RAM (--host-ram)"
-        t.add_row(m.name, f"{human(e.total_bytes)} {mark}", m.learned)
-    return t
+    return Text(NOTHING_PAGED.format(optimizer=est.settings.recipe.optimizer.name))
 
 
 def _no_budget_fits(report) -> Text:
@@ -256,7 +201,7 @@ def _no_budget_fits(report) -> Text:
     # Only a random init from model.config is built whole; name_or_path is read shard by shard.
     loads_whole = (f": each rank first builds the whole model from model.config ({human(whole)} of weights) "
                    "and only then shards it (lisaft/model/load.py)"
-                   if est.settings.model_from_config and whole > est.budget_bytes else "")
+                   if est.settings.recipe.model.config is not None and whole > est.budget_bytes else "")
     shard = (f" Sharded with training.fsdp, {ranks.ranks} GPUs of this budget hold it: "
              f"{human(ranks.estimate.total_bytes)} per rank (last row above)." if ranks else
              f" Not even {RANKS[-1]} GPUs of this budget hold it with training.fsdp{loads_whole}.")
@@ -290,18 +235,19 @@ def _largest_line(report) -> Text:
     if seq is not None and seq == report.context_length:
         seq_text += " (the model's context length)"
     batch = "none" if report.largest_batch_size is None else str(report.largest_batch_size)
-    return Text(f"Largest sequence length that fits at batch {s.batch_size}: {seq_text}; "
-                f"largest batch at seq {s.seq_len}: {batch}.")
+    unit = " pairs" if s.recipe.preference is not None else ""
+    return Text(f"Largest sequence length that fits at batch {s.recipe.training.batch_size}{unit}: {seq_text}; "
+                f"largest batch at seq {s.recipe.data.max_seq_len}: {batch}{unit}.")
 
 
 def render(report, explain: bool = False) -> Group:
     """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
     est = report.estimate
     parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}")]
-    if est.settings.lisa and est.settings.active_layers_auto:
+    if est.settings.auto:
         parts.append(_auto_line(est))
     parts.append(components_table(est))
-    if est.peak_phase == "model_load":
+    if est.peak_phase in SETUP_PHASES:
         parts.append(components_table(est, step_peak_phase(est)))
     if est.host_components:
         parts.append(host_table(est))
@@ -316,8 +262,12 @@ def render(report, explain: bool = False) -> Group:
     elif not est.fits and est.settings.device == "cuda":
         parts.append(_as_is_line(report))
     if est.activation_host_bytes and not est.host_components:
-        parts.append(Text(f"Host memory for offloaded activation checkpoints: "
-                          f"{human(est.activation_host_bytes)} pinned (model.offload_activations)."))
+        parts.append(Text(f"Host memory for offloaded activation checkpoints: {human(est.activation_host_bytes)} "
+                          f"pinned (model.offload_activations), of {human(est.settings.host_budget_bytes)} of RAM."))
+    elif report.host_ram is not None and not est.host_bytes:
+        parts.append(Text(f"--host-ram {report.host_ram}: these settings keep nothing in host memory beyond the "
+                          "process; the RAM decides with optimizer.cpu_offload or model.offload_activations, as in "
+                          "the rows below that use them."))
     if not host_is_the_limit(est):
         parts.append(_largest_line(report))
     if report.advice:
@@ -326,7 +276,11 @@ def render(report, explain: bool = False) -> Group:
         parts.append(_no_budget_fits(report))
     parts.append(grid_table(report.grid, est.budget_bytes))
     if report.methods:
-        parts.append(methods_table(report.methods, est.budget_bytes))
+        parts.append(methods_table(report.methods, est.budget_bytes, shared_settings(est.settings)))
+    marks = [fit_mark(e) for e in (*report.grid.values(), *(c.estimate for c in report.advice))]
+    if "no (host RAM)" in marks:
+        parts.append(Text(HOST_RAM_NO, style="dim"))
+    parts += [Text(line) for line in preference_lines(est)]
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)

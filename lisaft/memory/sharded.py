@@ -29,7 +29,7 @@ torch 2.13), read rather than guessed:
   load_sharded), so the set-up holds no more than the step's slices. A random init from
   model.config is built whole on every rank's device and then sharded, so that it equals the
   one-process init: that rank holds the whole model once, at set-up (`unsharded_load`, the
-  `model_load` moment; Settings.model_from_config).
+  `model_load` moment).
 - The optimizer step runs on the slices; lisaft's global norm (LocalShards.clip_grad_norm) takes
   a float32 copy of each slice and its square, one slice at a time.
 
@@ -58,11 +58,10 @@ class Units:
 
 
 def fsdp_units(counts: ParamCounts, s) -> Units:
-    """The units of a model with these counts under settings `s` (memory.estimate.Settings)."""
+    """The units of a model with these counts under settings `s` (memory/settings.py)."""
     gathered = counts.gathered(s.ranks)
     embeddings, head = sum(gathered.embeddings), sum(gathered.head)
-    head_trains = not s.lisa or s.train_head
-    embeddings_train = not s.lisa or s.train_embeddings
+    head_trains, embeddings_train = s.head_trains, s.embeddings_train
     # A head tied to the embeddings is the embeddings' matrix (counted there): its gradient is
     # made at the loss's backward.
     loss_grad = (head if head_trains else 0) + (embeddings if counts.tied and (head_trains or embeddings_train) else 0)

@@ -13,11 +13,12 @@ from lisaft.memory.apollo_state import apollo_state, apollo_step_temporaries, is
 from lisaft.memory.counts import ParamCounts
 from lisaft.memory.lora import LoraCounts, Saving, lora_counts
 from lisaft.memory.optimizer_state import StateBytes, state_bytes, step_temporaries
+from lisaft.memory.settings import moment_bytes
 from lisaft.memory.sharded import clip_temporaries
 from lisaft.memory.trainable import sparse_embedding_saving, state_numels, trainable_numels
 
 if TYPE_CHECKING:
-    from lisaft.memory.estimate import Settings
+    from lisaft.memory.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -62,25 +63,25 @@ def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Residen
     # Under FSDP a rank holds its slice of every tensor: weights, gradients and moments follow.
     local = counts.sharded(s.ranks) if s.fsdp else counts
     # LoRA: the adapters (and the ends, when asked) are what trains; the base only weighs.
+    rec = s.recipe
     lc = None
-    if s.lora is not None:
+    if s.lora:
         saving = Saving(o_input_kept=s.attention != "eager" and not shape.attn_output_copy,
                         mask_bytes=1 if s.device == "cuda" else dt,
-                        mlp_chunked=mlp_chunked(s.seq_len, s.mlp_chunk_tokens))
-        lc = lora_counts(counts, s.config, s.layers_path, s.lora, dt, saving)
-    if lc is not None:
+                        mlp_chunked=mlp_chunked(rec.data.max_seq_len, rec.model.mlp_chunk_tokens))
+        lc = lora_counts(counts, s.config, rec, dt, saving)
         local = lc.trainable
     trainable, trainable_layers = trainable_numels(local, s)
     sparse_saving = sparse_embedding_saving(local, shape, s, dt)
     # The optimizer on the CPU: on CUDA no moment and no accumulated gradient is on the device.
-    offload = s.cpu_offload and s.device == "cuda"
-    moment_bytes = 2 if s.moments_dtype == "bfloat16" else 4
+    offload = rec.optimizer.cpu_offload and s.device == "cuda"
     if offload:
         state = StateBytes(0, 0)
-    elif is_apollo(s.optimizer):
+    elif is_apollo(rec.optimizer.name):
         state = apollo_state(local, s, dt)
     else:
-        state = state_bytes(s.optimizer, state_numels(local, s, trainable), dt, s.device, moment_bytes)
+        state = state_bytes(rec.optimizer.name, state_numels(local, s, trainable), dt, s.device,
+                            moment_bytes(rec.optimizer.moments_dtype))
     return Resident(weights=weight_bytes(local, dt) if lc is None else lc.weight_bytes, state=state,
                     trainable=trainable, trainable_layers=trainable_layers,
                     trainable_params=sum(trainable_numels(counts if lc is None else local, s)[0]),
@@ -89,33 +90,32 @@ def resident(s: Settings, counts: ParamCounts, shape: Shape, dt: int) -> Residen
 
 
 def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Resident) -> Backward:
-    head_weight_trains = (not s.lisa) or (s.train_embeddings if counts.tied else s.train_head)
-    ends_train = s.lora.train_embeddings if s.lora is not None else None
-    head_weight_trains = ends_train if ends_train is not None else head_weight_trains
+    rec, model = s.recipe, s.recipe.model
+    batch, seq = s.sequences, rec.data.max_seq_len
+    head_weight_trains = s.head_weight_trains(counts.tied)
     # On CPU the host is the device: offloading moves nothing out of the memory that counts.
-    offload_act = s.offload_activations and s.gradient_checkpointing and s.device == "cuda"
+    offload_act = model.offload_activations and model.gradient_checkpointing and s.device == "cuda"
     act = activations(
-        shape, dt, s.batch_size, s.seq_len, s.attention, s.gradient_checkpointing,
+        shape, dt, batch, seq, s.attention, model.gradient_checkpointing,
         # LoRA: every layer's base is frozen; what its adapters keep is added below.
         trainable_layers=r.trainable_layers if r.lora is None else 0,
-        train_embeddings=(not s.lisa or s.train_embeddings) if ends_train is None else ends_train,
-        head_weight_trains=head_weight_trains,
-        final_norm_trains=(not s.lisa or s.train_head) if ends_train is None else ends_train,
-        offload=offload_act, mlp_chunk_tokens=s.mlp_chunk_tokens, packing=s.packing,
-        padded_rows=s.padded_rows and s.batch_size > 1,
+        train_embeddings=s.embeddings_train, head_weight_trains=head_weight_trains,
+        final_norm_trains=s.head_trains, offload=offload_act, mlp_chunk_tokens=model.mlp_chunk_tokens,
+        # Without packing, rows are padded to the longest in a batch (lisaft/data/collate.py).
+        packing=rec.data.packing, padded_rows=not rec.data.packing and not s.full_rows and batch > 1,
     )
-    if r.lora is not None and s.lora is not None:
-        act = _with_adapters(act, r.lora, s, shape, ends_train)
-    loss_peak = loss_buffers_peak(shape, s.batch_size, s.seq_len, dt)
+    if r.lora is not None:
+        act = _with_adapters(act, r.lora, s, shape)
+    loss_peak = loss_buffers_peak(shape, batch, seq, dt)
     if shape.final_softcap and act.log_probs:
-        loss_peak += act.log_probs - s.batch_size * s.seq_len * (4 * shape.vocab + 8)
+        loss_peak += act.log_probs - batch * seq * (4 * shape.vocab + 8)
     # Gradient of the hidden states flowing down, and of one layer's largest intermediates.
     # A chunked MLP's intermediate gradients are one chunk's, counted in act.mlp_chunk.
-    chunked = mlp_chunked(s.seq_len, s.mlp_chunk_tokens)
-    backward_temp = s.batch_size * s.seq_len * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
+    chunked = mlp_chunked(seq, model.mlp_chunk_tokens)
+    backward_temp = batch * seq * dt * 2 * (shape.hidden + (0 if chunked else shape.intermediate))
     grads_at_loss, grads_in_layers, step_phase = _gradients(s, counts, dt, r, head_weight_trains)
     head_grad = _head_grad(s, counts, r.local, dt, head_weight_trains)
-    recompute = (act.one_layer_full if s.gradient_checkpointing else 0) + act.mlp_chunk
+    recompute = (act.one_layer_full if model.gradient_checkpointing else 0) + act.mlp_chunk
     step_temp, in_bwd_step = _step_temporaries(s, counts, dt, r)
     saved_no_logp = act.layers + act.outside_layers + act.packed_mask
     if r.lora is not None:
@@ -127,15 +127,14 @@ def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Residen
                     step_temp=step_temp)
 
 
-def _with_adapters(act: ActivationBreakdown, lc: LoraCounts, s: Settings, shape: Shape,
-                   ends_train: bool | None) -> ActivationBreakdown:
+def _with_adapters(act: ActivationBreakdown, lc: LoraCounts, s: Settings, shape: Shape) -> ActivationBreakdown:
     """A LoRA run's activations: frozen layers' plus what the adapters keep, in every layer or, with
     checkpointing, in the one recomputed."""
-    tokens = s.batch_size * s.seq_len
+    tokens = s.sequences * s.recipe.data.max_seq_len
     one = tokens * lc.saved_per_token_layer + lc.saved_per_layer
-    if s.gradient_checkpointing:
+    if s.recipe.model.gradient_checkpointing:
         return replace(act, one_layer_full=act.one_layer_full + one)
-    first = 0 if ends_train else tokens * lc.first_layer_unsaved + lc.first_layer_weights_unsaved
+    first = 0 if s.embeddings_train else tokens * lc.first_layer_unsaved + lc.first_layer_weights_unsaved
     return replace(act, layers=act.layers + shape.layers * one - first, one_layer_full=act.one_layer_full + one)
 
 
@@ -143,7 +142,7 @@ def _gradients(s: Settings, counts: ParamCounts, dt: int, r: Resident,
                head_weight_trains: bool) -> tuple[int, int, int | None]:
     """Gradient bytes at the loss's backward, in the layers' backward, and at the optimizer step
     (None: no separate step)."""
-    if s.in_backward:
+    if s.recipe.optimizer.in_backward:
         # Each gradient is applied and freed as soon as it is complete: at most the largest
         # tensor's gradient exists at a time, and there is no separate optimizer step.
         return 0, r.largest * dt, None
@@ -151,12 +150,12 @@ def _gradients(s: Settings, counts: ParamCounts, dt: int, r: Resident,
         # Each gradient leaves for host memory as it is completed: the one being copied out and
         # the next one being produced; the step runs on the CPU.
         return 0, 2 * r.largest * dt, None
-    grads_at_loss = r.grads_full if s.grad_accum_steps > 1 else 0
+    grads_at_loss = r.grads_full if s.recipe.training.grad_accum_steps > 1 else 0
     return grads_at_loss, max(grads_at_loss, _head_grad(s, counts, r.local, dt, head_weight_trains)), r.grads_full
 
 
 def _head_grad(s: Settings, counts: ParamCounts, local: ParamCounts, dt: int, head_weight_trains: bool) -> int:
-    head_grad = sum(local.head) * dt if (not s.lisa or s.train_head) else 0
+    head_grad = sum(local.head) * dt if s.head_trains else 0
     if counts.tied and head_weight_trains and not s.fsdp:  # FSDP: in the root's gradient_reduce
         head_grad += sum(counts.embeddings[:1]) * dt
     return head_grad
@@ -164,17 +163,19 @@ def _head_grad(s: Settings, counts: ParamCounts, local: ParamCounts, dt: int, he
 
 def _step_temporaries(s: Settings, counts: ParamCounts, dt: int, r: Resident) -> tuple[int, int]:
     """The optimizer step's temporaries, and the part of them that runs inside backward."""
+    opt = s.recipe.optimizer
     sparse_numel = counts.embeddings[0] if r.sparse_saving else 0
     if r.offload:
         step_temp = 0
-    elif is_apollo(s.optimizer):
-        step_temp = apollo_step_temporaries(counts.sharded(s.ranks) if s.fsdp else counts, s, dt, sparse_numel)
+    elif is_apollo(opt.name):
+        # What this process steps: a rank's slices under FSDP, the adapters under LoRA.
+        step_temp = apollo_step_temporaries(r.local, s, dt, sparse_numel)
     else:
-        step_temp = step_temporaries(s.optimizer, r.largest, dt, s.device, s.bf16_update, sparse_numel)
-    in_bwd_step = step_temp if s.in_backward else 0
+        step_temp = step_temporaries(opt.name, r.largest, dt, s.device, opt.bf16_update, sparse_numel)
+    in_bwd_step = step_temp if opt.in_backward else 0
     if s.fsdp:
         # The norm of the slices comes before the update: the larger of the two.
         step_temp = max(step_temp, clip_temporaries(r.largest, dt))
-    elif s.clipping and not s.in_backward and not r.offload:
+    elif s.clipping and not opt.in_backward and not r.offload:
         step_temp += 8 * len(r.trainable)  # one float32 norm per tensor, and their stack
     return step_temp, in_bwd_step

@@ -88,7 +88,7 @@ def _estimate(run_dir: Path) -> tuple[int | None, str, int | None]:
     except LisaftError as e:
         return None, f"no estimate: {e}", None
     note = f"estimate ({est.settings.device}, seq {recipe.data.max_seq_len})"
-    return est.comparable_peak_bytes, note, param_counts(est.settings.config, est.settings.layers_path).layer_count
+    return est.comparable_peak_bytes, note, param_counts(est.settings.config, recipe.model.layers_path).layer_count
 
 
 def _labels(run_dirs: list[Path]) -> list[str]:

@@ -215,13 +215,16 @@ def _hub_folder(ref: str) -> Path:
 def enable_checkpointing(model: nn.Module) -> None:
     """Non-reentrant gradient checkpointing, under the name this transformers has: newer 5.x
     releases call it activation_checkpointing_enable, earlier ones (5.17 among them)
-    gradient_checkpointing_enable. Non-reentrant works with frozen inputs, so no
-    enable_input_require_grads hack is needed and backward can stop at the lowest trainable layer."""
+    gradient_checkpointing_enable. Non-reentrant works with frozen inputs, so the input hook both
+    add is removed (frozen_inputs) and backward stops at the lowest trainable layer."""
+    from lisaft.model.checkpointing import frozen_inputs
+
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         pretrained(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen_inputs(model)
 
 
 def apply_model_settings(model: nn.Module, section: ModelSection, device: torch.device) -> None:

@@ -96,6 +96,9 @@ def attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters:
             p.data = p.data.to(dtype)
     if lora.train_embeddings:
         _unfreeze_ends(model, recipe)
+    from lisaft.model.checkpointing import frozen_inputs
+
+    frozen_inputs(model)  # peft's wrapping of a checkpointed model made the input require grad again
     return Adapters(peft_model, base_fingerprint(recipe))
 
 

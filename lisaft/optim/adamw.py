@@ -208,6 +208,9 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         stepped = False
+        # The whole unit's paged moments start towards the GPU before its first update, so the
+        # later parameters' pages arrive while the earlier ones update.
+        self._prefetch([p for group in self.param_groups for p in group["params"] if p.grad is not None])
         for group in self.param_groups:
             fused: list[torch.Tensor] = []
             chunked: list[torch.Tensor] = []
@@ -229,6 +232,7 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step_param(self, p: torch.Tensor) -> None:
         """Update one parameter now (step-in-backward: its gradient has just been completed)."""
+        self._prefetch([p])
         if self._on_host(p):
             self._host_update(p, self._group[p])
         elif self._fusable(p):
@@ -240,6 +244,13 @@ class AdamW(torch.optim.Optimizer):
             # host touches the state next (release; unit_optimizers syncs before reading a state dict).
             self._paged_done = self._paged_done or torch.cuda.Event()
             self._paged_done.record()
+
+    def _prefetch(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            st = self.state.get(p)
+            for k in MOMENT_KEYS:
+                if st and k in st and is_paged(st[k]):
+                    internals.prefetch_paged(st[k])
 
     def _on_host(self, p: torch.Tensor) -> bool:
         """Whether p steps through the fused host kernel (lisaft/optim/host_step.py): on the CPU,

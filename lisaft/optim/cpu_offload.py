@@ -13,8 +13,10 @@ A step, for each parameter:
    are added into one host accumulator. On CUDA the copy runs on a side stream into pinned
    memory: the first micro-batch's lands in the accumulator itself, later ones in a small ring of
    pinned staging buffers that a worker thread adds into the accumulator once the copy is done,
-   so the autograd thread never waits for the CPU. In every micro-batch at most 1 GiB of copies
-   is in flight: past it, backward waits for the link rather than pile up freed gradients.
+   so the autograd thread never waits for the CPU. The addition is the host kernel's one pass
+   over every core (host_step.accumulate; torch's add_ without numba, the same bits). In every
+   micro-batch at most 1 GiB of copies is in flight: past it, backward waits for the link rather
+   than pile up freed gradients.
 2. the step: clipping by the true global norm over the host gradients (the same clip_grad_norm
    as the device path), then the unit optimizers' step on the CPU: torch's fused AdamW kernel
    (or bitsandbytes' CPU kernels for 8-bit moments) over whole tensors or chunks, never a Python
@@ -25,7 +27,7 @@ A step, for each parameter:
    waits for the global norm (training.max_grad_norm null), `step_as_ready` starts each unit's
    step in the last micro-batch's backward, as soon as its gradients are complete: the same
    update, started while backward goes on below it (docs/memory.md, "Hiding the step").
-3. the new weights go back to the device unit by unit on the side stream while the CPU steps the
+3. the new weights go back to the device unit by unit on a second side stream while the CPU steps the
    next unit. With `overlap` (the default) the training loop does not wait: the next
    step's forward starts at once, and a forward pre-hook on each decoder layer (and on each other
    module with weights) waits for the unit that owns them (its CPU step, then its copy's event on
@@ -163,7 +165,7 @@ class OffloadedOptimizers(UnitOptimizers):
         elif first:
             acc.copy_(g)
         else:
-            acc.add_(g)
+            host_step.accumulate(acc, g)
 
     def drain(self) -> None:
         if self.transfers is not None:

@@ -28,9 +28,15 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> fl
     """The total L2 norm of the gradients before clipping; with max_norm, the gradients are
     scaled by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does. A sparse
     gradient (coalesced) counts by its values."""
+    return float(clip_grad_total(params, max_norm))
+
+
+def clip_grad_total(params: Sequence[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """clip_grad_norm's norm, a 0-dim float32 tensor where the gradients are, not read by the
+    host (the training step reads it with its other figures)."""
     grads = _grads(params)
     if not grads:
-        return 0.0
+        return torch.zeros(())
     by_dtype = defaultdict(list)
     for g in grads:
         by_dtype[g.dtype].append(g)
@@ -40,7 +46,7 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> fl
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for dtype, gs in by_dtype.items():
             internals.foreach_mul_(gs, coef.to(dtype))
-    return float(total)
+    return total
 
 
 def tensor_norms(params: Sequence[torch.Tensor]) -> list[tuple[torch.dtype, torch.Tensor]]:

@@ -10,6 +10,9 @@ Rounding noise is a counter hash of (key, element): the key comes from (seed, st
 parameter) as lisaft/optim/rounding.py derives it, the element is the index in the parameter, so
 the noise is a pure function of the run's position and costs a few integer operations.
 
+`accumulate` is the other pass over a parameter's elements in host memory: a later micro-batch's
+gradient added into its accumulator (optimizer.cpu_offload), rounded as torch's add_ rounds.
+
 The math, in float32 and in this order (lisaft/optim/host_reference.py does the same in torch,
 and the tests hold the two within an ulp on every CPU, docs/memory.md):
     w = w * decay                       decay = 1 - lr * weight_decay
@@ -135,6 +138,23 @@ def _dense_task(w, g, m, v, s0, s1, s2, s3, s4, s5, s6, s7, offset, k1, k2, sm):
         _store(w, i, wi, _weight_noise(wi, h, sm))
         _store(m, i, mi, h >> np.uint32(16))
         _store(v, i, vi, _hash(offset + i, k2, k1) & np.uint32(0xFFFF))
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def accumulate(acc, g):
+    """acc += g, an accumulated gradient: acc float32 or bfloat16 (uint16 bits), g either. The sum
+    in float32, a bf16 accumulator rounded to nearest even: torch's `add_`, bit for bit."""
+    n = acc.shape[0]
+    for t in numba.prange((n + TASK - 1) // TASK):
+        lo = t * TASK
+        _accumulate_task(acc[lo:lo + TASK], g[lo:lo + TASK])
+
+
+@numba.njit(inline="never", nogil=True, cache=True, error_model="numpy")
+def _accumulate_task(acc, g):
+    for i in range(acc.shape[0]):
+        x = _load(acc, i) + _load(g, i)
+        _store(acc, i, x, _weight_noise(x, np.uint32(0), np.uint32(0)))
 
 
 @numba.njit(inline="always", error_model="numpy")

@@ -25,6 +25,7 @@ TASKS_PER_GRAB = 4  # host_kernel.TASK elements each (16 KiB of 8-bit moments)
 # numba's default thread pool (workqueue) must not be entered by two threads at once; each call
 # already spreads over every core, so callers take turns.
 _lock = threading.Lock()
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 _missing = ""  # why the kernel did not load
 _warned = False
@@ -88,6 +89,30 @@ def _codes(code1: torch.Tensor, code2: torch.Tensor) -> tuple:
     return _code_books["maps"]
 
 
+def accumulate(acc: torch.Tensor, g: torch.Tensor) -> None:
+    """acc += g for a contiguous host accumulator: the kernel's one pass over every core where it
+    loaded, torch's add_ otherwise; the same bits either way (float32 sum, rounded to nearest)."""
+    if not (available() and acc.dtype in _KERNEL_DTYPES and g.dtype in _KERNEL_DTYPES) or g.is_sparse:
+        acc.add_(g)
+        return
+    assert _kernel is not None and acc.is_contiguous()
+    a, b = _np(acc.view(-1)), _np(g.reshape(-1))
+    with _lock:
+        _take_threads()
+        _kernel.accumulate(a, b)
+
+
+def _take_threads() -> None:
+    assert _kernel is not None
+    # numba's thread count is per calling thread: follow torch's (training.threads).
+    _kernel.numba.set_num_threads(max(1, min(torch.get_num_threads(), _kernel.numba.config.NUMBA_NUM_THREADS)))
+    # Tasks are handed out a few at a time instead of split evenly up front: when another
+    # process holds one core, the other thread takes the busy one's share (8-bit on two cores
+    # shared with one other process: 3.0 instead of 4.8 ns per element). Tasks are whole 8-bit
+    # blocks and independent, so the result is the same bit for bit in any order.
+    _kernel.numba.set_parallel_chunksize(TASKS_PER_GRAB)
+
+
 def step_chunk(w: torch.Tensor, g: torch.Tensor, st: dict, lo: int, hi: int, s: np.ndarray, key: int,
                stochastic: bool, maps: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """Elements lo:hi of a parameter: w and g are those elements (1-D), st the whole state; an
@@ -107,13 +132,7 @@ def step_chunk(w: torch.Tensor, g: torch.Tensor, st: dict, lo: int, hi: int, s: 
             host_reference.step_dense(w, g, m, v, sl, lo, k1, k2, stochastic)
         return
     with _lock:
-        # numba's thread count is per calling thread: follow torch's (training.threads).
-        _kernel.numba.set_num_threads(max(1, min(torch.get_num_threads(), _kernel.numba.config.NUMBA_NUM_THREADS)))
-        # Tasks are handed out a few at a time instead of split evenly up front: when another
-        # process holds one core, the other thread takes the busy one's share (8-bit on two cores
-        # shared with one other process: 3.0 instead of 4.8 ns per element). Tasks are whole 8-bit
-        # blocks and independent, so the result is the same bit for bit in any order.
-        _kernel.numba.set_parallel_chunksize(TASKS_PER_GRAB)
+        _take_threads()
         if eight:
             assert maps is not None
             _kernel.step_8bit(_np(w), _np(g), m.numpy(), v.numpy(), am.numpy(), av.numpy(), *_codes(*maps), s,

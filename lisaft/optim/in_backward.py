@@ -21,7 +21,7 @@ class GradNorm:
 
     def __init__(self, device: torch.device | None) -> None:
         self.sq = torch.zeros((), dtype=torch.float32, device=device) if device is not None else None
-        self.value: float | None = None
+        self.value: torch.Tensor | None = None  # read by the step with its other figures
 
 
 class StepInBackward:
@@ -47,7 +47,7 @@ class StepInBackward:
         finally:
             norm, self._norm = self._norm, None
             if norm.sq is not None:
-                norm.value = norm.sq.sqrt().item()
+                norm.value = norm.sq.sqrt()
 
     def _step(self, p: torch.Tensor) -> None:
         unit = self._unit_of[p]

@@ -10,6 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from lisaft.optim import host_step
+
 # Gradients of later micro-batches go through STAGING_SLOTS pinned buffers of at most
 # STAGING_SLOT_BYTES, a large gradient in several pieces: the copy of one piece overlaps the
 # worker's addition of the previous one, and staging costs 1 GiB whatever the model.
@@ -21,13 +23,21 @@ def staging_slot_bytes(largest_bytes: int) -> int:
     return min(STAGING_SLOT_BYTES, -(-largest_bytes // 64) * 64)
 
 
+def _event() -> torch.cuda.Event:
+    # Blocking: a host thread that waits on it sleeps until the copy is done instead of spinning
+    # a core that the host step and the accumulation need.
+    return torch.cuda.Event(blocking=True)
+
+
 class Transfers:
-    """The CUDA side of the transfers: one side stream for device->host gradients and
-    host->device weights, the staging ring, and the worker thread that adds staged gradients."""
+    """The CUDA side of the transfers: one side stream for device->host gradients and another for
+    host->device weights (so neither direction queues behind the other when units step while
+    backward runs), the staging ring, and the worker thread that adds staged gradients."""
 
     def __init__(self, device: torch.device, slot_bytes: int) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # gradients out
+        self.weights_stream = torch.cuda.Stream(device)  # weights in
         self.slot_bytes = slot_bytes
         staging = torch.empty(STAGING_SLOTS * slot_bytes, dtype=torch.uint8, pin_memory=True)
         self.slots: queue.Queue[torch.Tensor] = queue.Queue()
@@ -84,7 +94,7 @@ class Transfers:
             self.in_flight -= n
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = _event()
             copied.record(self.stream)
         self.copies.append((copied, nbytes))
         self.in_flight += nbytes
@@ -95,7 +105,7 @@ class Transfers:
 
     def _add(self, copied: torch.cuda.Event, acc: torch.Tensor, staged: torch.Tensor, buf: torch.Tensor) -> None:
         copied.synchronize()
-        acc.add_(staged)
+        host_step.accumulate(acc, staged)
         self.slots.put(buf)
 
     def drain(self) -> None:
@@ -110,15 +120,15 @@ class Transfers:
     def send(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         """Queue the weights' copies; returns the event that marks them done."""
         # Weights are overwritten only after every kernel queued so far (the backward) is done.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.weights_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.weights_stream):
             for dev, host in pairs:
                 dev.copy_(host, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
+            copied = _event()
+            copied.record(self.weights_stream)
         return copied
 
     def weights_ready(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.weights_stream)
 
 

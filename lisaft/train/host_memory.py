@@ -34,7 +34,10 @@ def check_host_memory(recipe: Recipe, recipe_file: str, device: str | None = Non
         return
     pinned = f" ({human(pinned_bytes(est.host_components))} of it pinned, which cannot be swapped out)" \
         if est.host_components else ""
+    # On a CPU device the whole run is host memory: the command that quotes the same figure is the
+    # estimate for that device.
+    command = f"lisaft estimate-memory {recipe_file}" + (" --device cpu" if device == "cpu" else "")
     raise LisaftError(
         f"optimizer.cpu_offload: this run needs an estimated {human(host)} of host memory{pinned}, and this "
-        f"machine has {human(ram)} of RAM; `lisaft estimate-memory {recipe_file}` says what lowers it "
+        f"machine has {human(ram)} of RAM; `{command}` says what lowers it "
         "(optimizer.name: adamw_8bit, LISA) or what fits without it (optimizer.cpu_offload: false)")

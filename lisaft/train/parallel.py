@@ -35,7 +35,7 @@ from lisaft.model.loss import eval_sums, token_loss_sum
 from lisaft.model.parts import ModelParts, model_parts, pretrained
 from lisaft.model.units import Unit
 from lisaft.optim.cpu_offload import OffloadedOptimizers
-from lisaft.optim.gradients import clip_grad_norm
+from lisaft.optim.gradients import clip_grad_total
 from lisaft.optim.unit_optimizers import UnitOptimizers
 from lisaft.train.stop import resume_command
 
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from lisaft.memory.estimate import Estimate
     from lisaft.metrics.phases import Phases
     from lisaft.model.lora import Adapters
+
+    Norm = torch.Tensor | float | None  # the global gradient norm: a tensor until the step reads it
 
 # A row of the end-of-run memory table: its name, the estimated bytes and the held ones.
 ReportRow = tuple[str, int | None, int | None]
@@ -127,8 +129,9 @@ class Strategy:
     def reduce_grads(self, params: list[nn.Parameter]) -> None:
         pass
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> float:
-        return clip_grad_norm(params, max_norm)
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+        """The global norm before clipping, on the device: the step reads it once, at its end."""
+        return clip_grad_total(params, max_norm)
 
     def bind_local_grads(self, params: list[nn.Parameter]) -> None:
         """Hand the optimizers' own parameters their gradients (they are the parameters here)."""
@@ -142,9 +145,10 @@ class Strategy:
         """Called before the step's last micro-batch's backward (cpu_offload steps units there)."""
 
     def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
-               measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[float | None, int, bool]:
+               measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[Norm, int, bool]:
         """Reduce, clip and step the trainable units; returns (grad norm, gradient bytes held,
-        whether training.on_nonfinite: skip dropped the update)."""
+        whether training.on_nonfinite: skip dropped the update). The norm stays on the device
+        unless skip must read it before the update."""
         trainable = controller.trainable_parameters()
         for p in trainable:
             if p.grad is not None and p.grad.is_sparse:
@@ -255,7 +259,7 @@ class CpuOffload(Strategy):
                 ("host: gradient accumulators", est.get("gradient_accumulators"), held["grad_accumulators"])]
 
     def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
-               measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[float | None, int, bool]:
+               measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[Norm, int, bool]:
         # The gradients are in host memory: the norm, the clipping and the step run there, and
         # no gradient is held on the device.
         with phases.phase("optimizer"):
@@ -312,7 +316,7 @@ class Fsdp(Strategy):
     def reduce_grads(self, params: list[nn.Parameter]) -> None:
         pass  # the reduce-scatter in backward summed them
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> float:
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
         return self._local().clip_grad_norm(params, max_norm)
 
     def bind_local_grads(self, params: list[nn.Parameter]) -> None:

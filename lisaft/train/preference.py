@@ -117,9 +117,3 @@ def evaluate_pairs(objective: PairObjective, model, pairs: list[dict], batches: 
     named = dict(zip(METRICS, (totals[1:-1] / n_pairs).tolist()))
     return {"eval_loss": totals[0].item() / n_pairs, "eval_reward_accuracy": named["reward_accuracy"],
             "eval_reward_margin": named["reward_margin"]}
-
-
-def step_metrics(objective: PairObjective, pairs: float, device: torch.device) -> dict[str, float]:
-    """The step's METRICS, mean over its global pairs."""
-    sums = dist.all_reduce_sum(objective.take_sums(device)).cpu()
-    return dict(zip(METRICS, (sums / max(pairs, 1.0)).tolist()))

@@ -12,8 +12,7 @@ from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.distributed import dist
 from lisaft.metrics.phases import Phases
 from lisaft.model.attention import varlen_attention
-from lisaft.model.preference import collate_pairs, pair_positions
-from lisaft.train.preference import step_metrics
+from lisaft.model.preference import METRICS, collate_pairs, pair_positions
 from lisaft.train.session import Session
 
 
@@ -36,6 +35,33 @@ class StepResult:
 _NO_PHASES = Phases()
 
 
+class StepTotals:
+    """The step's sums on the training device, read by the host once, when the step ends: a read
+    after every micro-batch would leave the device idle until the host queued the next forward
+    (torchtitan reads its loss only when it logs). The loss is one sum; an objective adds its own
+    statistics the same way (`add`); the token counts and the gradient norm join them at `read`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        # float64, as the host summed the loss before: the same sum bit for bit.
+        v = value.detach().to(self.device, torch.float64, non_blocking=True)
+        self.sums[name] = self.sums[name] + v if name in self.sums else v
+
+    def read(self, known: dict[str, torch.Tensor | float | None]) -> dict[str, float]:
+        """The sums over ranks and `known` (global already; None stays None) on the host, in one read."""
+        names = list(self.sums)
+        values = [dist.all_reduce_sum(torch.stack([self.sums[n] for n in names]))]
+        values += [torch.as_tensor(v).detach().to(self.device, torch.float64, non_blocking=True).reshape(1)
+                   for v in known.values() if v is not None]
+        host = iter(torch.cat(values).tolist())  # the step's one host read
+        out = {n: next(host) for n in names}
+        out.update({k: next(host) for k, v in known.items() if v is not None})
+        return out
+
+
 def _micro_batches(session: Session) -> tuple[list[dict], torch.Tensor]:
     """The step's micro-batches and this rank's counts: what the loss is normalised by (label
     tokens, or a preference run's pairs), real positions, positions."""
@@ -51,9 +77,21 @@ def _micro_batches(session: Session) -> tuple[list[dict], torch.Tensor]:
         else:
             micro.append(collate(examples, session.tokenizer.pad_token_id, flatten))
             real += real_positions(examples)
-    normaliser = sum(b["labels"].shape[0] // 2 if pairs else int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
+    # Summed as tensors, not read: the host reads nothing until the step ends.
+    normaliser = sum(b["labels"].shape[0] // 2 if pairs else (b["labels"][:, 1:] != IGNORE_INDEX).sum()
                      for b in micro)
-    return micro, torch.tensor([normaliser, real, sum(b["input_ids"].numel() for b in micro)], dtype=torch.float64)
+    counts = [torch.as_tensor(x, dtype=torch.float64) for x in (normaliser, real, sum(b["input_ids"].numel()
+                                                                                        for b in micro))]
+    return micro, torch.stack(counts)
+
+
+def _measured_forward(model: torch.nn.Module, batch: dict, forward) -> tuple[torch.Tensor, int]:
+    """The forward, and the bytes it saved for backward."""
+    from lisaft.metrics.measure import saved_activations
+
+    with saved_activations(model) as meter:
+        loss = forward(model, batch)
+    return loss, meter.bytes
 
 
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
@@ -61,7 +99,9 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
                longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
     measure_activations: what the step's longest micro-batch saves for backward, if it is longer
-    than `longer_than` positions (the hooks only observe); `forward`: a benchmark's own loss."""
+    than `longer_than` positions (the hooks only observe); `forward`: a benchmark's own loss. The
+    host reads the device once, at the end (with training.on_nonfinite: skip, the norm once more
+    before the update)."""
     forward = forward or session.parallel.token_loss
     t = session.recipe.training
     controller = session.controller
@@ -69,8 +109,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
         controller.activate_for_step(step)
     with phases.phase("collate"):
         micro, counts = _micro_batches(session)
-    counts = dist.all_reduce_sum(counts.to(session.device)).cpu()
-    loss_tokens = max(counts[0].item(), 1.0)
+    counts = dist.all_reduce_sum(counts.to(session.device, non_blocking=True))
+    loss_tokens = counts[0].clamp(min=1.0)  # on the device: the loss is divided there
     pairs = session.objective  # a preference run: pair losses, normalised by the global number of pairs
     if pairs is not None:
         forward = pairs.loss_sum
@@ -80,35 +120,37 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     activation_bytes, activation_seq_len = None, 0
     widths = [int(b["input_ids"].shape[1]) for b in micro]
     measured = widths.index(max(widths)) if measure_activations and max(widths) > longer_than else None
-    loss_sum = 0.0
+    totals = StepTotals(session.device)
     in_backward = session.in_backward.step(measure_norm) if session.in_backward else contextlib.nullcontext()
     with in_backward as norm:
         for i, batch in enumerate(micro):
             batch = to_device(batch, session.device)
             with phases.phase("forward"):
                 if i == measured and session.parallel.measures_activations:
-                    from lisaft.metrics.measure import saved_activations
-
-                    with saved_activations(session.model) as meter:
-                        loss = forward(session.model, batch)
-                    activation_bytes = meter.bytes
+                    loss, activation_bytes = _measured_forward(session.model, batch, forward)
                     activation_seq_len = int(batch["input_ids"].shape[1])
                 else:
                     loss = forward(session.model, batch)
             if i == len(micro) - 1:
                 session.parallel.before_last_backward(controller, measure_norm)
             with phases.phase("backward"):
-                (loss / loss_tokens).backward()
-            loss_sum += loss.item()
+                (loss / loss_tokens.to(loss.dtype)).backward()
+            totals.add("loss", loss)
+    if pairs is not None:  # the objective's reward sums, read with the rest
+        for name, value in zip(METRICS, pairs.take_sums(session.device)):
+            totals.add(name, value)
+    skipped = False
+    grad_norm: torch.Tensor | float | None
     if norm is not None:
-        grad_norm, grad_bytes, skipped = norm.value, 0, False
+        grad_norm, grad_bytes = norm.value, 0
     else:
         grad_norm, grad_bytes, skipped = session.parallel.update(
             session.controller, session.optimizers, t.max_grad_norm, measure_norm, phases,
             skip_nonfinite=t.on_nonfinite == "skip")
-    loss_total = dist.all_reduce_sum(torch.tensor([loss_sum], dtype=torch.float64, device=session.device)).item()
-    return StepResult(loss=loss_total / loss_tokens, tokens=int(counts[1].item()),
-                      padding=int(counts[2].item() - counts[1].item()), lr=lr, grad_norm=grad_norm,
+    read = totals.read({"normaliser": counts[0], "tokens": counts[1], "positions": counts[2], "grad_norm": grad_norm})
+    normaliser = max(read["normaliser"], 1.0)
+    return StepResult(loss=read["loss"] / normaliser, tokens=int(read["tokens"]),
+                      padding=int(read["positions"] - read["tokens"]), lr=lr, grad_norm=read.get("grad_norm"),
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
                       activation_seq_len=activation_seq_len, skipped=skipped,
-                      preference=step_metrics(pairs, loss_tokens, session.device) if pairs is not None else None)
+                      preference={m: read[m] / normaliser for m in METRICS} if pairs is not None else None)

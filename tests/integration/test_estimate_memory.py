@@ -163,7 +163,24 @@ def test_recipe_device_and_set_are_honoured(tmp_path):
     assert out["settings"]["device"] == "cpu" and out["settings"]["seq_len"] == 128
     assert out["largest_seq_len"] == 256
     assert "training.batch_sise" in _one_line_exit_2(_invoke(str(path), "--set", "training.batch_sise=2"))
-    assert "--set" in _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--set", "data.max_seq_len=8"))
+
+
+def test_model_flags_and_set_combine_as_recipe_keys():
+    """--model is a recipe of defaults: --set reaches every key (LoRA, DoRA, QLoRA, no clipping), and a
+    flag is the key it names, applied after --set."""
+    out = json.loads(_invoke("--model", "llama-3.1-8b", "--set", "lora.enabled=true", "--set", "model.quantize=nf4",
+                             "--set", "lora.dora=true", "--set", "training.max_grad_norm=null", "--seq-len", "512",
+                             "--json").stdout)
+    s = out["settings"]
+    assert s["lora"]["quantize"] == "nf4" and s["lora"]["dora"] and not s["clipping"] and s["seq_len"] == 512
+    assert out["trainable_params"] < out["total_params"] / 100  # only the adapters train
+    assert out["sizes"]["weights"] < 8_030_261_248  # a 4-bit base: under a byte a parameter
+    flag_wins = json.loads(_invoke("--model", "llama-3.2-1b", "--set", "data.max_seq_len=8", "--seq-len", "64",
+                                   "--json").stdout)
+    assert flag_wins["settings"]["seq_len"] == 64
+    # A recipe refusal, as lisaft train words it, names the flag.
+    text = _one_line_exit_2(_invoke("--model", "llama-3.2-1b", "--dtype", "float16"))
+    assert text.startswith("error: --dtype float16: model.dtype: float16 weights would need loss scaling")
 
 
 def test_offline_hub_id_answers_at_once(monkeypatch):

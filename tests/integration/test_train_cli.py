@@ -229,7 +229,7 @@ def test_auto_active_layers_trains_the_largest_gamma_that_fits(tiny_run, monkeyp
 
     recipe = tiny_run(lisa={"active_layers": "auto", "sampling": "cyclic"}, training={"max_steps": 4})
     s = settings_from_recipe(load_recipe(recipe), device="cpu")
-    two, three = (compute(s.with_(active_layers=g)).total_bytes for g in (2, 3))
+    two, three = (compute(s.with_keys({"lisa.active_layers": g})).total_bytes for g in (2, 3))
     assert two < three
     # auto keeps AUTO_MARGIN of the memory free: the budget whose usable share lies between them.
     budget = int((two + three) // 2 / (1 - auto_layers.AUTO_MARGIN))

@@ -56,8 +56,10 @@ def test_explain_on_the_offload_recipe_says_where_its_memory_is():
 def test_messages_name_what_the_user_typed():
     result = runner.invoke(app, ["estimate-memory", FULL, "--in-backward"])
     out = " ".join(result.output.split())
-    assert result.exit_code == 2 and "--in-backward cannot be combined with the recipe's optimizer.cpu_offload" in out
-    assert "--cpu-offload cannot" not in out
+    # The recipe's refusal, as `lisaft train` words it, after what was typed beside the recipe.
+    assert result.exit_code == 2 and f"{FULL} --in-backward: invalid recipe: optimizer.cpu_offload cannot be " \
+        "combined with optimizer.in_backward" in out
+    assert "--cpu-offload" not in out
     result = runner.invoke(app, ["estimate-memory", FULL, "--host-ram", "64"])
     out = " ".join(result.output.split())
     assert result.exit_code == 2 and "--host-ram: '64' needs a unit" in out and "--gpu" not in out
@@ -70,3 +72,26 @@ def test_the_mask_note_names_packing_only_when_the_recipe_packs():
     assert "data.packing under" not in out and "rows padded to the longest in the batch under sdpa" in out
     out = _text(str(REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"), "--attention", "sdpa")
     assert "data.packing under sdpa" in out
+
+
+def test_lisaft_train_without_a_gpu_quotes_the_figure_estimate_memory_gives(monkeypatch):
+    """On a CPU device the whole run is host memory: the refusal names `estimate-memory ... --device cpu`,
+    whose total is the figure the refusal quotes."""
+    import re
+
+    import pytest
+
+    from lisaft.config.schema import load_recipe
+    from lisaft.errors import LisaftError
+    from lisaft.memory import command
+    from lisaft.memory.render import human
+    from lisaft.train.host_memory import check_host_memory
+
+    monkeypatch.setattr(command, "host_ram_bytes", lambda: 32 * 2**30)
+    with pytest.raises(LisaftError) as refused:
+        check_host_memory(load_recipe(FULL), FULL, device="cpu")
+    message = str(refused.value)
+    hint = re.search(r"`lisaft (estimate-memory .*?)`", message)
+    assert hint is not None and hint.group(1) == f"estimate-memory {FULL} --device cpu", message
+    data = json.loads(runner.invoke(app, [*hint.group(1).split(), "--json"]).stdout)
+    assert f"needs an estimated {human(data['total_bytes'])} of host memory" in message

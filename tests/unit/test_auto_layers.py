@@ -28,12 +28,12 @@ def _recipe_8b(*overrides: str):
 
 
 def _totals(s) -> dict[int, int]:
-    return {g: compute(s.with_(active_layers=g)).total_bytes for g in range(1, 33)}
+    return {g: compute(s.with_keys({"lisa.active_layers": g})).total_bytes for g in range(1, 33)}
 
 
 def test_auto_picks_the_largest_gamma_the_estimator_fits():
     base = settings_from_recipe(_recipe_8b(), device="cuda", budget_bytes=24 * GiB)
-    assert base.active_layers_auto
+    assert base.auto
     totals = _totals(base)
     assert all(totals[g] < totals[g + 1] for g in range(1, 32))  # what makes a bisection exact
     # Budgets on both sides of several γ's estimate, and around the ends.
@@ -54,7 +54,8 @@ def test_auto_leaves_the_margin_a_total_budget_choice_would_not():
     base = settings_from_recipe(_recipe_8b(), device="cuda", budget_bytes=int(23.39 * GiB))
     choice = choose_active_layers(base)
     assert choice.total_bytes <= 0.95 * base.budget_bytes
-    assert compute(base.with_(active_layers=choice.active_layers + 1)).total_bytes > 0.95 * base.budget_bytes
+    one_more = base.with_keys({"lisa.active_layers": choice.active_layers + 1})
+    assert compute(one_more).total_bytes > 0.95 * base.budget_bytes
 
 
 def test_the_gpu_budget_is_the_free_memory_plus_this_process_context(monkeypatch):
@@ -71,7 +72,7 @@ def test_the_gpu_budget_is_the_free_memory_plus_this_process_context(monkeypatch
 
 def test_auto_that_fits_nothing_names_the_key():
     base = settings_from_recipe(_recipe_8b(), device="cuda", budget_bytes=24 * GiB)
-    one = compute(base.with_(active_layers=1)).total_bytes
+    one = compute(base.with_keys({"lisa.active_layers": 1})).total_bytes
     with pytest.raises(LisaftError, match=r"lisa\.active_layers: auto: even γ=1 needs"):
         choose_active_layers(base.with_(budget_bytes=one - 1))
 

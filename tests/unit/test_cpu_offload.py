@@ -269,7 +269,8 @@ class _Copy:
 
     queued: list[_Copy] = []
 
-    def __init__(self):
+    def __init__(self, blocking=False):
+        assert blocking, "a spinning event would hold a core while the host waits"
         self.done, self.nbytes = False, 0
         _Copy.queued.append(self)
 
@@ -331,6 +332,44 @@ def test_gradient_bytes_in_flight_are_bounded_in_every_micro_batch(monkeypatch, 
         assert torch.equal(acc, expect)
     t.drain()
     assert 0 < peak[0] <= t.limit == 512  # 16 KiB of gradients queued, never more than 512 B
+
+
+def test_gradients_and_weights_take_separate_streams(monkeypatch):
+    """Gradients out and weights in run on two side streams (with units stepped as their
+    gradients arrive, weights going in would otherwise queue behind gradients going out), and
+    the next forward waits for the weights' stream."""
+    import contextlib
+
+    from lisaft.optim import transfers
+
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_stream(self, other):
+            self.waited.append(other)
+
+    compute, used = Stream(), []
+
+    @contextlib.contextmanager
+    def on(stream):
+        used.append(stream)
+        yield
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", _Copy)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(transfers.Transfers, "_hold", lambda self, g: None)
+    t = transfers.Transfers(torch.device("cuda"), slot_bytes=256)
+    acc, dev = torch.zeros(10), torch.zeros(10)
+    t.gradient(torch.ones(10), acc, add=False)
+    t.send([(dev, torch.full((10,), 2.0))])
+    t.weights_ready()
+    assert t.stream is not t.weights_stream and used == [t.stream, t.weights_stream]
+    assert compute.waited == [t.weights_stream] and torch.equal(acc, torch.ones(10)) and torch.equal(dev, acc * 2)
 
 
 def test_step_workers_share_the_cpus(tmp_path, monkeypatch):

@@ -266,3 +266,34 @@ def test_many_tasks_in_any_schedule_are_the_same_bits(monkeypatch):
     assert_near(wk, wr, "weights")
     for k in sk:
         assert_near(sk[k], sr[k], k)
+
+
+@pytest.mark.parametrize("acc_dtype,g_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                               (torch.float32, torch.float32)])
+def test_accumulate_is_torch_add_bit_for_bit(monkeypatch, acc_dtype, g_dtype):
+    """optimizer.cpu_offload's host accumulation: one float32 addition, rounded to nearest even,
+    is exact IEEE arithmetic, so the kernel is torch's add_ bit for bit on every CPU (offload ≡
+    resident), in every schedule, and so is the fallback; infinities and overflow stay so."""
+    from lisaft.optim import host_kernel
+
+    n = 3 * host_kernel.TASK + 333
+    gen = torch.Generator().manual_seed(2)
+    acc0 = (torch.randn(n, generator=gen) * 1e-3).to(acc_dtype)
+    g = (torch.randn(n, generator=gen) * 1e-3).to(g_dtype)
+    acc0[:64] = g[:64].to(acc_dtype) * -1  # exact cancellation, and the ties of nearest even below
+    acc0[64:128] = (torch.arange(64) * 2.0 ** -8 + 1).to(acc_dtype)
+    g[64:128] = 2.0 ** -9
+    g[5], acc0[7], g[7] = float("inf"), 3e38, 3e38
+    expected = acc0.clone().add_(g)
+    for kernel, grab, threads in ((host_kernel, host_step.TASKS_PER_GRAB, 2), (host_kernel, 1, 1), (None, 0, 2)):
+        monkeypatch.setattr(host_step, "_kernel", kernel)
+        monkeypatch.setattr(host_step, "TASKS_PER_GRAB", grab)
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        acc = acc0.clone()
+        host_step.accumulate(acc, g)
+        assert torch.equal(raw(acc), raw(expected)), kernel
+    assert torch.isinf(expected[5]) and torch.isinf(expected[7])
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)

@@ -81,8 +81,8 @@ def test_the_estimate_counts_what_peft_and_bitsandbytes_build(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from lisaft.memory.counts import param_counts
-    from lisaft.memory.estimate import Settings, compute
-    from lisaft.memory.lora import LoraSettings
+    from lisaft.memory.estimate import compute
+    from lisaft.memory.settings import Settings
     from lisaft.model.lora import attach_adapters, quantization_config
 
     model = tiny()
@@ -98,13 +98,14 @@ def test_the_estimate_counts_what_peft_and_bitsandbytes_build(tmp_path):
         if qs is not None:
             tensors += [qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code]
     held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
-    s = Settings(model_label="tiny", config=model.config, device="cpu", seq_len=16, optimizer="adamw_32bit",
-                 lora=LoraSettings(rank=8, dora=True, quantize="nf4"))
+    s = Settings(recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_seq_len": 16})}),
+                 model.config, "tiny", device="cpu")
+    assert recipe.optimizer.name == "adamw_32bit" and recipe.lora.rank == 8
     est = compute(s, param_counts(model.config))
     assert est.trainable_params == trainable
     assert est.optimizer_state_bytes == 8 * trainable and est.grad_bytes == 2 * trainable
     assert abs(est.weights_bytes - held) <= 0.01 * held, (est.weights_bytes, held)
-    plain = compute(s.with_(lora=None), param_counts(model.config))
+    plain = compute(s.with_keys({"lora.enabled": False, "model.quantize": None}), param_counts(model.config))
     assert est.weights_bytes < plain.weights_bytes
 
 
@@ -170,12 +171,11 @@ def test_a_method_the_gpu_holds_but_the_host_ram_does_not_says_so():
 
     from rich.console import Console
 
-    from lisaft.memory.estimate import Settings
     from lisaft.memory.methods import methods
     from lisaft.memory.render import methods_table
+    from lisaft.memory.settings import settings_for_config
 
-    ways = methods(Settings(model_label="tiny", config=tiny().config, device="cuda", budget_bytes=24 << 30,
-                            host_budget_bytes=1 << 10))
+    ways = methods(settings_for_config(tiny().config, device="cuda", budget_bytes=24 << 30, host_budget_bytes=1 << 10))
     offload = next(m for m in ways if m.name == "full fine-tuning, optimizer on the CPU")
     assert not offload.estimate.fits and offload.estimate.total_bytes <= offload.estimate.budget_bytes
     buf = io.StringIO()

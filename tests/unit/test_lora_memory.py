@@ -3,6 +3,7 @@ forward really saves (saved-tensor hooks) and allocates (the C allocator, op by 
 
 import ctypes
 import ctypes.util
+import json
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lisaft.config.schema import recipe_from_dict
 from lisaft.memory.counts import param_counts
-from lisaft.memory.estimate import Settings, compute
-from lisaft.memory.lora import LoraSettings, lora_counts
+from lisaft.memory.estimate import compute
+from lisaft.memory.lora import lora_counts
+from lisaft.memory.settings import recipe_for_model, settings_for_config
 from lisaft.metrics.measure import saved_activations
 from lisaft.model.parts import DTYPES
 
@@ -53,17 +55,15 @@ def test_lora_activations_match_saved_tensor_meter(dtype, lora, attention, check
     with saved_activations(model) as meter:
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    targets = lora.get("target_modules", "all-linear")
-    settings = LoraSettings(rank=8, dora=lora.get("dora", False), dropout=lora.get("dropout", 0.0),
-                            targets=targets if isinstance(targets, str) else tuple(targets),
-                            train_embeddings=lora.get("train_embeddings", False))
-    est = compute(Settings(model_label="t", config=config, dtype=dtype, attention=attention, batch_size=batch,
-                           seq_len=seq, gradient_checkpointing=checkpointing, device="cpu", lora=settings))
+    keys = {"model.dtype": dtype, "model.attention": attention, "training.batch_size": batch, "data.max_seq_len": seq,
+            "lora.enabled": True, "lora.rank": 8, **{f"lora.{k}": v for k, v in lora.items()}}
+    est = compute(settings_for_config(config, {**keys, "model.gradient_checkpointing": checkpointing},
+                                      device="cpu", full_rows=True))
     saved = est.saved_activation_bytes
     assert abs(saved - meter.bytes) <= 0.01 * meter.bytes, (saved, meter.bytes)
     if not checkpointing and lora.get("dora"):  # what DoRA adds is most of it: the test sees it
-        plain = compute(Settings(model_label="t", config=config, dtype=dtype, attention=attention, batch_size=batch,
-                                 seq_len=seq, device="cpu", lora=LoraSettings(rank=8, targets=settings.targets)))
+        plain_lora = {"lora.dora": False, "lora.dropout": 0.0, "lora.train_embeddings": False}
+        plain = compute(est.settings.with_keys(plain_lora))
         assert saved > 1.2 * plain.saved_activation_bytes
 
 
@@ -89,15 +89,23 @@ def test_qlora_activations_match_saved_tensor_meter(tmp_path, dora, dropout):
     with saved_activations(model) as meter:
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    settings = Settings(model_label="t", config=config, dtype="bfloat16", batch_size=2, seq_len=16, device="cpu",
-                        lora=LoraSettings(rank=8, dora=dora, dropout=dropout, quantize="nf4"))
+    settings = settings_for_config(config, {
+        "model.dtype": "bfloat16", "training.batch_size": 2, "data.max_seq_len": 16, "lora.enabled": True,
+        "lora.rank": 8, "lora.dora": dora, "lora.dropout": dropout, "model.quantize": "nf4"}, device="cpu",
+        full_rows=True)
     saved = compute(settings).saved_activation_bytes
     assert abs(saved - meter.bytes) <= 0.01 * meter.bytes, (saved, meter.bytes)
     if dora and dropout:
         weights = sum(m.in_features * m.out_features for m in model.model.layers[1].modules()
                       if type(m).__name__ == "Linear4bit")
-        without = compute(settings.with_(lora=LoraSettings(rank=8, dora=True, quantize="nf4")))
+        without = compute(settings.with_keys({"lora.dropout": 0.0}))
         assert saved - without.saved_activation_bytes > 2 * weights * len(model.model.layers[1:])
+
+
+def _lora(dtype: str, **lora):
+    """A recipe of adapters of rank 8 with the `lora` keys given."""
+    return recipe_for_model("t", [f"model.dtype={dtype}", "lora.enabled=true", "lora.rank=8",
+                                  *(f"lora.{k}={json.dumps(v)}" for k, v in lora.items())])
 
 
 def _allocator_bytes():
@@ -158,11 +166,11 @@ def test_dora_transient_is_what_its_weight_norm_allocates():
     dt = DTYPES[dtype].itemsize
     per = {}
     for name, fan_out in (("up_proj", 768), ("down_proj", 256)):
-        per[name] = lora_counts(param_counts(config), config, None,
-                                LoraSettings(rank=8, dora=True, targets=(name,)), dt).transient
+        per[name] = lora_counts(param_counts(config), config, _lora(dtype, dora=True, target_modules=[name]),
+                                dt).transient
         assert abs(per[name] - excess[fan_out]) <= 0.01 * excess[fan_out], (name, per[name], excess[fan_out])
     # The in x in identity makes down_proj (the widest input) the worst, whatever its output size.
-    everything = lora_counts(param_counts(config), config, None, LoraSettings(rank=8, dora=True), dt)
+    everything = lora_counts(param_counts(config), config, _lora(dtype, dora=True), dt)
     assert everything.transient == per["down_proj"] > per["up_proj"]
 
 
@@ -172,10 +180,10 @@ def test_a_lora_runs_process_baseline_counts_importing_peft():
     from lisaft.memory.estimate import BITSANDBYTES_IMPORT_BYTES, PEFT_IMPORT_BYTES
 
     config = LlamaConfig(**CONFIG)
-    plain = compute(Settings(model_label="t", config=config, device="cpu"))
-    lora = compute(Settings(model_label="t", config=config, device="cpu", lora=LoraSettings()))
+    plain = compute(settings_for_config(config, device="cpu"))
+    lora = compute(settings_for_config(config, {"lora.enabled": True}, device="cpu"))
     added = lora.components["process_baseline"] - plain.components["process_baseline"]
     assert added == BITSANDBYTES_IMPORT_BYTES + PEFT_IMPORT_BYTES
-    eight_bit = compute(Settings(model_label="t", config=config, device="cpu", optimizer="adamw_8bit",
-                                 lora=LoraSettings()))
+    eight_bit = compute(settings_for_config(config, {"lora.enabled": True, "optimizer.name": "adamw_8bit"},
+                                            device="cpu"))
     assert eight_bit.components["process_baseline"] == lora.components["process_baseline"]  # imported once

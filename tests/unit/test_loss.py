@@ -136,7 +136,8 @@ def test_the_chunked_loss_forms_one_head_gradient_as_the_estimator_counts(dtype,
     """Checkpointed chunks held two head-sized gradients in the loss's backward (each chunk's,
     and the sum autograd keeps); lisaft's chunked loss holds one, the estimator's term. The
     gradients stay the plain loss's, in float32 and bfloat16."""
-    from lisaft.memory.estimate import Settings, compute
+    from lisaft.memory.estimate import compute
+    from lisaft.memory.settings import settings_for_config
 
     model, batch = _model("llama").to(dtype), _batch()
     model.model.embed_tokens.weight.requires_grad_(False)  # its gradient has the head's shape
@@ -154,9 +155,9 @@ def test_the_chunked_loss_forms_one_head_gradient_as_the_estimator_counts(dtype,
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.05, atol=2e-2)
     for n, g in plain.items():
         assert torch.allclose(model.get_parameter(n).grad.float(), g.float(), **tol), n
-    est = compute(Settings(model_label="t", config=model.config, dtype=str(dtype).split(".")[1], lisa=False,
-                           optimizer="adamw_32bit", gradient_checkpointing=False, seq_len=24, batch_size=2,
-                           attention="eager", device="cpu"))
+    est = compute(settings_for_config(model.config, {
+        "model.dtype": str(dtype).split(".")[1], "optimizer.name": "adamw_32bit", "data.max_seq_len": 24,
+        "training.batch_size": 2, "model.attention": "eager"}, device="cpu"))
     final_norm = model.model.norm.weight
     measured = live.peak * head.numel() * head.element_size() + final_norm.numel() * final_norm.element_size()
     assert est.phase_components["loss_backward"]["gradients"] == measured

@@ -19,8 +19,9 @@ from lisaft.memory.cuda_process import (
     RESERVE_EXPANDABLE,
     allocator_overhead,
 )
-from lisaft.memory.estimate import GiB, MiB, Settings, compute
+from lisaft.memory.estimate import GiB, MiB, compute
 from lisaft.memory.optimizer_state import step_temporaries
+from lisaft.memory.settings import settings_for_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "llama3.1-8b-lisa-24gb.yaml"
@@ -38,7 +39,7 @@ def _recipe(*overrides, path=RECIPE):
 def test_within_3_percent_of_the_measured_nvml_peaks(overrides, nvml_gib):
     # Measured on an H200 with the default allocator and before the chunked bf16 update
     # existed: the estimate for the same process must be within 3% of NVML-used.
-    s = settings_from_recipe(_recipe(*overrides)).with_(expandable_segments=False, bf16_update="nearest")
+    s = settings_from_recipe(_recipe(*overrides, "optimizer.bf16_update=nearest")).with_(expandable_segments=False)
     e = compute(s)
     assert abs(e.total_bytes / (nvml_gib * GiB) - 1) <= 0.03
     assert {"cublas_workspace", "cuda_kernels", "cuda_context", "allocator_overhead"} <= set(e.components)
@@ -59,12 +60,12 @@ def test_expandable_segments_shrink_the_reserve():
 def test_small_models_get_the_allocator_floor_and_workspaces():
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2, vocab_size=256)
-    e = compute(Settings(model_label="t", config=cfg, seq_len=64))
+    e = compute(settings_for_config(cfg, {"data.max_seq_len": 64}))
     assert e.components["allocator_overhead"] == MIN_RESERVE_BYTES
     assert e.components["cublas_workspace"] == 2 * CUBLAS_WORKSPACE_BYTES
     # a measured ~118 MiB of reserved memory for the quickstart model on an H200 is mostly these
     assert e.comparable_peak_bytes > 2 * CUBLAS_WORKSPACE_BYTES + MIN_RESERVE_BYTES
-    cpu = compute(Settings(model_label="t", config=cfg, seq_len=64, device="cpu"))
+    cpu = compute(settings_for_config(cfg, {"data.max_seq_len": 64}, device="cpu"))
     assert "cublas_workspace" not in cpu.components and "cuda_kernels" not in cpu.components
 
 
@@ -80,7 +81,7 @@ def test_allocator_setting_is_lisafts_unless_the_user_set_one():
 
 def test_adamw_32bit_moments_are_float32_for_bf16_weights():
     config, _ = resolve_model("llama-3.1-8b")
-    base = Settings(model_label="8b", config=config, dtype="bfloat16", optimizer="adamw_32bit")
+    base = settings_for_config(config, {"model.dtype": "bfloat16", "optimizer.name": "adamw_32bit"})
     e = compute(base)
     assert e.optimizer_state_bytes == 8 * 8_030_261_248  # the step count is a Python int
     assert e.sizes["transient"] >= step_temporaries("adamw_32bit", 525_336_576, 2, "cuda")
@@ -98,24 +99,26 @@ def test_chunked_update_is_bounded():
     assert step_temporaries("adamw_32bit", 1000, 4, "cuda") == 0
     s = settings_from_recipe(_recipe())
     bf16 = compute(s)
-    assert compute(s.with_(bf16_update="nearest")).phases == bf16.phases  # same buffers either way
+    assert compute(s.with_keys({"optimizer.bf16_update": "nearest"})).phases == bf16.phases  # same buffers either way
 
 
 def test_offloaded_checkpoints_leave_two_layer_inputs_on_the_device():
     s = settings_from_recipe(_recipe("data.max_seq_len=8192"))
-    plain, off = compute(s), compute(s.with_(offload_activations=True))
+    offload = {"model.offload_activations": True}
+    plain, off = compute(s), compute(s.with_keys(offload))
     per_layer = 8192 * 4096 * 2
     assert plain.sizes["activations"] - off.sizes["activations"] == 30 * per_layer
     assert off.activation_host_bytes == 32 * per_layer and plain.activation_host_bytes == 0
     # needs checkpointing; on CPU the host is the device, so nothing changes
-    assert compute(s.with_(offload_activations=True, gradient_checkpointing=False)).activation_host_bytes == 0
+    unchecked = s.with_keys({**offload, "model.gradient_checkpointing": False})
+    assert compute(unchecked).activation_host_bytes == 0
     cpu = s.with_(device="cpu")
-    assert compute(cpu.with_(offload_activations=True)).total_bytes == compute(cpu).total_bytes
+    assert compute(cpu.with_keys(offload)).total_bytes == compute(cpu).total_bytes
 
 
 def test_chunked_mlp_bounds_the_recompute():
     s = settings_from_recipe(_recipe("data.max_seq_len=16384", "model.offload_activations=true"))
-    whole, chunked = compute(s), compute(s.with_(mlp_chunk_tokens=2048))
+    whole, chunked = compute(s), compute(s.with_keys({"model.mlp_chunk_tokens": 2048}))
     assert whole.peak_phase == "layer_backward"
     saved = whole.phases["layer_backward"] - chunked.phases["layer_backward"]
     assert saved > 2 * GiB
@@ -145,5 +148,6 @@ def test_cli_start_sets_the_allocator_before_any_command(monkeypatch):
 
 def test_mlp_chunks_only_when_the_sequence_is_longer_than_one():
     s = settings_from_recipe(_recipe())  # 2048 tokens
-    assert compute(s.with_(mlp_chunk_tokens=2048)).total_bytes == compute(s).total_bytes
-    assert compute(s.with_(mlp_chunk_tokens=512)).phases["layer_backward"] < compute(s).phases["layer_backward"]
+    assert compute(s.with_keys({"model.mlp_chunk_tokens": 2048})).total_bytes == compute(s).total_bytes
+    chunked = compute(s.with_keys({"model.mlp_chunk_tokens": 512}))
+    assert chunked.phases["layer_backward"] < compute(s).phases["layer_backward"]

@@ -10,8 +10,9 @@ from lisaft.errors import LisaftError
 from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.command import parse_bytes, settings_from_recipe
 from lisaft.memory.counts import param_counts
-from lisaft.memory.estimate import CPU_PROCESS_BASELINE_BYTES, GiB, MiB, Settings, compute
+from lisaft.memory.estimate import CPU_PROCESS_BASELINE_BYTES, GiB, MiB, compute
 from lisaft.memory.optimizer_state import QMAP_BYTES, state_bytes, tensor_state
+from lisaft.memory.settings import settings_for_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +25,9 @@ def _hand_config():
 
 
 def test_hand_computed_tiny_config():
-    s = Settings(model_label="hand", config=_hand_config(), dtype="float32", attention="sdpa",
-                 optimizer="adamw_32bit", batch_size=1, seq_len=4, device="cpu", budget_bytes=GiB)
+    s = settings_for_config(_hand_config(), {"model.dtype": "float32", "model.attention": "sdpa",
+                                             "optimizer.name": "adamw_32bit", "training.batch_size": 1,
+                                             "data.max_seq_len": 4}, device="cpu", budget_bytes=GiB)
     e = compute(s)
     # per layer: q 64 + k 32 + v 32 + o 64 + gate/up/down 3*128 + two norms 16 = 592
     # embeddings 256 + head 256 + final norm 8
@@ -36,7 +38,7 @@ def test_hand_computed_tiny_config():
     # and an int64 index per token, twice while rows are summed, instead of 32 x 8 floats
     sparse_saving = 256 * 4 - 2 * 4 * (8 * 4 + 8)
     assert e.grad_bytes == 1704 * 4 - sparse_saving
-    assert compute(s.with_(sparse_embedding_grad=False)).grad_bytes == 1704 * 4
+    assert compute(s.with_keys({"model.sparse_embedding_grad": False})).grad_bytes == 1704 * 4
     # two float32 moments per parameter (the step count is a Python int)
     assert e.optimizer_state_bytes == 2 * 4 * 1704
     # per layer per token: norms 2*(4*8+4+4*8) + norm outputs 2*4*8 + q,k,v,out 4*(8+4+4+8)
@@ -94,19 +96,18 @@ def test_eight_bit_state_follows_bitsandbytes_layout():
     assert tensor_state("paged_adamw_32bit", 1000, 2, "cuda").total == 8 * 1000
 
 
-def _small(**kw):
-    base = dict(model_label="t", config=resolve_model("llama-3.2-1b")[0], seq_len=512, device="cuda")
-    base.update(kw)
-    return Settings(**base)
+def _small(keys=None):
+    return settings_for_config(resolve_model("llama-3.2-1b")[0], {"data.max_seq_len": 512, **(keys or {})})
 
 
 @pytest.mark.parametrize("opt", ["adamw_32bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"])
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_more_tokens_or_gamma_never_cost_less(opt, ckpt):
-    s = _small(optimizer=opt, gradient_checkpointing=ckpt)
-    by_seq = [compute(s.with_(seq_len=n)).total_bytes for n in (128, 256, 1024, 4096)]
-    by_batch = [compute(s.with_(batch_size=b)).total_bytes for b in (1, 2, 4)]
-    by_gamma = [compute(s.with_(lisa=True, active_layers=g)).total_bytes for g in (1, 2, 4, 8, 16)]
+    s = _small({"optimizer.name": opt, "model.gradient_checkpointing": ckpt})
+    by_seq = [compute(s.with_keys({"data.max_seq_len": n})).total_bytes for n in (128, 256, 1024, 4096)]
+    by_batch = [compute(s.with_keys({"training.batch_size": b})).total_bytes for b in (1, 2, 4)]
+    by_gamma = [compute(s.with_keys({"lisa.enabled": True, "lisa.active_layers": g})).total_bytes
+                for g in (1, 2, 4, 8, 16)]
     full = compute(s).total_bytes
     assert by_seq == sorted(by_seq) and by_batch == sorted(by_batch) and by_gamma == sorted(by_gamma)
     assert by_gamma[-1] <= full
@@ -118,30 +119,32 @@ def test_more_layers_never_cost_less():
         cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                           num_key_value_heads=2, num_hidden_layers=layers, vocab_size=1000)
         for lisa in (False, True):
-            totals.append((lisa, compute(Settings(model_label="t", config=cfg, lisa=lisa)).total_bytes))
+            totals.append((lisa, compute(settings_for_config(cfg, {"lisa.enabled": lisa})).total_bytes))
     for lisa in (False, True):
         seq = [t for flag, t in totals if flag == lisa]
         assert seq == sorted(seq)
 
 
 def test_checkpointing_eager_and_in_backward_help():
-    s = _small(seq_len=2048)
-    assert compute(s.with_(gradient_checkpointing=True)).sizes["activations"] < compute(s).sizes["activations"]
-    assert compute(s.with_(attention="eager")).total_bytes > compute(s).total_bytes
-    ib = compute(s.with_(in_backward=True, clipping=False))
+    s = _small({"data.max_seq_len": 2048})
+    checkpointed = s.with_keys({"model.gradient_checkpointing": True})
+    assert compute(checkpointed).sizes["activations"] < compute(s).sizes["activations"]
+    assert compute(s.with_keys({"model.attention": "eager"})).total_bytes > compute(s).total_bytes
+    ib = compute(s.with_keys({"optimizer.in_backward": True, "training.max_grad_norm": None}))
     # no full gradient set; only the bounded update chunk (48 MiB, + 2% reserve) meets the activations
     assert "optimizer_step" not in ib.phases and ib.total_bytes <= compute(s).total_bytes + 49 * MiB
 
 
 def test_paged_state_split_under_budget():
     config, _ = resolve_model("llama-3.1-8b")
-    e = compute(Settings(model_label="8b", config=config, optimizer="paged_adamw_32bit",
-                         gradient_checkpointing=True, in_backward=True, clipping=False))
+    e = compute(settings_for_config(config, {"optimizer.name": "paged_adamw_32bit",
+                                             "model.gradient_checkpointing": True,
+                                             "optimizer.in_backward": True, "training.max_grad_norm": None}))
     assert e.paged_state_bytes > 50 * GiB
     assert e.paged_gpu_bytes + e.paged_host_bytes == e.paged_state_bytes
     assert not e.fits and e.paged_host_bytes > 0
     # the same on CPU: nothing is paged
-    cpu = compute(Settings(model_label="8b", config=config, optimizer="paged_adamw_32bit", device="cpu"))
+    cpu = compute(settings_for_config(config, {"optimizer.name": "paged_adamw_32bit"}, device="cpu"))
     assert cpu.paged_state_bytes == 0
 
 
@@ -167,15 +170,16 @@ def test_shipped_24gb_recipe_fits_with_nothing_paged():
 
 def test_loss_buffers_follow_the_chunked_loss():
     config, _ = resolve_model("llama-3.1-8b")
-    s = Settings(model_label="llama-3.1-8b", config=config, dtype="bfloat16", lisa=True,
-                 optimizer="paged_adamw_8bit", gradient_checkpointing=True, seq_len=2048)
+    s = settings_for_config(config, {"model.dtype": "bfloat16", "lisa.enabled": True,
+                                     "optimizer.name": "paged_adamw_8bit", "model.gradient_checkpointing": True,
+                                     "data.max_seq_len": 2048})
     est = compute(s)
     chunk = (1 << 24) // 128256
     assert chunk == 130
     # One chunk's float32 log-probs (which become its gradient) beside its recomputed bf16
     # logits, not 12 B x 2048 x 128256.
     assert est.sizes["logits_loss"] == chunk * 128256 * (4 + 2)
-    small = compute(s.with_(seq_len=64))  # 64 x 128256 < 2^24: unchunked
+    small = compute(s.with_keys({"data.max_seq_len": 64}))  # 64 x 128256 < 2^24: unchunked
     assert small.sizes["logits_loss"] == 64 * 128256 * (4 + 2)  # the gradient and its bf16 cast
 
 

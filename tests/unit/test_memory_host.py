@@ -11,20 +11,23 @@ from lisaft.cli import app
 from lisaft.memory.advice import advice
 from lisaft.memory.catalogue import resolve_model
 from lisaft.memory.counts import param_counts
-from lisaft.memory.estimate import GiB, Settings, compute
+from lisaft.memory.estimate import GiB, compute
 from lisaft.memory.host import offload_host_bytes
 from lisaft.memory.optimizer_state import state_bytes
+from lisaft.memory.settings import Settings, settings_for_config
+
+OFFLOAD = {"optimizer.cpu_offload": True}
 
 
-def _8b(**kw) -> Settings:
+def _8b(keys: dict | None = None, **machine) -> Settings:
     config, label = resolve_model("llama-3.1-8b")
-    base = {"model_label": label, "config": config, "attention": "flash_attention_2", "gradient_checkpointing": True,
-            "optimizer": "paged_adamw_8bit", "seq_len": 2048, "device": "cuda", "host_budget_bytes": 64 * GiB}
-    return Settings(**{**base, **kw})
+    base = {"model.attention": "flash_attention_2", "model.gradient_checkpointing": True,
+            "optimizer.name": "paged_adamw_8bit", "data.max_seq_len": 2048}
+    return settings_for_config(config, {**base, **(keys or {})}, label, **{"host_budget_bytes": 64 * GiB, **machine})
 
 
 def test_offload_leaves_no_moments_and_no_gradient_set_on_the_gpu():
-    on, off = compute(_8b(cpu_offload=True)), compute(_8b())
+    on, off = compute(_8b(OFFLOAD)), compute(_8b())
     counts = param_counts(_8b().config)
     largest = max(n for layer in counts.layers for n in layer) if not counts.embeddings else max(
         [*counts.embeddings, *counts.head, *(n for layer in counts.layers for n in layer)])
@@ -37,7 +40,7 @@ def test_offload_leaves_no_moments_and_no_gradient_set_on_the_gpu():
 
 
 def test_host_components_are_the_formulas():
-    e = compute(_8b(cpu_offload=True))
+    e = compute(_8b(OFFLOAD))
     counts = param_counts(e.settings.config)
     host = e.host_components
     off = compute(_8b())
@@ -54,7 +57,7 @@ def test_host_components_are_the_formulas():
 
 def test_host_moments_by_moment_type():
     """8B full fine-tuning on a 64 GiB host: float32 moments do not fit, bfloat16 and 8-bit do."""
-    runs = {m: compute(_8b(cpu_offload=True, optimizer=o, moments_dtype=d))
+    runs = {m: compute(_8b({**OFFLOAD, "optimizer.name": o, "optimizer.moments_dtype": d}))
             for m, (o, d) in {"fp32": ("adamw_32bit", "float32"), "bf16": ("adamw_32bit", "bfloat16"),
                               "8bit": ("adamw_8bit", "float32")}.items()}
     counts = param_counts(runs["fp32"].settings.config)
@@ -66,9 +69,9 @@ def test_host_moments_by_moment_type():
 
 
 def test_the_machines_ram_is_a_second_budget():
-    small = compute(_8b(cpu_offload=True, host_budget_bytes=32 * GiB))
+    small = compute(_8b(OFFLOAD, host_budget_bytes=32 * GiB))
     assert small.total_bytes <= small.budget_bytes and not small.fits_host and not small.fits
-    assert compute(_8b(cpu_offload=True, host_budget_bytes=None)).fits  # RAM unknown: not judged
+    assert compute(_8b(OFFLOAD, host_budget_bytes=None)).fits  # RAM unknown: not judged
 
 
 def test_advice_proposes_cpu_offload_with_the_ram_it_needs():
@@ -139,10 +142,10 @@ def test_the_full_recipes_header_states_the_estimate():
 
 
 def test_lisa_offload_cpu_keeps_every_layers_moments_on_the_host():
-    lisa = {"lisa": True, "active_layers": 2, "cpu_offload": True}
-    discard = compute(_8b(**lisa, state_policy="discard"))
-    kept = compute(_8b(**lisa, state_policy="offload_cpu"))
-    assert kept.host_components["moments"] == compute(_8b(cpu_offload=True)).host_components["moments"]
+    lisa = {"lisa.enabled": True, "lisa.active_layers": 2, **OFFLOAD}
+    discard = compute(_8b({**lisa, "lisa.state_policy": "discard"}))
+    kept = compute(_8b({**lisa, "lisa.state_policy": "offload_cpu"}))
+    assert kept.host_components["moments"] == compute(_8b(OFFLOAD)).host_components["moments"]
     assert discard.host_components["moments"] < kept.host_components["moments"] / 5
     # Accumulators for the trained units only; the GPU side does not change with the policy.
     assert discard.host_components["gradient_accumulators"] < kept.host_components["host_weights"] / 4

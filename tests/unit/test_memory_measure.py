@@ -9,7 +9,8 @@ from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from lisaft.memory import estimated_vs_measured_table
-from lisaft.memory.estimate import Settings, compute
+from lisaft.memory.estimate import compute
+from lisaft.memory.settings import settings_for_config
 from lisaft.metrics.measure import (
     grad_bytes,
     optimizer_state_bytes,
@@ -59,9 +60,10 @@ def test_activations_match_saved_tensor_meter(model_type, dtype, attention, chec
     with saved_activations(model) as meter:
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    est = compute(Settings(model_label=model_type, config=config, dtype=dtype, attention=attention,
-                           gradient_checkpointing=checkpointing, lisa=bool(gamma), active_layers=gamma or 2,
-                           batch_size=batch, seq_len=seq, device="cpu"))
+    est = compute(settings_for_config(config, {
+        "model.dtype": dtype, "model.attention": attention, "model.gradient_checkpointing": checkpointing,
+        "lisa.enabled": bool(gamma), "lisa.active_layers": gamma or 2, "training.batch_size": batch,
+        "data.max_seq_len": seq}, device="cpu", full_rows=True))
     assert meter.bytes > 0
     assert abs(est.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
 
@@ -86,12 +88,14 @@ def test_packed_rows_activations_match_saved_tensor_meter(model_type, dtype, att
     with saved_activations(model) as meter:
         loss = model(**model_inputs(batch), labels=batch["labels"]).loss
     loss.backward()
-    settings = Settings(model_label=model_type, config=config, dtype=dtype, attention=attention,
-                        gradient_checkpointing=checkpointing, batch_size=2, seq_len=seq, device="cpu")
-    est = compute(settings.with_(packing=True))
+    settings = settings_for_config(config, {
+        "model.dtype": dtype, "model.attention": attention, "model.gradient_checkpointing": checkpointing,
+        "training.batch_size": 2, "data.max_seq_len": seq, "data.packing": True}, device="cpu")
+    est = compute(settings)
     assert abs(est.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
     mask = 2 * seq * seq * DTYPES[dtype].itemsize if attention == "sdpa" else 0
-    assert est.sizes["activations"] - compute(settings).sizes["activations"] >= mask
+    unpacked = settings.with_keys({"data.packing": False}).with_(full_rows=True)
+    assert est.sizes["activations"] - compute(unpacked).sizes["activations"] >= mask
 
 @pytest.mark.parametrize("dtype,attention,gamma,kv_heads", [
     ("float32", "sdpa", 0, 4), ("bfloat16", "sdpa", 1, 4), ("float32", "eager", 0, 4),
@@ -121,12 +125,14 @@ def test_padded_rows_keep_one_mask_and_repeated_kv_under_sdpa(dtype, attention, 
     with saved_activations(model) as meter:
         loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
     loss.backward()
-    settings = Settings(model_label="llama", config=config, dtype=dtype, attention=attention, lisa=bool(gamma),
-                        active_layers=gamma or 2, batch_size=batch, seq_len=seq, device="cpu")
-    padded = compute(settings.with_(padded_rows=True)).saved_activation_bytes
+    # No data.packing: rows are padded to the longest of the batch.
+    settings = settings_for_config(config, {
+        "model.dtype": dtype, "model.attention": attention, "lisa.enabled": bool(gamma),
+        "lisa.active_layers": gamma or 2, "training.batch_size": batch, "data.max_seq_len": seq}, device="cpu")
+    padded = compute(settings).saved_activation_bytes
     assert abs(padded - meter.bytes) <= 0.01 * meter.bytes
     if attention == "sdpa" and kv_heads == config.num_attention_heads:
-        full = compute(settings).saved_activation_bytes
+        full = compute(settings.with_(full_rows=True)).saved_activation_bytes  # nothing to hide, no mask
         assert padded - full == batch * seq * seq * DTYPES[dtype].itemsize
 
 
@@ -172,7 +178,7 @@ def test_tensor_bytes_match_estimate(opt_name):
     opt.step()
     # The two 8-bit code books are shared by every unit, outside any optimizer's state.
     measured["optimizer_state_bytes"] = optimizer_state_bytes(opt) + (2 * 256 * 4 if opt_name == "adamw_8bit" else 0)
-    est = compute(Settings(model_label="t", config=config, dtype="float32", optimizer=opt_name, device="cpu"))
+    est = compute(settings_for_config(config, {"model.dtype": "float32", "optimizer.name": opt_name}, device="cpu"))
     assert est.weights_bytes == measured["weights_bytes"]
     assert est.grad_bytes == measured["grad_bytes"]
     assert est.optimizer_state_bytes == measured["optimizer_state_bytes"]

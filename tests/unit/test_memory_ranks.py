@@ -9,16 +9,23 @@ from lisaft.cli import app
 from lisaft.memory.advice import fewest_ranks
 from lisaft.memory.catalogue import resolve_model
 from lisaft.memory.counts import param_counts
-from lisaft.memory.estimate import GiB, Settings, compute
+from lisaft.memory.estimate import GiB, compute
+from lisaft.memory.settings import Settings, settings_for_config
 
 FSDP_ONLY = ("gathered_units", "gradient_reduce", "unsharded_load")
 
 
-def settings(model="llama-3.1-8b", **kw) -> Settings:
+FSDP = {"training.fsdp": True}
+LISA = {"lisa.enabled": True}
+# A random init from model.config, rather than weights read from model.name_or_path.
+FROM_CONFIG = {"model.name_or_path": None, "model.config": "config.json", "model.tokenizer": "tokenizer"}
+
+
+def settings(model="llama-3.1-8b", keys: dict | None = None, **machine) -> Settings:
     config, label = resolve_model(model)
-    base = dict(model_label=label, config=config, optimizer="adamw_8bit", gradient_checkpointing=True,
-                attention="flash_attention_2", seq_len=2048, sparse_embedding_grad=False)
-    return Settings(**{**base, **kw})
+    base = {"optimizer.name": "adamw_8bit", "model.gradient_checkpointing": True,
+            "model.attention": "flash_attention_2", "data.max_seq_len": 2048, "model.sparse_embedding_grad": False}
+    return settings_for_config(config, {**base, **(keys or {})}, label, **machine)
 
 
 def buffers(est) -> int:
@@ -29,9 +36,10 @@ def buffers(est) -> int:
 @pytest.mark.parametrize("lisa", [False, True])
 def test_slices_divide_by_the_ranks_and_activations_do_not(lisa):
     # Every first dimension of Llama-3.1-8B divides by 8: the slices are exact fractions.
-    one = compute(settings(lisa=lisa, fsdp=True, ranks=1))
+    keys = {**FSDP, "lisa.enabled": lisa}
+    one = compute(settings(keys=keys, ranks=1))
     for n in (2, 4, 8):
-        est = compute(settings(lisa=lisa, fsdp=True, ranks=n))
+        est = compute(settings(keys=keys, ranks=n))
         assert (est.weights_bytes - buffers(est)) * n == one.weights_bytes - buffers(one)
         assert est.grad_bytes * n == one.grad_bytes
         # 8-bit moments: per-slice absmax blocks and the shared maps keep it within 0.1% of 1/n.
@@ -43,7 +51,7 @@ def test_slices_divide_by_the_ranks_and_activations_do_not(lisa):
         assert est.sizes["gathered_units"] == one.sizes["gathered_units"]
         # A model built from model.config is whole on each rank before it is sharded; weights from
         # model.name_or_path are read shard by shard (lisaft/distributed/fsdp.py load_sharded), never whole.
-        built = compute(settings(lisa=lisa, fsdp=True, ranks=n, model_from_config=True))
+        built = compute(settings(keys={**keys, **FROM_CONFIG}, ranks=n))
         assert est.weights_bytes + built.sizes["unsharded_load"] == one.weights_bytes
         assert est.sizes["unsharded_load"] == 0 and "model_load" not in est.phases
         assert "model_load" in built.phases
@@ -52,7 +60,8 @@ def test_slices_divide_by_the_ranks_and_activations_do_not(lisa):
 
 def test_one_rank_holds_what_one_process_holds():
     for lisa in (False, True):
-        plain, fsdp = compute(settings(lisa=lisa)), compute(settings(lisa=lisa, fsdp=True, ranks=1))
+        plain = compute(settings(keys={"lisa.enabled": lisa}))
+        fsdp = compute(settings(keys={"lisa.enabled": lisa, **FSDP}, ranks=1))
         for key in ("weights", "gradients", "optimizer_states", "activations", "logits_loss"):
             assert fsdp.sizes[key] == plain.sizes[key], key
         assert not set(FSDP_ONLY) & set(plain.components)
@@ -73,8 +82,9 @@ def test_slices_are_padded_as_torch_pads_dim_0():
 
 
 def test_frozen_units_are_gathered_but_reduce_nothing():
-    full = compute(settings(fsdp=True, ranks=4))
-    frozen = compute(settings(fsdp=True, ranks=4, lisa=True, train_embeddings=False, train_head=False))
+    full = compute(settings(keys=FSDP, ranks=4))
+    frozen = compute(settings(keys={**FSDP, **LISA, "lisa.train_embeddings": False, "lisa.train_head": False},
+                              ranks=4))
     loss = {k: v for k, v in zip(("gathered", "reduce"), _at(frozen, "loss_backward"))}
     assert loss["reduce"] == 0  # a frozen head: no gradient, no reduce-scatter
     assert loss["gathered"] == _at(full, "loss_backward")[0]  # ... but still gathered
@@ -90,7 +100,7 @@ def _at(est, phase):
 
 
 def test_the_root_holds_the_whole_head_gradient_until_its_float32_reduce_scatter():
-    est = compute(settings(fsdp=True, ranks=4))
+    est = compute(settings(keys=FSDP, ranks=4))
     counts = param_counts(est.settings.config)
     head, embeddings = sum(counts.head), sum(counts.embeddings)  # each divisible by 4
     # The head is in the root unit: the loss's backward makes its whole gradient (bf16, 2 B) and
@@ -105,13 +115,13 @@ def test_the_root_holds_the_whole_head_gradient_until_its_float32_reduce_scatter
 
 
 def test_fewest_ranks_is_the_first_count_that_fits():
-    s = settings("llama-3.1-70b", lisa=True, budget_bytes=140 * GiB)
+    s = settings("llama-3.1-70b", LISA, budget_bytes=140 * GiB)
     change = fewest_ranks(s, 80)
     assert change is not None and change.estimate.fits and change.overrides["training.fsdp"] is True
     fewer = change.ranks // 2
-    assert fewer < 2 or not compute(s.with_(fsdp=True, ranks=fewer)).fits
+    assert fewer < 2 or not compute(s.with_keys(FSDP).with_(ranks=fewer)).fits
     # Paged state is refused under FSDP: the proposal names the unpaged optimizer it runs with.
-    paged = fewest_ranks(s.with_(optimizer="paged_adamw_8bit"), 80)
+    paged = fewest_ranks(s.with_keys({"optimizer.name": "paged_adamw_8bit"}), 80)
     assert paged.overrides["optimizer.name"] == "adamw_8bit"
 
 
@@ -123,8 +133,11 @@ def _cli(*args):
     (["--fsdp", "--ranks", "0"], "--ranks: must be at least 1, got 0"),
     (["--ranks", "4"], "without training.fsdp every rank holds the whole model"),
     (["--fsdp"], "give --ranks N, the number of processes"),
-    (["--fsdp", "--ranks", "2", "--optimizer", "paged_adamw_8bit"], "use --optimizer adamw_8bit"),
-    (["--fsdp", "--ranks", "2", "--cpu-offload"], "optimizer.cpu_offload cannot be combined with training.fsdp"),
+    (["--fsdp", "--ranks", "2", "--optimizer", "paged_adamw_8bit"],
+     "--optimizer paged_adamw_8bit --fsdp: invalid recipe: optimizer.name paged_adamw_8bit is not supported with "
+     "training.fsdp (paging of one rank's slices is untested on CUDA); use adamw_8bit"),
+    (["--fsdp", "--ranks", "2", "--cpu-offload"], "--cpu-offload --fsdp: invalid recipe: optimizer.cpu_offload runs on "
+     "one device and cannot be combined with training.fsdp"),
 ])
 def test_bad_ranks_are_refused_in_one_line(args, words):
     result = _cli(*args)
@@ -190,7 +203,7 @@ def test_only_a_model_built_from_its_config_is_loaded_whole_on_each_rank(tmp_pat
     built = settings_from_recipe(load_recipe(recipe, [*common, "model.name_or_path=null",
                                                       f"model.config={tmp_path}", f"model.tokenizer={tmp_path}"]),
                                  ranks=4)
-    assert not loaded.model_from_config and built.model_from_config
+    assert loaded.recipe.model.config is None and built.recipe.model.config is not None
     est_loaded, est_built = compute(loaded), compute(built)
     assert "model_load" not in est_loaded.phases
     whole = est_built.total_params * 2  # bf16

@@ -360,3 +360,43 @@ def test_paged_updates_in_backward_wait_on_an_event_not_the_device(tmp_path, mon
     for unit in units:
         opts.deactivate(unit, "discard")
     assert calls == {"event recorded": params, "event waited": len(units)}
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "step-param"])
+def test_paged_moments_are_prefetched_before_their_update(monkeypatch, in_backward):
+    """Paged moments (logic on CPU: the state marked paged by hand): every moment of the unit is
+    prefetched, through internals, before the first update of `step`; `step_param` prefetches
+    its parameter's before its update. Unpaged state is never prefetched."""
+    from lisaft import internals
+
+    model = tiny()
+    opt = make(model, "adamw_8bit")
+    params = [p for p in model.parameters()]
+    x = batch(0)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()  # the state exists from here on
+    calls = []
+    monkeypatch.setattr(internals, "prefetch_paged", lambda t: calls.append(("prefetch", t.data_ptr())))
+    for path in ("_host_update", "_update"):  # the kernel's path or torch's, whichever runs here
+        update = getattr(optim.AdamW, path)
+        monkeypatch.setattr(optim.AdamW, path, lambda self, p, group, update=update: (calls.append(("update", p)),
+                                                                                      update(self, p, group)))
+    paged = params[::2]  # half of them, as small tensors stay unpaged
+    for p in paged:
+        for k in optim.MOMENT_KEYS:
+            internals.mark_paged(opt.state[p][k], 0)
+    if in_backward:
+        for p in params:
+            opt.step_param(p)
+    else:
+        opt.step()
+    prefetched = [ptr for kind, ptr in calls if kind == "prefetch"]
+    assert sorted(prefetched) == sorted(opt.state[p][k].data_ptr() for p in paged for k in optim.MOMENT_KEYS)
+    updates = [i for i, (kind, _) in enumerate(calls) if kind == "update"]
+    for p in paged:
+        first_update = next(i for i in updates if calls[i][1] is p)
+        mine = [i for i, (kind, ptr) in enumerate(calls) if kind == "prefetch"
+                and ptr in {opt.state[p][k].data_ptr() for k in optim.MOMENT_KEYS}]
+        assert len(mine) == 2 and max(mine) < first_update
+    if not in_backward:
+        assert max(i for i, (kind, _) in enumerate(calls) if kind == "prefetch") < min(updates)
