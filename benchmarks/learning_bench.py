@@ -270,6 +270,10 @@ def parse_args() -> argparse.Namespace:
                     "equal-memory LoRA at depths 24 and 6, lr grid, 3 seeds (about 2 hours; protocol2.py)")
     ap.add_argument("--lora-smoke", action="store_true", help="protocol 2 only: LISA γ=2 and the LoRA, DoRA and "
                     "QLoRA arms at LISA γ=2's memory, depth 6, one seed and lr, a short pre-training")
+    ap.add_argument("--preference", action="store_true", help="protocol 2 only: the preference protocol, DPO, "
+                    "SimPO and ORPO with full, LISA, LoRA and APOLLO-Mini (benchmarks/learning/preference.py)")
+    ap.add_argument("--lr-scale", type=float, default=1.0, help="--preference only: every arm's lr times this "
+                    "(its protocol 2 pick is an SFT lr)")
     ap.add_argument("--out", type=Path, help="results folder")
     ap.add_argument("--workers", type=int, default=None, help="runs in parallel (default: 1 quick, 2 full)")
     ap.add_argument("--seeds", type=int, nargs="+", help="override the seeds")
@@ -313,8 +317,31 @@ def write(summary: dict, out: Path) -> str:
     return table
 
 
+def main_preference(args: argparse.Namespace) -> None:
+    from benchmarks.learning import preference
+
+    mode = "quick" if args.quick else "run"
+    out = args.out or REPO / "benchmarks" / "results" / ("learning-pref-quick" if args.quick else "learning-pref")
+    if args.lr_scale != 1.0 and not args.out:
+        out = out / f"lr-x{args.lr_scale:g}"
+    workers = args.workers or (1 if args.quick else 2)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    preference.main(mode, out, workers, args.resume, environment(1, workers), REPO, args.lr_scale)
+    shutil.rmtree(out / "work" / "data", ignore_errors=True)
+    if args.quick:
+        shutil.rmtree(out / "work", ignore_errors=True)
+    print((out / "learning-pref.md").read_text())
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+
+
 def main_protocol2(args: argparse.Namespace) -> None:
     from benchmarks.learning import run2
+
+    if args.preference:
+        main_preference(args)
+        return
 
     mode = ("quick" if args.quick else "reduced" if args.reduced else "apollo" if args.apollo
             else "lora-smoke" if args.lora_smoke else "full")

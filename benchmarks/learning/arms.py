@@ -71,8 +71,10 @@ def load_data(data_dir: str, tokenizer_dir: str, max_seq_len: int) -> Data:
     return _DATA[data_dir]
 
 
-def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_steps: int, lr: float):
-    """The recipe a lisaft arm (or the pre-training) runs; model_ref names the model source."""
+def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_steps: int, lr: float,
+                  preference: dict | None = None):
+    """The recipe a lisaft arm (or the pre-training) runs; model_ref names the model source; with
+    `preference` (the recipe section) it trains on pairs (benchmarks/learning/preference.py)."""
     from lisaft.config.schema import recipe_from_dict
 
     s = job["settings"]
@@ -89,7 +91,9 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
         "model": {**model_ref, "tokenizer": job["tokenizer"], "attention": "sdpa", "quantize": quantize,
                   # a 4-bit base computes in bf16, the dtype QLoRA's adapters train in
                   "dtype": "bfloat16" if quantize else spec.get("dtype", "float32")},
-        "data": {"train": "given", "format": "instruction", "max_seq_len": s["max_seq_len"]},
+        "data": {"train": "given", "format": "preference" if preference else "instruction",
+                 "max_seq_len": s["max_seq_len"]},
+        **({"preference": preference} if preference else {}),
         "optimizer": optimizer,
         "scheduler": {"name": "cosine", "warmup_steps": s["warmup_steps"], "min_lr_ratio": 0.1},
         "lisa": {"enabled": lisa is not None, "interval_steps": s["interval_steps"], **(lisa or {})},
