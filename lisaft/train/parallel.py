@@ -210,6 +210,10 @@ class Strategy:
         """Host memory the report shows beside the device's, estimated and held."""
         return []
 
+    def held(self, measured: dict[str, int | None], device: torch.device) -> dict[str, int | None]:
+        """The device rows' measured bytes, where this strategy keeps them somewhere else."""
+        return measured
+
 
 class SingleProcess(Strategy):
     """One process, the whole model on the training device: the base's way, unchanged."""
@@ -251,12 +255,22 @@ class CpuOffload(Strategy):
 
     def host_rows(self, estimate: Estimate) -> list[ReportRow]:
         """The moments, the weights' host copy and the gradient accumulators (the device rows show
-        no gradients or moments for such a run)."""
+        no gradients or moments for such a run). On a CPU device the host is the device: the
+        estimate counts moments and accumulators in the device rows (held() puts the measured
+        bytes there too) and the weights' copy among its fixed terms."""
         held = self.offloaded.host_bytes()
         est = estimate.host_components
+        if estimate.settings.device == "cpu":
+            return [("host: weight copies", estimate.components.get("host_weight_copies"), held["host_weights"])]
         return [("host: optimizer states", est.get("moments"), self.offloaded.state_bytes()[1]),
                 ("host: weight copies", est.get("host_weights"), held["host_weights"]),
                 ("host: gradient accumulators", est.get("gradient_accumulators"), held["grad_accumulators"])]
+
+    def held(self, measured: dict[str, int | None], device: torch.device) -> dict[str, int | None]:
+        if device.type != "cpu":
+            return measured
+        return {**measured, "grad_bytes": self.offloaded.host_bytes()["grad_accumulators"],
+                "optimizer_state_bytes": self.offloaded.state_bytes()[1]}
 
     def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
                measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[Norm, int, bool]:

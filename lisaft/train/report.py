@@ -84,6 +84,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
         "activation_bytes": peaks.activation_bytes,
         "peak_bytes": peak_bytes,
     }
+    measured = session.parallel.held(measured, session.device)
     metrics.memory(estimate, measured)
     console = Console(highlight=False, soft_wrap=True)
     console.print(estimated_vs_measured_table(estimate, measured, session.parallel.host_rows(estimate)))
