@@ -150,11 +150,28 @@ def accumulate(acc, g):
         _accumulate_task(acc[lo:lo + TASK], g[lo:lo + TASK])
 
 
+def _add(acc, g, i):  # pragma: no cover - replaced by the overload below inside compiled code
+    raise NotImplementedError
+
+
+@overload(_add)
+def _add_impl(acc, g, i):
+    if acc.dtype == types.uint16:
+        def add_bf16(acc, g, i):
+            # Round to nearest even in 32-bit lanes (_store's mask would widen them to 64 bits).
+            b = _f32_bits(_load(acc, i) + _load(g, i))
+            acc[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return add_bf16
+
+    def add_f32(acc, g, i):
+        acc[i] = acc[i] + _load(g, i)
+    return add_f32
+
+
 @numba.njit(inline="never", nogil=True, cache=True, error_model="numpy")
 def _accumulate_task(acc, g):
     for i in range(acc.shape[0]):
-        x = _load(acc, i) + _load(g, i)
-        _store(acc, i, x, _weight_noise(x, np.uint32(0), np.uint32(0)))
+        _add(acc, g, i)
 
 
 @numba.njit(inline="always", error_model="numpy")
