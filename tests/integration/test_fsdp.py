@@ -249,11 +249,14 @@ def test_keep_under_fsdp_trains_as_discard(lisa, shared_tiny_run):
 def test_sigkill_while_writing_an_fsdp_checkpoint_leaves_the_run_resumable(bf16, shared_tiny_run):
     # Killed with every rank's slices and moments of step 4 written but not rank 0's completion
     # marker: the worst moment. The resume continues from step 2, bit for bit.
+    import contextlib
     import os
     import signal
     import subprocess
     import sys
     import time
+
+    import psutil
 
     path = recipe(shared_tiny_run, "killed", WIDE_BF16, batch_size=2, fsdp=True)
     run = shared_tiny_run.dir / "killed"
@@ -266,8 +269,16 @@ def test_sigkill_while_writing_an_fsdp_checkpoint_leaves_the_run_resumable(bf16,
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline, "timed out"
         time.sleep(0.1)
+    # torchrun starts each rank in a session of its own: killing the agent's group alone leaves
+    # the ranks running (paused here), which the run folder's lock then rightly reports as live.
+    ranks = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()
     proc.wait()
+    psutil.wait_procs(ranks, timeout=60)
+    _wait_for_the_lock(run / ".lock")  # the kernel drops a killed process's lock as it closes its files
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "step-000002" in names and "step-000004" not in names and ".tmp-step-000004" in names
     result = torchrun("resume", str(run), cwd=shared_tiny_run.dir)
@@ -277,6 +288,26 @@ def test_sigkill_while_writing_an_fsdp_checkpoint_leaves_the_run_resumable(bf16,
     assert train_losses(run) == bf16.losses
     resumed = weights(run)
     assert all(resumed[k].equal(bf16.weights[k]) for k in bf16.weights)
+
+
+def _wait_for_the_lock(path, seconds: float = 60) -> None:
+    """Until no process holds the run folder's flock: a SIGKILLed process's lock goes only when
+    the kernel has closed its files, which can trail the signal by a moment."""
+    import fcntl
+    import os
+    import time
+
+    deadline = time.time() + seconds
+    while True:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            assert time.time() < deadline, "the killed ranks still hold the run folder's lock"
+            time.sleep(0.1)
+        finally:
+            os.close(fd)
 
 
 @pytest.mark.slow
