@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import PadOnly, synthetic_examples
+from benchmarks.common import PadOnly, synthetic_examples, timed_on_this_machine
 from lisaft.config.schema import recipe_from_dict
 from lisaft.train import build_session, train_step
 
@@ -87,12 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "offload_e2e")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        measured = measure(cfg, Path(tmp))
-    result = {"config": cfg, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__, **measured,
-              "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+        result = timed_on_this_machine(cfg, lambda: measure(cfg, Path(tmp)))
     if not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "offload_e2e.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import timed_on_this_machine
 from lisaft.config.schema import ModelSection
 from lisaft.lisa import LayerSampler
 from lisaft.model.load import apply_model_settings
@@ -113,10 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "recompute")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    load_before = os.getloadavg()[0]
-    result = {"config": cfg, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              **measure(cfg), "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    result = timed_on_this_machine(cfg, lambda: measure(cfg))
     if not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "recompute.json").write_text(json.dumps(result, indent=1) + "\n")
