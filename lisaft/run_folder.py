@@ -120,8 +120,7 @@ def write_failed(run_dir: Path, e: BaseException, recipe_file: Path | None = Non
         where = (f"the newest complete checkpoint, {complete[0].name}, is intact; {once} "
                  f"continue with `lisaft resume {run_dir}`")
     else:
-        recipe_file = recipe_file or run_dir / "recipe.yaml"
-        where = f"no checkpoint was completed; {once} start over with `lisaft train {recipe_file} --overwrite`"
+        where = f"no checkpoint was completed; {once} start over with {start_over(run_dir, recipe_file)}"
     return RunFailed(f"could not write {what}: {_reason(e)}; {where}")
 
 
@@ -152,6 +151,59 @@ def clean_write_failures(run_loop):
 
 # ---------------------------------------------------------------------------------------------
 # before a run: the output folder
+
+
+def _trains_into(recipe_file: Path) -> Path | None:
+    """The folder a recipe file trains into, or None when the file does not read as a recipe."""
+    from lisaft.config.schema import load_recipe
+
+    try:
+        return Path(load_recipe(recipe_file).training.output_dir)
+    except LisaftError:
+        return None
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
+def start_over(run_dir: Path, recipe_file: Path | None = None) -> str:
+    """The command (in backticks) that starts the run in `run_dir` over, and no other run. A run
+    folder copied with `cp -a` keeps a recipe.yaml whose training.output_dir names the original
+    folder: `lisaft train COPY/recipe.yaml --overwrite` alone would replace the original run, so
+    the command names the folder whenever the recipe trains elsewhere."""
+    run_dir = Path(run_dir)
+    recipe_file = Path(recipe_file) if recipe_file is not None else run_dir / "recipe.yaml"
+    command = f"lisaft train {recipe_file} --overwrite"
+    target = _trains_into(recipe_file)
+    if target is None or not _same_folder(target, run_dir):
+        command += f" --set training.output_dir={run_dir}"
+    return f"`{command}`"
+
+
+def is_run_recipe(recipe_file: Path) -> bool:
+    """A run folder's own recipe.yaml (the resolved copy lisaft writes), not a recipe a user wrote:
+    the folder also holds what only a run leaves (metrics, checkpoints, the export, the lock)."""
+    recipe_file = Path(recipe_file)
+    folder = recipe_file.parent
+    return recipe_file.name == "recipe.yaml" and any(
+        (folder / name).exists() for name in ("metrics.jsonl", CHECKPOINTS, "final", LOCK))
+
+
+def check_copied_recipe(recipe_file: Path, run_dir: Path, overwrite: bool, output_dir_given: bool) -> None:
+    """Refuse --overwrite of a run other than the one whose recipe.yaml the user gave: a copied run
+    folder's recipe still names the original folder, and overwriting it there loses that run.
+    Naming the folder on the command line (--set training.output_dir=...) says it is meant."""
+    recipe_file = Path(recipe_file)
+    home = recipe_file.parent
+    if (not overwrite or output_dir_given or not is_run_recipe(recipe_file) or _same_folder(home, run_dir)
+            or not run_dir.is_dir() or not looks_like_run(run_dir)):
+        return
+    raise LisaftError(
+        f"{recipe_file} is the recipe of the run in {home}, but its training.output_dir is {run_dir}, another "
+        f"run that --overwrite would replace; to start over in {home}: `lisaft train {recipe_file} --overwrite "
+        f"--set training.output_dir={home}`; to replace {run_dir}, name it: "
+        f"`--set training.output_dir={run_dir}`")
 
 
 def looks_like_run(path: Path) -> bool:

@@ -51,6 +51,9 @@ def train(recipe_path: str | Path, overrides: list[str] | None = None, overwrite
         for note in unused_keys(recipe):
             warn(note)
     run_dir = Path(recipe.training.output_dir)
+    runfiles.check_copied_recipe(Path(recipe_path), run_dir, overwrite,
+                                 output_dir_given=any(o.partition("=")[0].strip() == "training.output_dir"
+                                                      for o in overrides or []))
     if not run_dir.exists():
         runfiles.check_output_dir(run_dir, overwrite, force)  # can it be created, before the lock creates it
     with _holding(run_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lisaft import run_folder as runfiles
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import Recipe
 from lisaft.errors import LisaftError, RunFailed
@@ -97,13 +98,13 @@ def out_of_memory(session: Session, step: int, base: Path | None) -> RunFailed:
     """What a user needs after an OOM: where the run stands and what to change."""
     recipe_file = session.run_dir / "recipe.yaml"
     if base is None:
-        where = f"no checkpoint was written yet; start over with `lisaft train {recipe_file} --overwrite`"
+        where = f"no checkpoint was written yet; start over with {runfiles.start_over(session.run_dir, recipe_file)}"
     elif not session.recipe.model.gradient_checkpointing:
         where = (f"continue from {base.name} with checkpointing on: `lisaft resume {session.run_dir} "
                  "--set model.gradient_checkpointing=true`")
     else:
         where = (f"the newest checkpoint is {base.name}; other changes alter the run: start over with "
-                 f"`lisaft train {recipe_file} --overwrite`")
+                 f"{runfiles.start_over(session.run_dir, recipe_file)}")
     return RunFailed(
         f"out of memory in step {step + 1} on {session.device}; `lisaft estimate-memory {recipe_file}` "
         f"shows where the memory goes and what brings it under (gradient checkpointing, paged_adamw_8bit, "

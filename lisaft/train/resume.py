@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lisaft import run_folder as runfiles
 from lisaft.checkpoint.checkpointer import complete_checkpoints
 from lisaft.checkpoint.components import read_components
 from lisaft.checkpoint.missing import nothing_left
@@ -32,7 +33,7 @@ def checkpoints_to_try(run_dir: Path, recipe_file: Path) -> list[Path]:
             warn(f"skipping checkpoint {ckpt.name}: {bad}")
     if not candidates:
         raise LisaftError(f"{run_dir}: no complete checkpoint to resume from; start over with "
-                          f"`lisaft train {recipe_file} --overwrite`")
+                          f"{runfiles.start_over(run_dir, recipe_file)}")
     return candidates
 
 
@@ -148,10 +149,10 @@ def load_newest(session: Session, candidates: list[Path], recipe_file: Path) -> 
                 raise  # an older checkpoint of this run saw the same data, or the same other base
             if isinstance(e, OlderCheckpoint):
                 raise LisaftError(f"{_older(e, ckpt)}; start over with "
-                                  f"`lisaft train {recipe_file} --overwrite`") from None
+                                  f"{runfiles.start_over(session.run_dir, recipe_file)}") from None
             if i + 1 == len(candidates):
                 raise LisaftError(f"{ckpt}: cannot be loaded ({first_line(e)}); no older complete checkpoint; "
-                                  f"start over with `lisaft train {recipe_file} --overwrite`") from None
+                                  f"start over with {runfiles.start_over(session.run_dir, recipe_file)}") from None
             warn(f"skipping checkpoint {ckpt.name}: cannot be loaded ({first_line(e)})")
     raise AssertionError("unreachable: candidates is never empty")
 
