@@ -244,6 +244,7 @@ def render(report, explain: bool = False) -> Group:
     """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
     est = report.estimate
     parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}")]
+    parts += [Text(line) for line in report.flag_notes]
     if est.settings.auto:
         parts.append(_auto_line(est))
     parts.append(components_table(est))
