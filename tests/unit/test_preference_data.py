@@ -83,6 +83,7 @@ def test_bad_rows_are_refused_naming_the_row(tok, row, words):
 
 
 USER, GOOD = {"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}
+NULL = "line 1: field 'rejected' is empty \\(null\\); give it a value$"
 
 
 @pytest.mark.parametrize("row, words", [
@@ -91,8 +92,8 @@ USER, GOOD = {"role": "user", "content": "abc"}, {"role": "assistant", "content"
      "line 1: the chosen conversation has no assistant turn after the prompt's 1 turn: nothing to score$"),
     ({"prompt": [USER], "chosen": [USER], "rejected": [GOOD]},
      "line 1: the chosen conversation has no assistant turn after the prompt's 1 turn"),
-    ({"prompt": [USER], "chosen": [GOOD], "rejected": None}, "line 1: field 'rejected' is empty \\(null\\); give it a value$"),
-    ({"prompt": "p", "chosen": "x", "rejected": None}, "line 1: field 'rejected' is empty \\(null\\); give it a value$"),
+    ({"prompt": [USER], "chosen": [GOOD], "rejected": None}, NULL),
+    ({"prompt": "p", "chosen": "x", "rejected": None}, NULL),
     ({"prompt": [USER, {"role": "assistant", "content": "Sure,"}], "chosen": [GOOD],
       "rejected": [{"role": "assistant", "content": "no"}]},
      "line 1: the prompt ends with an assistant turn \\(a prefill\\), which lisaft does not continue"),

@@ -13,8 +13,9 @@ Two shapes, as TRL names them:
 
 A row is refused, naming it, when an answer is empty or has no assistant turn, when chosen equals
 rejected, when a conversational prompt ends with an assistant turn (a prefill, which the template
-would close and answer with a new turn), or when the prompt fills data.max_seq_len. A longer pair is cut at the end: its answers lose tokens, never
-its prompt; the cut pairs are counted in one warning.
+would close and answer with a new turn), or when the prompt fills data.max_seq_len. A longer pair
+is cut at the end: its answers lose tokens, never its prompt; the cut pairs are counted in one
+warning.
 """
 
 from __future__ import annotations
