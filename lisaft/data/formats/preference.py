@@ -106,6 +106,7 @@ def _standard_pairs(rows: Rows, tokens: Tokens, indices: list[int]) -> dict[int,
                 raise LisaftError(f"{rows.where(i)}: the {k} answer is empty")
         if fields["chosen"][n] == fields["rejected"][n]:
             raise LisaftError(f"{rows.where(i)}: chosen and rejected are the same answer")
+    _warn_of_spaced_prompts(rows, [i for n, i in enumerate(indices) if fields["prompt"][n][-1:].isspace()])
     encoded = {k: tokens.encode(v) for k, v in fields.items()}
     out = {}
     for n, i in enumerate(indices):
@@ -113,6 +114,19 @@ def _standard_pairs(rows: Rows, tokens: Tokens, indices: list[int]) -> dict[int,
         out[i] = {k: {"input_ids": p + encoded[k][n] + [eos],
                       "labels": [IGNORE_INDEX] * len(p) + encoded[k][n] + [eos]} for k in ANSWERS}
     return out
+
+
+def _warn_of_spaced_prompts(rows: Rows, spaced: list[int]) -> None:
+    """The prompt and each answer are tokenized apart (as TRL does), so a prompt's trailing space
+    stays a token of its own, where the joined text would start the answer's first word with it
+    ("Answer: " + "good": ':' ' ' | 'good', not ':' ' good')."""
+    if spaced:
+        warnings.warn(
+            f"{rows.key}: {rows.source}: {len(spaced)} of {len(rows.rows)} string prompts end with whitespace "
+            f"({numbers(rows, spaced)}); prompt and answers are tokenized apart, so it is a token of its own "
+            "before each answer, not the start of the answer's first word as in the joined text: end the "
+            "prompts without it and start the answers with it (`lisaft data --examples` shows the split)",
+            DataWarning, stacklevel=5)
 
 
 def prompt_length(example: Example) -> int:
