@@ -97,3 +97,36 @@ def test_a_companion_key_is_said():
     assert "--no-gradient-checkpointing also sets model.offload_activations: false" in text
     assert ("the same recipe for `lisaft train`: --set model.gradient_checkpointing=false "
             "--set model.offload_activations=false") in text
+
+
+def test_both_commands_refuse_a_tiny_recipe_in_the_same_words(tmp_path):
+    """The CLIs themselves: a tiny recipe stepping in backward, where --cpu-offload and --fsdp are
+    refused by `lisaft train` (before anything loads) and by estimate-memory with the same reason."""
+    import yaml
+    from transformers import LlamaConfig
+    from typer.testing import CliRunner
+
+    from lisaft.cli import app
+
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(tmp_path / "model")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"config": "model/config.json", "gradient_checkpointing": True, "offload_activations": True},
+        "data": {"train": "train.jsonl", "max_seq_len": 32},
+        "optimizer": {"name": "adamw_32bit", "in_backward": True},
+        "training": {"max_steps": 1, "max_grad_norm": None, "output_dir": str(tmp_path / "run")}}))
+    runner = CliRunner()
+
+    def refused(*args: str) -> str:
+        result = runner.invoke(app, [*args])
+        assert result.exit_code == 2, result.output
+        (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+        return _reason(line)
+
+    for given in (["--cpu-offload"], ["--fsdp", "--ranks", "2"]):
+        flags = EstimateFlags(recipe=recipe, cpu_offload=True if "--cpu-offload" in given else None,
+                              fsdp=True if "--fsdp" in given else None, ranks=2 if "--fsdp" in given else None)
+        train_args = [a for s in shlex.split(train_sets(flags))[1::2] for a in ("--set", s)]
+        assert refused("estimate-memory", str(recipe), *given) == refused("train", str(recipe), *train_args)
+    assert not (tmp_path / "run").exists()
