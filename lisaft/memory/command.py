@@ -176,7 +176,8 @@ FLAG_KEYS = (
 
 # A flag whose key another key must follow (config/compat.py refuses the pair otherwise) sets that
 # key too, and the output says so: (EstimateFlags field, the flag's value, the companion key, its
-# value, why). Every other refused combination is refused here in `lisaft train`'s words.
+# value, why). Only where the recipe refuses the flag alone; every other refused combination is
+# refused here in `lisaft train`'s words.
 COMPANIONS = (
     ("in_backward", True, "training.max_grad_norm", None,
      "the total norm is known only after every update ran, so a step in backward cannot clip"),
@@ -193,8 +194,9 @@ def _typed(flag: str, value: Any) -> str:
     return f"{flag} {value}"
 
 
-def flag_overrides(f: EstimateFlags) -> list[Override]:
-    """The recipe keys the flags given set, each naming its flag; they apply after --set."""
+def flag_overrides(f: EstimateFlags, companions: tuple = ()) -> list[Override]:
+    """The recipe keys the flags given set, each naming its flag, and the `companions` (rows of
+    COMPANIONS) they carry; they apply after --set."""
     out = []
     if f.model is not None and f.recipe is not None:  # the model replaces the recipe's, whichever key named it
         out += [flag_override(f"--model {f.model}", "model.name_or_path", f.model),
@@ -203,9 +205,8 @@ def flag_overrides(f: EstimateFlags) -> list[Override]:
         value = getattr(f, name)
         if value is not None:
             out.append(flag_override(_typed(flag, value), key, value))
-    for name, value, key, companion, _ in COMPANIONS:
-        if getattr(f, name) == value:
-            out.append(flag_override(_typed(_FLAGS[name], value), key, companion))
+    for name, value, key, companion, _ in companions:
+        out.append(flag_override(_typed(_FLAGS[name], value), key, companion))
     if f.no_lisa:
         out.append(flag_override("--no-lisa", "lisa.enabled", False))
     if f.lisa_layers is not None:
@@ -214,11 +215,23 @@ def flag_overrides(f: EstimateFlags) -> list[Override]:
     return out
 
 
+def carried(f: EstimateFlags) -> tuple:
+    """The COMPANIONS the flags given carry: those of a flag given, when the recipe refuses the flags
+    without them."""
+    wanted = tuple(c for c in COMPANIONS if getattr(f, c[0]) == c[1])
+    if wanted:
+        try:
+            _load(f, flag_overrides(f))
+        except LisaftError:
+            return wanted
+    return ()
+
+
 def companion_notes(f: EstimateFlags) -> list[str]:
-    """One line per companion key the flags given set, and the `--set` items `lisaft train` takes
+    """One line per companion key the flags given carry, and the `--set` items `lisaft train` takes
     for the same recipe."""
     notes = [f"{_typed(_FLAGS[name], value)} also sets {key}: {json.dumps(companion)} ({why})"
-             for name, value, key, companion, why in COMPANIONS if getattr(f, name) == value]
+             for name, value, key, companion, why in carried(f)]
     if notes:
         notes.append("the same recipe for `lisaft train`: " + train_sets(f))
     return notes
@@ -226,7 +239,7 @@ def companion_notes(f: EstimateFlags) -> list[str]:
 
 def train_sets(f: EstimateFlags) -> str:
     """The flags given as `--set key=value` items, the way `lisaft train RECIPE` takes them."""
-    return " ".join("--set " + shlex.quote(f"{o.key}={_as_yaml(o.value)}") for o in flag_overrides(f))
+    return " ".join("--set " + shlex.quote(f"{o.key}={_as_yaml(o.value)}") for o in flag_overrides(f, carried(f)))
 
 
 def _as_yaml(value: Any) -> str:
@@ -235,14 +248,20 @@ def _as_yaml(value: Any) -> str:
     return value if isinstance(value, str) and yaml.safe_load(value) == value else text
 
 
-def estimate_recipe(f: EstimateFlags) -> Recipe:
-    """The recipe file (or --model's defaults), then --set, then the flags; validated."""
-    overrides: list[str | Override] = [*f.overrides, *flag_overrides(f)]
+def _load(f: EstimateFlags, flags: list[Override]) -> Recipe:
+    """The recipe file (or --model's defaults), then --set, then `flags`; validated."""
+    overrides: list[str | Override] = [*f.overrides, *flags]
     if f.recipe is not None:
         return load_recipe(f.recipe, overrides)
     if f.model is None:
         raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")
     return recipe_for_model(f.model, overrides)
+
+
+def estimate_recipe(f: EstimateFlags) -> Recipe:
+    """The recipe file (or --model's defaults), then --set, then the flags and the companions they
+    carry; validated."""
+    return _load(f, flag_overrides(f, carried(f)))
 
 
 def build_settings(f: EstimateFlags, budget_bytes: int) -> Settings:

@@ -12,7 +12,15 @@ import pytest
 from lisaft.config.compat import check_world
 from lisaft.config.schema import load_recipe
 from lisaft.errors import LisaftError
-from lisaft.memory.command import Budget, EstimateFlags, build_report, build_settings, estimate_recipe, train_sets
+from lisaft.memory.command import (
+    Budget,
+    EstimateFlags,
+    build_report,
+    build_settings,
+    companion_notes,
+    estimate_recipe,
+    train_sets,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").glob("llama3.1-8b-*.yaml"))
@@ -97,6 +105,9 @@ def test_a_companion_key_is_said():
     assert "--no-gradient-checkpointing also sets model.offload_activations: false" in text
     assert ("the same recipe for `lisaft train`: --set model.gradient_checkpointing=false "
             "--set model.offload_activations=false") in text
+    # A recipe that takes the flag alone (APOLLO's clips nothing already) carries nothing, says nothing.
+    flags = EstimateFlags(recipe=REPO / "recipes" / "llama3.1-8b-apollo-24gb.yaml", in_backward=True)
+    assert companion_notes(flags) == [] and train_sets(flags) == "--set optimizer.in_backward=true"
 
 
 def test_both_commands_refuse_a_tiny_recipe_in_the_same_words(tmp_path):
