@@ -246,7 +246,10 @@ def fsdp_ready(s: Settings) -> tuple[Settings, dict]:
 def fewest_ranks(s: Settings, layer_count: int) -> Change | None:
     """The fewest ranks (of RANKS, more than `s` runs on) over which training.fsdp fits the run
     as given; failing that at every count, the fewest with the cheapest change that fits there.
-    None when not even 64 do."""
+    None when not even 64 do, or when the optimizer projects its gradients (a rank holds a slice of
+    each matrix, and the projection needs the whole: config/compat.py refuses it)."""
+    if optimizer_kind(s.recipe.optimizer.name).projected:
+        return None
     base, keys = fsdp_ready(s)
     counts = [n for n in RANKS if n > s.ranks]
     for n in counts:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from lisaft.config.compat import check_world
 from lisaft.config.optimizers import OPTIMIZERS
 from lisaft.config.overrides import Override, flag_override
 from lisaft.config.schema import Recipe, load_recipe
@@ -170,14 +174,29 @@ FLAG_KEYS = (
 )
 
 
+# A flag whose key another key must follow (config/compat.py refuses the pair otherwise) sets that
+# key too, and the output says so: (EstimateFlags field, the flag's value, the companion key, its
+# value, why). Only where the recipe refuses the flag alone; every other refused combination is
+# refused here in `lisaft train`'s words.
+COMPANIONS = (
+    ("in_backward", True, "training.max_grad_norm", None,
+     "the total norm is known only after every update ran, so a step in backward cannot clip"),
+    ("gradient_checkpointing", False, "model.offload_activations", False,
+     "only checkpointed layer inputs are offloaded"),
+)
+
+_FLAGS = {name: flag for name, flag, _ in FLAG_KEYS}
+
+
 def _typed(flag: str, value: Any) -> str:
     if isinstance(value, bool):
         return flag if value else flag.replace("--", "--no-", 1)
     return f"{flag} {value}"
 
 
-def flag_overrides(f: EstimateFlags) -> list[Override]:
-    """The recipe keys the flags given set, each naming its flag; they apply after --set."""
+def flag_overrides(f: EstimateFlags, companions: tuple = ()) -> list[Override]:
+    """The recipe keys the flags given set, each naming its flag, and the `companions` (rows of
+    COMPANIONS) they carry; they apply after --set."""
     out = []
     if f.model is not None and f.recipe is not None:  # the model replaces the recipe's, whichever key named it
         out += [flag_override(f"--model {f.model}", "model.name_or_path", f.model),
@@ -186,8 +205,8 @@ def flag_overrides(f: EstimateFlags) -> list[Override]:
         value = getattr(f, name)
         if value is not None:
             out.append(flag_override(_typed(flag, value), key, value))
-    if f.in_backward:  # the total norm is known only after every update ran
-        out.append(flag_override("--in-backward", "training.max_grad_norm", None))
+    for name, value, key, companion, _ in companions:
+        out.append(flag_override(_typed(_FLAGS[name], value), key, companion))
     if f.no_lisa:
         out.append(flag_override("--no-lisa", "lisa.enabled", False))
     if f.lisa_layers is not None:
@@ -196,14 +215,53 @@ def flag_overrides(f: EstimateFlags) -> list[Override]:
     return out
 
 
-def estimate_recipe(f: EstimateFlags) -> Recipe:
-    """The recipe file (or --model's defaults), then --set, then the flags; validated."""
-    overrides: list[str | Override] = [*f.overrides, *flag_overrides(f)]
+def carried(f: EstimateFlags) -> tuple:
+    """The COMPANIONS the flags given carry: those of a flag given, when the recipe refuses the flags
+    without them."""
+    wanted = tuple(c for c in COMPANIONS if getattr(f, c[0]) == c[1])
+    if wanted:
+        try:
+            _load(f, flag_overrides(f))
+        except LisaftError:
+            return wanted
+    return ()
+
+
+def companion_notes(f: EstimateFlags) -> list[str]:
+    """One line per companion key the flags given carry, and the `--set` items `lisaft train` takes
+    for the same recipe."""
+    notes = [f"{_typed(_FLAGS[name], value)} also sets {key}: {json.dumps(companion)} ({why})"
+             for name, value, key, companion, why in carried(f)]
+    if notes:
+        notes.append("the same recipe for `lisaft train`: " + train_sets(f))
+    return notes
+
+
+def train_sets(f: EstimateFlags) -> str:
+    """The flags given as `--set key=value` items, the way `lisaft train RECIPE` takes them."""
+    return " ".join("--set " + shlex.quote(f"{o.key}={_as_yaml(o.value)}") for o in flag_overrides(f, carried(f)))
+
+
+def _as_yaml(value: Any) -> str:
+    """`value` as --set reads it back (YAML): null, true, 2, paged_adamw_8bit."""
+    text = json.dumps(value)
+    return value if isinstance(value, str) and yaml.safe_load(value) == value else text
+
+
+def _load(f: EstimateFlags, flags: list[Override]) -> Recipe:
+    """The recipe file (or --model's defaults), then --set, then `flags`; validated."""
+    overrides: list[str | Override] = [*f.overrides, *flags]
     if f.recipe is not None:
         return load_recipe(f.recipe, overrides)
     if f.model is None:
         raise LisaftError("give a RECIPE or --model NAME (catalogue: " + ", ".join(catalogue_names()) + ")")
     return recipe_for_model(f.model, overrides)
+
+
+def estimate_recipe(f: EstimateFlags) -> Recipe:
+    """The recipe file (or --model's defaults), then --set, then the flags and the companions they
+    carry; validated."""
+    return _load(f, flag_overrides(f, carried(f)))
 
 
 def build_settings(f: EstimateFlags, budget_bytes: int) -> Settings:
@@ -219,6 +277,8 @@ def build_settings(f: EstimateFlags, budget_bytes: int) -> Settings:
     if f.host_ram is not None:
         s = s.with_(host_budget_bytes=parse_bytes(f.host_ram, "--host-ram"))
     check_ranks(s, f.ranks)
+    # What `lisaft train` refuses at set-up, before the model loads, for this device and ranks.
+    check_world(recipe, s.ranks, launched=True, device=s.device)
     layers = param_counts(s.config, recipe.model.layers_path).layer_count
     if s.auto:
         chosen = largest_fitting_layers(s, layers, AUTO_MARGIN)
@@ -262,6 +322,7 @@ class Report:
     ranks: Change | None = None  # when nothing offered fits one card: training.fsdp over the fewest ranks
     methods: list = field(default_factory=list)  # memory/methods.py: every way to train, learning order
     host_ram: str | None = None  # --host-ram as given
+    flag_notes: list[str] = field(default_factory=list)  # companion_notes: keys the flags set beside their own
 
     def to_json(self) -> dict:
         out = self.estimate.to_json()
@@ -281,7 +342,7 @@ class Report:
                         for opt in OPTIMIZERS if any(o == opt for o, _ in self.grid)},
             methods=[{"method": m.name, "set": m.overrides, "learned": m.learned,
                       "total_bytes": m.estimate.total_bytes, "fits": m.estimate.fits} for m in self.methods],
-            preference=preference_summary(self.estimate),
+            preference=preference_summary(self.estimate), flag_notes=self.flag_notes,
         )
         return out
 
@@ -315,6 +376,7 @@ def estimate_memory_command(flags: EstimateFlags) -> int:
     b = parse_budget(flags.budget, flags.gpu)
     s = build_settings(flags, b.bytes)
     report = build_report(s, b, flags.host_ram)
+    report.flag_notes = companion_notes(flags)
     if flags.json_out:
         print(json.dumps(report.to_json(), indent=2))
         return 0

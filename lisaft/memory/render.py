@@ -10,7 +10,7 @@ from lisaft.memory.advice import AUTO_MARGIN, RANKS, host_is_the_limit
 from lisaft.memory.estimate import SETUP_PHASES, Estimate
 from lisaft.memory.methods import shared_settings
 from lisaft.memory.preference import preference_lines
-from lisaft.memory.tables import HOST_RAM_NO, advice_table, fit_mark, grid_table, human, methods_table
+from lisaft.memory.tables import HOST_RAM_NO, advice_table, fit_mark, grid_table, human, human_pair, methods_table
 
 _DESCRIPTIONS = {
     "weights": "all parameters and buffers, model dtype",
@@ -131,14 +131,16 @@ def verdict(est: Estimate) -> Text:
                     f"{human(est.host_bytes)} of host memory (RAM {human(est.settings.host_budget_bytes)}).",
                     style="bold green")
     if est.fits:
-        return Text(f"Fits: {human(est.total_bytes)} of {human(est.budget_bytes)}, everything resident.",
-                    style="bold green")
+        need, budget = human_pair(est.total_bytes, est.budget_bytes)
+        return Text(f"Fits: {need} of {budget}, everything resident.", style="bold green")
+    need, budget = human_pair(est.total_bytes, est.budget_bytes)
     if est.paged_state_bytes and est.fits_with_paging:
         return Text(
             f"Runs, but paged: {human(est.paged_host_bytes)} of optimizer state is paged to host "
-            f"memory each step (needs {human(est.total_bytes)} resident, budget {human(est.budget_bytes)}).",
+            f"memory each step (needs {need} resident, budget {budget}).",
             style="bold yellow")
-    return Text(f"Does not fit: {human(est.total_bytes)} > {human(est.budget_bytes)}.", style="bold red")
+    return Text(f"Does not fit: {need} > {budget} (over by {human(est.total_bytes - est.budget_bytes)}).",
+                style="bold red")
 
 
 def paged_lines(est: Estimate, explain: bool = False) -> Text | None:
@@ -244,6 +246,7 @@ def render(report, explain: bool = False) -> Group:
     """The text of `lisaft estimate-memory` for a lisaft.memory.command.Report."""
     est = report.estimate
     parts: list = [Text(settings_line(est), style="bold"), Text(f"Budget: {report.budget.explained()}")]
+    parts += [Text(line) for line in report.flag_notes]
     if est.settings.auto:
         parts.append(_auto_line(est))
     parts.append(components_table(est))

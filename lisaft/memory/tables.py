@@ -22,6 +22,21 @@ def human(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
+def human_pair(a: int, b: int) -> tuple[str, str]:
+    """`a` and `b` as human() writes them, with as many more decimals (in the larger's unit) as it
+    takes to show they differ: a verdict of 24.00 GiB > 24.00 GiB says nothing."""
+    first, second = human(a), human(b)
+    if a == b or first != second:
+        return first, second
+    unit, size = next(((u, s) for u, s in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+                       if max(abs(a), abs(b)) >= s), ("B", 1))
+    for digits in range(3, 10):
+        first, second = f"{a / size:.{digits}f} {unit}", f"{b / size:.{digits}f} {unit}"
+        if first != second:
+            return first, second
+    return f"{a:,} B", f"{b:,} B"
+
+
 
 def fit_mark(e: Estimate) -> str:
     """Whether an estimate fits, and when the GPU would hold it but something else does not, what."""

@@ -19,6 +19,8 @@ from lisaft.data.packing import pack_examples
 
 # Around the tokens that carry loss in the text view.
 LOSS_OPEN, LOSS_CLOSE = "[[", "]]"
+# Tokens shown each side of a pair's prompt/answer split.
+SPLIT_TOKENS = 3
 
 
 def data_command(recipe_path: Path, overrides: list[str], json_out: bool = False, shown: int = 3) -> int:
@@ -63,7 +65,12 @@ def _example(split: Split, i: int, tokenizer) -> dict:
     p = prompt_length(cut["chosen"])
     prompt = tokenizer.decode(cut["chosen"]["input_ids"][:p], skip_special_tokens=False,
                               clean_up_tokenization_spaces=False)
-    return {**head, "prompt": prompt,
+    # The tokens either side of where the prompt ends, as the tokenizer spells them: the prompt and
+    # the answers are tokenized apart, so a space or a word cut there shows here.
+    boundary = {"prompt": tokenizer.convert_ids_to_tokens(cut["chosen"]["input_ids"][max(p - SPLIT_TOKENS, 0):p]),
+                **{k: tokenizer.convert_ids_to_tokens(cut[k]["input_ids"][p:p + SPLIT_TOKENS])
+                   for k in ("chosen", "rejected")}}
+    return {**head, "prompt": prompt, "boundary": boundary,
             **{k: _sequence(cut[k], raw[k], tokenizer, start=p) for k in ("chosen", "rejected")}}
 
 
@@ -96,6 +103,7 @@ def render(report: dict) -> str:
         if "prompt" in ex:
             lines.append(f"--- {ex['row']}, prompt:")
             lines.append(ex["prompt"])
+            lines.append(_boundary_line(ex["boundary"]))
             for k in ("chosen", "rejected"):
                 lines.append(f"--- {k}: {_about(ex[k])}")
                 lines.append(_text(ex[k]))
@@ -103,6 +111,12 @@ def render(report: dict) -> str:
             lines.append(f"--- {ex['row']}: {_about(ex)}" + (", dropped: no loss token" if ex["dropped"] else ""))
             lines.append(_text(ex))
     return "\n".join(lines)
+
+
+def _boundary_line(boundary: dict) -> str:
+    tokens = {k: " ".join(map(repr, v)) for k, v in boundary.items()}
+    return (f"--- the split as tokens: {tokens['prompt']} | chosen {tokens['chosen']} | "
+            f"rejected {tokens['rejected']}")
 
 
 def _about(seq: dict) -> str:

@@ -33,7 +33,7 @@ def train_line(rec: dict, total: int, width: int = 80) -> str:
     layers fit; a layer list that still does not fit is cut."""
     rewards = []
     if "reward_accuracy" in rec:  # a preference run: how often chosen outscores rejected, and by how much
-        rewards = [f"acc {rec['reward_accuracy']:.0%}", f"margin {rec['reward_margin']:.3g}"]
+        rewards = [f"acc {_reward_accuracy(rec, 'reward', '.0%')}", f"margin {rec['reward_margin']:.3g}"]
     layers = "all" if rec.get("active_layers") is None else ",".join(map(str, rec["active_layers"]))
     # Spacing is chosen for the widest step counter, so it does not change as the run goes on.
     widest = len(str(total)) - len(str(rec["step"]))
@@ -51,10 +51,20 @@ def train_line(rec: dict, total: int, width: int = 80) -> str:
         rewards.pop()
 
 
+def _reward_accuracy(rec: dict, prefix: str, spec: str) -> str:
+    """The share of pairs whose chosen answer outscores the rejected one; when every pair tied (DPO
+    before its first update) there is no preference to count, which 0% would misread."""
+    ties = rec.get(f"{prefix}_ties", 0.0)
+    if ties >= 1:
+        return "— (all tied)"
+    return f"{rec[f'{prefix}_accuracy']:{spec}}" + (f" ({ties:{spec}} tied)" if ties > 0 else "")
+
+
 def eval_line(rec: dict) -> str:
     if "eval_reward_accuracy" in rec:
         return (f"eval step {rec['step']}  loss {rec['eval_loss']:.4f}  "
-                f"reward accuracy {rec['eval_reward_accuracy']:.1%}  margin {rec['eval_reward_margin']:.3g}")
+                f"reward accuracy {_reward_accuracy(rec, 'eval_reward', '.1%')}  "
+                f"margin {rec['eval_reward_margin']:.3g}")
     return (f"eval step {rec['step']}  loss {rec['eval_loss']:.4f}  "
             f"token accuracy {rec['eval_token_accuracy']:.1%}")
 

@@ -74,6 +74,12 @@ class RunData:
                  if r.get(key) is not None]
         return [s for s, _ in pairs], [v for _, v in pairs]
 
+    def untied(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
+        """A reward accuracy's series without the records where every pair tied (no preference to
+        count, not 0%): DPO's step 0, where the policy is its reference."""
+        ties = key.replace("_accuracy", "_ties")
+        return self.series(key, [r for r in (self.train if records is None else records) if r.get(ties, 0.0) < 1])
+
 
 def _estimate(run_dir: Path) -> tuple[int | None, str, int | None]:
     """The estimator's peak for the run's recipe, at data.max_seq_len (an upper bound: batches
@@ -134,8 +140,8 @@ def _figure(plt, runs: list[RunData]):
         loss.plot(steps, smooth(values), color=color, label=f"{run.label} train (smoothed)")
         loss.plot(*run.series("eval_loss", run.eval), "o--", color=color, markersize=3, label=f"{run.label} eval")
         if run.pairs:  # a preference run: how often chosen outscores rejected
-            acc.plot(*run.series("reward_accuracy"), color=color, alpha=0.3, linewidth=0.8)
-            acc.plot(*run.series("eval_reward_accuracy", run.eval), "o-", color=color, markersize=3,
+            acc.plot(*run.untied("reward_accuracy"), color=color, alpha=0.3, linewidth=0.8)
+            acc.plot(*run.untied("eval_reward_accuracy", run.eval), "o-", color=color, markersize=3,
                      label=f"{run.label} eval reward accuracy")
         else:
             acc.plot(*run.series("eval_token_accuracy", run.eval), "o-", color=color, markersize=3, label=run.label)

@@ -29,7 +29,11 @@ from lisaft.data.collate import IGNORE_INDEX, collate
 from lisaft.model.loss import token_nll
 
 # What a step reports of its pairs, summed over them (divided by the pairs when logged).
-METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
+# reward_accuracy counts a tie as wrong, as TRL's rewards/accuracies does; reward_ties is the share
+# of exact ties beside it, so DPO's first step (policy = reference, every reward 0) reads as all
+# tied rather than as every rejected answer preferred.
+METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "reward_ties", "logp_chosen",
+           "logp_rejected")
 
 
 def collate_pairs(pairs: list[dict], pad_id: int) -> dict:
@@ -98,7 +102,8 @@ class PairObjective:
         losses, chosen, rejected = pair_losses(self.section, logps, counts, ref)
         with torch.no_grad():
             sums = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
-                                (chosen > rejected).float().sum(), logps[0].sum(), logps[1].sum()])
+                                (chosen > rejected).float().sum(), (chosen == rejected).float().sum(),
+                                logps[0].sum(), logps[1].sum()])
         return losses, sums.double()
 
     def take_sums(self, device) -> torch.Tensor:

@@ -102,7 +102,8 @@ def compute_reference(recipe: Recipe, model, train: list[dict], evals: list[dict
 @torch.no_grad()
 def evaluate_pairs(objective: PairObjective, model, pairs: list[dict], batches: list[list[int]],
                    counted: int, pad_id: int, device: torch.device) -> dict:
-    """eval_loss (the preference loss), eval_reward_accuracy and eval_reward_margin, mean over pairs."""
+    """eval_loss (the preference loss), eval_reward_accuracy, eval_reward_ties and eval_reward_margin,
+    mean over pairs."""
     totals = torch.zeros(1 + len(METRICS), dtype=torch.float64)
     pairs_seen = 0
     for n, idx in enumerate(batches):
@@ -116,4 +117,4 @@ def evaluate_pairs(objective: PairObjective, model, pairs: list[dict], batches: 
     n_pairs = max(totals[-1].item(), 1.0)
     named = dict(zip(METRICS, (totals[1:-1] / n_pairs).tolist()))
     return {"eval_loss": totals[0].item() / n_pairs, "eval_reward_accuracy": named["reward_accuracy"],
-            "eval_reward_margin": named["reward_margin"]}
+            "eval_reward_ties": named["reward_ties"], "eval_reward_margin": named["reward_margin"]}

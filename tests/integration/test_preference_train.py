@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 import lisaft.train.preference as preference
 from lisaft.cli import app
+from lisaft.metrics.display import eval_line
 from lisaft.metrics.log import read_metrics, scalars
 from lisaft.metrics.plot import RunData, plot_command
 from lisaft.model.preference import METRICS
@@ -69,17 +70,24 @@ def test_each_objective_trains_and_reports_its_rewards(pref_run, passes, loss):
         assert 0 <= r["reward_accuracy"] <= 1
         assert r["reward_margin"] == pytest.approx(r["reward_chosen"] - r["reward_rejected"], abs=1e-6)
     assert [r["step"] for r in eval_recs] == [0, 3, 6]
-    assert set(eval_recs[-1]) == {"step", "eval_loss", "eval_reward_accuracy", "eval_reward_margin"}
+    assert set(eval_recs[-1]) == {"step", "eval_loss", "eval_reward_accuracy", "eval_reward_ties",
+                                  "eval_reward_margin"}
     assert (run / "final" / "config.json").is_file()
     if loss == "dpo":
         # The reference is the initial policy: before any update the loss is ln 2 and no reward moved.
         assert train_recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
         assert eval_recs[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
         assert train_recs[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+        # Every reward is 0 there: all tied, which TRL's accuracy (a tie counts as wrong) reads as 0.
+        assert (train_recs[0]["reward_ties"], train_recs[0]["reward_accuracy"]) == (1.0, 0.0)
+        assert (eval_recs[0]["eval_reward_ties"], eval_recs[0]["eval_reward_accuracy"]) == (1.0, 0.0)
+        assert "reward accuracy — (all tied)" in eval_line(eval_recs[0])
+        assert RunData(run, "dpo").untied("eval_reward_accuracy", eval_recs)[0] == [3, 6]
         assert passes == [32, 8]
         # TensorBoard and W&B get every field; `lisaft plot` draws the reward accuracy.
         assert {"train/reward_margin", "train/logp_chosen"} <= set(scalars(train_recs[-1])[1])
-        assert set(scalars(eval_recs[-1])[1]) == {"eval/loss", "eval/reward_accuracy", "eval/reward_margin"}
+        assert set(scalars(eval_recs[-1])[1]) == {"eval/loss", "eval/reward_accuracy", "eval/reward_ties",
+                                                  "eval/reward_margin"}
         assert RunData(run, "dpo").pairs and plot_command([run]) == 0 and (run / "plot.png").is_file()
         # `lisaft generate` prompts the result as its pairs' prompts were laid out.
         out = runner.invoke(app, ["generate", str(run), "--input-file", str(pref_run.dir / "pairs_eval.jsonl"),

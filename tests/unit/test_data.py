@@ -290,7 +290,7 @@ def test_csv_keeps_numbers_as_text_and_names_rows(tmp_path, tok, no_datasets_cac
     assert [response_ids(ex) for ex in train] == [enc(tok, "3") + [2], enc(tok, "40") + [2]]
     bad = tmp_path / "bad.csv"
     bad.write_text("instruction,output\nAdd,3\nAdd,\n")
-    with pytest.raises(LisaftError, match=r"bad\.csv: row 2: missing field 'output'"):
+    with pytest.raises(LisaftError, match=r"bad\.csv: row 2: field 'output' is empty \(null\)"):
         load_splits(DataSection(train=str(bad), format="instruction"), tok, seed=0)
 
 

@@ -201,6 +201,27 @@ def test_preference_pairs_show_prompt_and_both_answers_and_count_each(tmp_path, 
     assert first["rejected"]["truncated"] and first["rejected"]["tokens"] == max_len
 
 
+def test_a_pair_shows_the_tokens_at_its_split_and_a_spaced_prompt_is_warned_of(tmp_path, tok):
+    """Prompt and answers are tokenized apart: --examples shows the tokens either side of the split,
+    and a string prompt ending in whitespace (a token of its own there) is warned of, naming the row."""
+    rows = [{"prompt": "Reverse abc ", "chosen": "cba", "rejected": "abc"},
+            {"prompt": "Reverse ab", "chosen": "ba", "rejected": "ab"}]
+    args = ["data", RECIPE, "--examples", "1", "--set", f"data.train={write_jsonl(tmp_path / 'p.jsonl', rows)}",
+            "--set", "data.eval=null", "--set", "data.format=preference", "--set", "preference.loss=simpo"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.output.splitlines() if "end with whitespace" in line]
+    assert len(warned) == 1 and "1 of 2 string prompts" in warned[0] and "line 1" in warned[0], result.output
+    end = tok.convert_ids_to_tokens(ids(tok, "Reverse abc "))[-3:]
+    answers = {k: (tok.convert_ids_to_tokens(ids(tok, rows[0][k])) + [tok.eos_token])[:3]
+               for k in ("chosen", "rejected")}
+    assert end[-1] == " "  # the prompt's space, a token before the answer's first
+    assert (f"--- the split as tokens: {' '.join(map(repr, end))} | chosen {' '.join(map(repr, answers['chosen']))} | "
+            f"rejected {' '.join(map(repr, answers['rejected']))}") in result.output, result.output
+    assert json.loads(runner.invoke(app, [*args, "--json"]).stdout)["examples"][0]["boundary"] == {
+        "prompt": end, **answers}
+
+
 def test_pairs_whose_answers_are_the_same_once_cut_are_refused(tmp_path):
     rows = [{"prompt": "Say", "chosen": "hello there", "rejected": "hello world"}]
     data = write_jsonl(tmp_path / "p.jsonl", rows)

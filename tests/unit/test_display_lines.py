@@ -39,6 +39,18 @@ def test_a_preference_run_shows_its_reward_accuracy_and_margin_within_80_columns
         == "eval step 6  loss 0.6826  reward accuracy 37.5%  margin 0.0232"
 
 
+def test_reward_accuracy_when_pairs_tie():
+    """All tied (DPO before its first update) is no preference, not 0%; some ties are said beside it."""
+    tied = {"step": 0, "eval_loss": 0.6931, "eval_reward_accuracy": 0.0, "eval_reward_ties": 1.0,
+            "eval_reward_margin": 0.0}
+    assert eval_line(tied) == "eval step 0  loss 0.6931  reward accuracy — (all tied)  margin 0"
+    assert "reward accuracy 37.5% (25.0% tied)" in eval_line({**tied, "eval_reward_accuracy": 0.375,
+                                                              "eval_reward_ties": 0.25})
+    rec = {**RECORD, "reward_accuracy": 0.0, "reward_ties": 1.0, "reward_margin": 0.0}
+    assert "acc — (all tied)" in train_line(rec, 400, width=120) and "acc 0%" not in train_line(rec, 400, width=120)
+    assert len(train_line(rec, 400)) <= 80
+
+
 def test_the_example_lines_in_docs_logging_are_what_the_code_prints():
     import re
     from pathlib import Path

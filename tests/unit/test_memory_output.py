@@ -98,7 +98,7 @@ def test_the_json_of_every_shipped_recipe_keeps_its_keys_and_adds_up():
            "activation_host_bytes", "host_bytes", "host_components", "host_budget_bytes", "fits_host",
            "total_params", "trainable_params", "settings", "notes", "budget", "largest_seq_len",
            "largest_batch_size", "context_length", "weights_fit", "advice", "fewest_ranks", "smallest_budget_bytes",
-           "smallest_gpu", "smallest_gpu_as_is", "optimizers", "methods", "preference"}
+           "smallest_gpu", "smallest_gpu_as_is", "optimizers", "methods", "preference", "flag_notes"}
     for path in sorted((REPO / "recipes").glob("llama3.1-8b-*.yaml")):
         recipe, out = load_recipe(path), _json(str(path), "--host-ram", "64GiB")
         assert set(out) == top, (path.name, set(out) ^ top)
@@ -121,3 +121,22 @@ def test_the_json_of_every_shipped_recipe_keeps_its_keys_and_adds_up():
         if not recipe.lisa.enabled and not recipe.lora.enabled:
             assert out["trainable_params"] == out["total_params"]
         assert out["fits"] and out["total_bytes"] <= 24 * 2**30, path.name
+
+
+def test_the_verdict_shows_the_digits_that_tell_need_from_budget():
+    """A total a few KiB over the budget: both sides to the digit where they differ, and by how much."""
+    from lisaft.memory.command import EstimateFlags, build_settings
+    from lisaft.memory.estimate import compute
+    from lisaft.memory.render import verdict
+    from lisaft.memory.tables import human_pair
+
+    for recipe, says in ((APOLLO, "Does not fit: {} > {} (over by 2.93 KiB)."),
+                         (LISA, "needs {} resident, budget {})")):  # paged: runs, with its state paged out
+        total = compute(build_settings(EstimateFlags(recipe=Path(recipe)), 24 * 2**30)).total_bytes
+        over = compute(build_settings(EstimateFlags(recipe=Path(recipe)), total - 3000))
+        assert not over.fits
+        need, budget = human_pair(over.total_bytes, over.budget_bytes)
+        assert need != budget and need.endswith(" GiB") and budget.endswith(" GiB")
+        assert says.format(need, budget) in verdict(over).plain
+    assert human_pair(24 * 2**30 + 1, 24 * 2**30) == ("24.000000001 GiB", "24.000000000 GiB")
+    assert human_pair(2**30, 2**30) == ("1.00 GiB", "1.00 GiB")

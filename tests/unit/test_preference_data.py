@@ -82,6 +82,28 @@ def test_bad_rows_are_refused_naming_the_row(tok, row, words):
     assert "t.jsonl" in str(e.value) and "\n" not in str(e.value)
 
 
+USER, GOOD = {"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}
+NULL = "line 1: field 'rejected' is empty \\(null\\); give it a value$"
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"chosen": [USER, GOOD], "rejected": [USER, GOOD]}, "line 1: chosen and rejected are the same conversation$"),
+    ({"chosen": [USER], "rejected": [USER, GOOD]},
+     "line 1: the chosen conversation has no assistant turn after the prompt's 1 turn: nothing to score$"),
+    ({"prompt": [USER], "chosen": [USER], "rejected": [GOOD]},
+     "line 1: the chosen conversation has no assistant turn after the prompt's 1 turn"),
+    ({"prompt": [USER], "chosen": [GOOD], "rejected": None}, NULL),
+    ({"prompt": "p", "chosen": "x", "rejected": None}, NULL),
+    ({"prompt": [USER, {"role": "assistant", "content": "Sure,"}], "chosen": [GOOD],
+      "rejected": [{"role": "assistant", "content": "no"}]},
+     "line 1: the prompt ends with an assistant turn \\(a prefill\\), which lisaft does not continue"),
+])
+def test_conversational_refusals_name_the_fault(tok, row, words):
+    with pytest.raises(LisaftError, match=words) as e:
+        _pairs(tok, row)
+    assert "answer is empty" not in str(e.value) and "data.columns" not in str(e.value)
+
+
 def test_truncation_cuts_answers_never_the_prompt_and_counts_them(tok):
     rows = Rows([{"prompt": "Reverse abc", "chosen": "cba" * 20, "rejected": "x"},
                  {"prompt": "Sort", "chosen": "a", "rejected": "b"}], "data.train", "t.jsonl", "line")

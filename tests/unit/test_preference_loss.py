@@ -119,10 +119,11 @@ def _direct_loss_from(lp, n, ref, s):
     return -lp[0] / n[0] - s.beta * torch.log(torch.sigmoid(log_odds[0] - log_odds[1]))
 
 
-def test_dpo_starts_at_ln2_when_the_reference_is_the_policy():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dpo_starts_at_ln2_when_the_reference_is_the_policy(dtype):
     from lisaft.model.preference import sequence_logps
 
-    model = tiny()
+    model = tiny().to(dtype)
     pairs = _pairs()
     batch = collate_pairs(pairs, pad_id=0)
     with torch.no_grad():
@@ -132,6 +133,8 @@ def test_dpo_starts_at_ln2_when_the_reference_is_the_policy():
     assert objective.loss_sum(model, batch).item() / len(pairs) == pytest.approx(math.log(2), abs=1e-6)
     sums = objective.take_sums("cpu")
     assert sums[METRICS.index("reward_margin")].item() == pytest.approx(0.0, abs=1e-6)
+    # Every pair ties: counted apart, and as wrong by the accuracy (TRL's rewards/accuracies: chosen > rejected).
+    assert (sums[METRICS.index("reward_ties")].item(), sums[METRICS.index("reward_accuracy")].item()) == (len(pairs), 0)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])

@@ -140,3 +140,22 @@ def test_a_refused_permission_is_not_called_a_full_disk(tmp_path):
     assert "room" not in str(denied)
     full = write_failed(tmp_path, OSError(errno.ENOSPC, "No space left on device"))
     assert "once the disk has room" in str(full)
+
+
+def test_docs_resume_quotes_the_live_refusal_as_it_is(tmp_path):
+    """docs/resume.md gives the line a second process gets, command included, as lisaft writes it."""
+    import os
+    import socket
+    from pathlib import Path
+
+    from lisaft.run_folder import live
+
+    run = tmp_path / "RUN"
+    run.mkdir()
+    with live(run), pytest.raises(LisaftError) as refused:
+        with live(run):
+            pass
+    said = str(refused.value).replace(str(run), "RUN").replace(str(os.getpid()), "PID")
+    said = said.replace(socket.gethostname(), "HOST")
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "resume.md").read_text().split())
+    assert f"``{said} ``" in doc, said

@@ -89,6 +89,9 @@ def row_field(rows: Rows, i: int, name: str, optional: bool = False) -> str | No
 
 
 def missing_field(rows: Rows, i: int, name: str) -> LisaftError:
+    """The error for a field that is absent, or present as null."""
+    if name in rows.rows[i]:
+        return LisaftError(f"{rows.where(i)}: field {name!r} is empty (null); give it a value")
     fields = set(map(str, rows.rows[i]))
     have = ", ".join(sorted(fields)) or "none"
     return LisaftError(f"{rows.where(i)}: missing field {name!r} (fields: {have}){_way_out(fields, name)}")

@@ -11,9 +11,11 @@ Two shapes, as TRL names them:
   finds assistant turns. Rows whose `chosen` and `rejected` hold the whole conversation
   (UltraFeedback's binarized sets) are split at the turns the two share: those are the prompt.
 
-A row is refused, naming it, when an answer is empty, when chosen equals rejected, or when the
-prompt fills data.max_seq_len. A longer pair is cut at the end: its answers lose tokens, never
-its prompt; the cut pairs are counted in one warning.
+A row is refused, naming it, when an answer is empty or has no assistant turn, when chosen equals
+rejected, when a conversational prompt ends with an assistant turn (a prefill, which the template
+would close and answer with a new turn), or when the prompt fills data.max_seq_len. A longer pair
+is cut at the end: its answers lose tokens, never its prompt; the cut pairs are counted in one
+warning.
 """
 
 from __future__ import annotations
@@ -60,11 +62,23 @@ def _turns(rows: Rows, i: int, roles: dict[str, str]) -> tuple[list[dict], dict[
 
 
 def _check_turns(rows: Rows, i: int, prompt: list[dict], answers: dict[str, list[dict]]) -> None:
+    row = rows.rows[i]
+    if row["chosen"] == row["rejected"]:  # as given: a whole conversation repeated would split into no answers
+        raise LisaftError(f"{rows.where(i)}: chosen and rejected are the same "
+                          f"{'conversation' if 'prompt' not in row else 'answer'}")
     if not prompt:
         raise LisaftError(f"{rows.where(i)}: no prompt: give field 'prompt', or chosen and rejected "
                           "conversations that share their first turns")
+    if prompt[-1]["role"] == "assistant":
+        # A prefill: the template would close that turn and score each answer as a new one after it.
+        raise LisaftError(f"{rows.where(i)}: the prompt ends with an assistant turn (a prefill), which lisaft "
+                          "does not continue: end the prompt with a user turn and put the assistant's text at "
+                          "the start of both answers")
     for k, turns in answers.items():
-        if not turns or not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
+        if not any(t["role"] == "assistant" for t in turns):
+            raise LisaftError(f"{rows.where(i)}: the {k} conversation has no assistant turn after the prompt's "
+                              f"{len(prompt)} turn{'s' if len(prompt) > 1 else ''}: nothing to score")
+        if not any(t["role"] == "assistant" and t["content"].strip() for t in turns):
             raise LisaftError(f"{rows.where(i)}: the {k} answer is empty")
         if turns[0]["role"] != "assistant":
             raise LisaftError(f"{rows.where(i)}: the {k} answer must start with an assistant turn, got "
@@ -92,6 +106,7 @@ def _standard_pairs(rows: Rows, tokens: Tokens, indices: list[int]) -> dict[int,
                 raise LisaftError(f"{rows.where(i)}: the {k} answer is empty")
         if fields["chosen"][n] == fields["rejected"][n]:
             raise LisaftError(f"{rows.where(i)}: chosen and rejected are the same answer")
+    _warn_of_spaced_prompts(rows, [i for n, i in enumerate(indices) if fields["prompt"][n][-1:].isspace()])
     encoded = {k: tokens.encode(v) for k, v in fields.items()}
     out = {}
     for n, i in enumerate(indices):
@@ -99,6 +114,19 @@ def _standard_pairs(rows: Rows, tokens: Tokens, indices: list[int]) -> dict[int,
         out[i] = {k: {"input_ids": p + encoded[k][n] + [eos],
                       "labels": [IGNORE_INDEX] * len(p) + encoded[k][n] + [eos]} for k in ANSWERS}
     return out
+
+
+def _warn_of_spaced_prompts(rows: Rows, spaced: list[int]) -> None:
+    """The prompt and each answer are tokenized apart (as TRL does), so a prompt's trailing space
+    stays a token of its own, where the joined text would start the answer's first word with it
+    ("Answer: " + "good": ':' ' ' | 'good', not ':' ' good')."""
+    if spaced:
+        warnings.warn(
+            f"{rows.key}: {rows.source}: {len(spaced)} of {len(rows.rows)} string prompts end with whitespace "
+            f"({numbers(rows, spaced)}); prompt and answers are tokenized apart, so it is a token of its own "
+            "before each answer, not the start of the answer's first word as in the joined text: end the "
+            "prompts without it and start the answers with it (`lisaft data --examples` shows the split)",
+            DataWarning, stacklevel=5)
 
 
 def prompt_length(example: Example) -> int:
