@@ -1,0 +1,205 @@
+"""optimizer.offload_accumulation: device — the layer-major backward of optimizer.cpu_offload.
+
+The micro-batch-major step ships every micro-batch's whole gradient to the host and adds it
+there: for an 8B model 16 GB over the link and one host addition per micro-batch. Here a group
+of micro-batches is taken layer by layer instead, so each layer's gradient is summed on the
+training device over the group and shipped once:
+
+1. forward every micro-batch of the group. Each decoder layer runs without a graph (a stand-in,
+   `_Tape`, takes its place in the model's layer list for the step) and its input, the
+   checkpoint boundary, is copied to host memory (pinned on CUDA) with the arguments the model
+   handed it (position embeddings, mask, position ids: the recompute needs the same ones). The
+   last layer's output becomes a leaf, so the final norm, the head and the loss run as in any
+   step and their backward gives the micro-batch's gradient at the top of the layers (kept on
+   the device) and adds the head's weight gradient into its .grad;
+2. from the top layer down: for each micro-batch in order, the layer's saved input comes back,
+   the layer is recomputed from it and back-propagated; its weight gradients add up in .grad on
+   the device in the order the resident run adds them, and the boundary gradient moves one layer
+   down. The layer's summed gradient is then shipped to the host once (where, in the step's last
+   group, its CPU step starts while the layers below run: OffloadedOptimizers.ship);
+3. the embeddings: the model's forward is run again up to the first layer's input, which is
+   back-propagated with the bottom boundary gradient.
+
+On a CPU device the host is the device: the same code runs with plain copies, and the step is
+the resident one bit for bit with one group (tests/integration/test_layer_major.py). A further
+group adds each gradient once on the host, in the weight dtype, so with groups the sum is
+exact but its order is not the resident's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from lisaft.data.collate import to_device
+from lisaft.model.attention import model_inputs
+from lisaft.model.parts import ModelParts
+from lisaft.optim.cpu_offload import OffloadedOptimizers
+
+
+class _Stop(Exception):
+    """Raised at the first layer's input when only the embeddings' part of the forward is wanted."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _with_hidden(out, hidden: torch.Tensor):
+    return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+
+
+class _Tape(nn.Module):
+    """Stands in for decoder layer `index` during the step's forward: keeps its input and
+    arguments, runs it without a graph, and makes the top layer's output the graph's leaf."""
+
+    def __init__(self, layer: nn.Module, index: int, runner: LayerMajor) -> None:
+        super().__init__()
+        self.layer, self.index = layer, index
+        self.runner = [runner]  # a list: not a submodule
+
+    def forward(self, hidden: torch.Tensor, *args, **kwargs):
+        runner = self.runner[0]
+        if runner.stop_at_input:
+            raise _Stop(hidden)
+        runner.keep(self.index, hidden, args, kwargs)
+        with torch.no_grad():
+            out = self.layer(hidden, *args, **kwargs)
+        if self.index < len(runner.layers) - 1:
+            return out
+        top = _hidden(out).detach().requires_grad_()
+        runner.tops.append(top)
+        return _with_hidden(out, top)
+
+
+class LayerMajor:
+    """The step's forward and backward, layer-major, for a model whose optimizer is on the host."""
+
+    def __init__(self, model: nn.Module, parts: ModelParts, optimizers: OffloadedOptimizers,
+                 group_size: int) -> None:
+        self.model, self.layers, self.parts = model, parts.layers, parts
+        self.originals: list[nn.Module] = list(parts.layers)
+        self.optimizers = optimizers
+        self.group_size = group_size
+        self.counts = optimizers.counts
+        self.stop_at_input = False
+        self.tops: list[torch.Tensor] = []
+        # (layer, micro-batch in the group) -> the saved input on the host, and the layer's arguments.
+        self.saved: dict[tuple[int, int], torch.Tensor] = {}
+        self.arguments: dict[tuple[int, int], tuple[tuple, dict]] = {}
+        self._micro = 0
+
+    def summary(self, grad_accum_steps: int) -> str:
+        n = -(-grad_accum_steps // self.group_size)
+        return (f"optimizer.offload_accumulation device: layer-major backward, {self.group_size} micro-batches "
+                f"per group, {n} group{'s' if n > 1 else ''} per step ({n - 1} host additions of each gradient)")
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def run(self, micro: list[dict], device: torch.device, loss_tokens: torch.Tensor,
+            forward: Callable[[nn.Module, dict], torch.Tensor], before_last: Callable[[], None]) -> list[torch.Tensor]:
+        """Forward and backward of the step's micro-batches, each gradient shipped to the host;
+        returns each micro-batch's summed token loss. `before_last` runs before the last group
+        ships its first gradient (cpu_offload arms the units that step as they are shipped)."""
+        losses: list[torch.Tensor] = []
+        groups = [micro[i:i + self.group_size] for i in range(0, len(micro), self.group_size)]
+        with self._taped(), self.optimizers.holding():
+            for g, group in enumerate(groups):
+                batches = [to_device(b, device) for b in group]
+                if g == len(groups) - 1:
+                    before_last()
+                grads = []
+                for i, batch in enumerate(batches):
+                    self._micro = i
+                    loss = forward(self.model, batch)
+                    (loss / loss_tokens.to(loss.dtype)).backward()
+                    grads.append(self.tops.pop().grad)
+                    losses.append(loss.detach())
+                self._ship(self.parts.head)
+                for index in reversed(range(len(self.layers))):
+                    self._layer_backward(index, grads)
+                self._embeddings_backward(batches, grads)
+                self.saved.clear()
+                self.arguments.clear()
+        return losses
+
+    def _layer_backward(self, index: int, grads: list[torch.Tensor | None]) -> None:
+        layer = self.originals[index]
+        wants_input_grad = index > 0 or any(p.requires_grad for p in self.parts.embeddings)
+        with _no_checkpointing(layer):
+            for i, grad in enumerate(grads):
+                x = self._fetch(index, i).requires_grad_(wants_input_grad)
+                args, kwargs = self.arguments.pop((index, i))
+                out = _hidden(layer(x, *args, **kwargs))
+                torch.autograd.backward(out, grad)
+                grads[i] = x.grad
+        self._ship(list(layer.parameters()))
+
+    def _embeddings_backward(self, batches: list[dict], grads: list[torch.Tensor | None]) -> None:
+        if not any(p.requires_grad for p in self.parts.embeddings):
+            return
+        self.stop_at_input = True
+        try:
+            for batch, grad in zip(batches, grads):
+                try:
+                    self.model(**model_inputs(batch))
+                except _Stop as stop:
+                    torch.autograd.backward(stop.hidden, grad)
+                else:
+                    raise AssertionError("the forward never reached the first decoder layer")
+        finally:
+            self.stop_at_input = False
+        self._ship(self.parts.embeddings)
+
+    def _ship(self, params: list[nn.Parameter]) -> None:
+        self.optimizers.ship([p for p in params if p.grad is not None])
+
+    # -- the saved inputs -----------------------------------------------------------------------
+
+    def keep(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Layer `index`'s input to host memory (pinned on CUDA: the copy is asynchronous, and the
+        compute stream orders it before the recompute's copy back) and its arguments."""
+        cuda = hidden.device.type == "cuda"
+        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=cuda)
+        host.copy_(hidden.detach(), non_blocking=cuda)
+        self.counts.d2h_bytes += host.numel() * host.element_size()
+        self.saved[index, self._micro] = host
+        self.arguments[index, self._micro] = (args, kwargs)
+
+    def _fetch(self, index: int, micro: int) -> torch.Tensor:
+        host = self.saved.pop((index, micro))
+        x = torch.empty(host.shape, dtype=host.dtype, device=self.optimizers.train_device)
+        x.copy_(host, non_blocking=True)
+        self.counts.h2d_bytes += host.numel() * host.element_size()
+        return x
+
+    @contextlib.contextmanager
+    def _taped(self) -> Iterator[None]:
+        """The model's layer list holds the stand-ins for the step, the layers again after it."""
+        for i, layer in enumerate(self.originals):
+            self.layers[i] = _Tape(layer, i, self)
+        try:
+            yield
+        finally:
+            for i, layer in enumerate(self.originals):
+                self.layers[i] = layer
+            self.tops.clear()
+
+
+@contextlib.contextmanager
+def _no_checkpointing(layer: nn.Module) -> Iterator[None]:
+    """The recompute from the saved input is the layer's one forward with a graph: checkpointing
+    it again would run it a third time."""
+    was = getattr(layer, "gradient_checkpointing", False)
+    setattr(layer, "gradient_checkpointing", False)  # noqa: B010 (not every layer declares it)
+    try:
+        yield
+    finally:
+        setattr(layer, "gradient_checkpointing", was)  # noqa: B010
