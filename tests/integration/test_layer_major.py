@@ -24,10 +24,21 @@ def _run(tiny_run, tag: str, sections: dict):
     return tiny_run.dir / tag
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layer_major_is_the_resident_run_bit_for_bit(tiny_run, dtype):
-    resident = _run(tiny_run, "resident", _full(dtype, 8))
-    device = _run(tiny_run, "device", _full(dtype, 8, cpu_offload=True))  # null resolves to device
+@pytest.mark.parametrize("dtype, packed", [("float32", False), ("bfloat16", False), ("float32", True)],
+                         ids=["fp32", "bf16", "fp32-packed-checkpointed-chunked"])
+def test_layer_major_is_the_resident_run_bit_for_bit(tiny_run, monkeypatch, dtype, packed):
+    """packed: rows of several documents (position ids restart: the recompute must get the
+    forward's position embeddings and mask), gradient checkpointing in both runs, and the head's
+    loss over chunks of positions."""
+    common = _full(dtype, 8)
+    if packed:
+        from lisaft.model import loss
+
+        monkeypatch.setattr(loss, "LOSS_CHUNK_ELEMENTS", 64)
+        common["model"]["gradient_checkpointing"] = True
+        common["data"] = {"packing": True}
+    resident = _run(tiny_run, "resident", common)
+    device = _run(tiny_run, "device", {**common, "optimizer": {**common["optimizer"], "cpu_offload": True}})
     assert_same_run(resident, device)
     ref, lm = _train_records(resident), _train_records(device)
     assert [r["grad_norm"] for r in ref] == [r["grad_norm"] for r in lm]
@@ -56,3 +67,52 @@ def test_counted_transfers_device_and_host(tiny_run):
         assert device["offload_h2d_bytes"] == weights + saved
         assert grouped["host_grad_additions"] == elements
         assert grouped["offload_d2h_bytes"] == 2 * weights + saved
+
+
+# A training process that stops, forever, inside the layer-major backward of step 3 (its second
+# layer from the top), once its checkpoint of step 2 is written: the test kills it there.
+PAUSED_IN_BACKWARD = """
+import pathlib, sys, time
+from lisaft.train import layer_major
+calls, original = [], layer_major.LayerMajor._layer_backward
+def paused(self, index, grads):
+    calls.append(index)
+    if len(calls) == 4 * 2 + 2:
+        pathlib.Path(sys.argv[2]).write_text("paused")
+        time.sleep(600)
+    return original(self, index, grads)
+layer_major.LayerMajor._layer_backward = paused
+from lisaft.cli import app
+app(["train", sys.argv[1]])
+"""
+
+
+@pytest.mark.slow  # the killed run is a process of its own: an interpreter that imports torch
+def test_sigkill_in_the_layer_major_backward_resumes_exactly(tiny_run):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lisaft.train.commands import resume
+
+    common = {**_full("bfloat16", 4, cpu_offload=True), "training": {
+        "max_steps": 4, "grad_accum_steps": 4, "batch_size": 2, "eval_every": 2, "save_every": 2}}
+    ref = _run(tiny_run, "ref", common)
+    recipe = tiny_run("killed.yaml", **{**common, "training": {**common["training"], "output_dir": "killed"}})
+    mark = tiny_run.dir / "paused"
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_IN_BACKWARD, str(recipe), str(mark)], cwd=tiny_run.dir,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not mark.exists():
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed = tiny_run.dir / "killed"
+    assert max(r["step"] for r in _train_records(killed)) == 2
+    assert resume(killed, show=False) == 0
+    assert_same_run(ref, killed)
