@@ -259,9 +259,7 @@ class CpuOffload(Strategy):
         if offload_accumulation(self.recipe) == "device":
             from lisaft.memory.layer_major import run_group_size
 
-            weight = next(parts.layers[0].parameters())
-            size = run_group_size(self.recipe, self.offloaded.train_device.type, len(parts.layers),
-                                  int(getattr(model.config, "hidden_size", 0)), weight.element_size())
+            size = run_group_size(self.recipe, self.offloaded.train_device.type)
             self.layer_major = LayerMajor(model, parts, self.offloaded, size)
 
     def transfer_counts(self) -> dict[str, int] | None:
