@@ -63,7 +63,6 @@ def test_offload_e2e_bench_quick():
     assert r["host"]["offload_d2h_bytes"] > 3 * weights and r["host"]["host_grad_additions"] > 0
     assert r["device"]["host_grad_additions"] == 0 and r["device"]["offload_d2h_bytes"] > weights
     assert all(r[arm]["tokens_per_s"] > 0 for arm in ("resident", "device", "host"))
-    assert r["resident"]["tokens_per_s"] > 0 and r["offload"]["tokens_per_s"] > 0 and r["offload_over_resident"] > 0
 
 
 def test_recompute_bench_quick():
