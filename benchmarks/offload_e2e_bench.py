@@ -107,7 +107,7 @@ def from_bandwidth() -> dict:
     for clipping in (True, False):
         for name, groups in (("device", t.groups), ("host", 0)):
             p = step_seconds(n, 2 * n, tokens, accum, RTX_4090_PCIE4_DDR5, t.saved_inputs, groups, clipping)
-            paths[f"{name}{'' if clipping else '_no_clipping'}"] = {k: round(v, 2) for k, v in p.items()}
+            paths[f"{name}{'' if clipping else '_no_clipping'}"] = {k: round(v, 3) for k, v in p.items()}
     m = RTX_4090_PCIE4_DDR5
     return {"recipe": FULL_RECIPE.relative_to(REPO).as_posix(), "host_ram_gib": 64, "machine": m.name,
             "matmul_flops_per_s": m.matmul_flops_per_s, "link_bytes_per_s": m.link_bytes_per_s,
