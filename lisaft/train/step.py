@@ -130,7 +130,7 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
                 for loss in layer_major.run(micro, session.device, loss_tokens, forward, lambda: (
                         session.parallel.before_last_backward(controller, measure_norm))):
                     totals.add("loss", loss)
-            micro = []
+            micro = []  # every micro-batch ran above, layer by layer
         for i, batch in enumerate(micro):
             batch = to_device(batch, session.device)
             with phases.phase("forward"):

@@ -24,14 +24,18 @@ def _run(tiny_run, tag: str, sections: dict):
     return tiny_run.dir / tag
 
 
-@pytest.mark.parametrize("dtype, packed", [("float32", False), ("bfloat16", False), ("float32", True)],
-                         ids=["fp32", "bf16", "fp32-packed-checkpointed-chunked"])
-def test_layer_major_is_the_resident_run_bit_for_bit(tiny_run, monkeypatch, dtype, packed):
+@pytest.mark.parametrize("dtype, case", [("float32", None), ("bfloat16", None), ("float32", "packed"),
+                                         ("bfloat16", "as_ready")],
+                         ids=["fp32", "bf16", "fp32-packed-checkpointed-chunked", "bf16-units-step-as-shipped"])
+def test_layer_major_is_the_resident_run_bit_for_bit(tiny_run, monkeypatch, dtype, case):
     """packed: rows of several documents (position ids restart: the recompute must get the
     forward's position embeddings and mask), gradient checkpointing in both runs, and the head's
-    loss over chunks of positions."""
+    loss over chunks of positions. as_ready: no clipping, so each unit's CPU step starts as its
+    summed gradient is shipped, while the layers below are still back-propagated."""
     common = _full(dtype, 8)
-    if packed:
+    if case == "as_ready":
+        common["training"]["max_grad_norm"] = None
+    if case == "packed":
         from lisaft.model import loss
 
         monkeypatch.setattr(loss, "LOSS_CHUNK_ELEMENTS", 64)
