@@ -65,8 +65,10 @@ class _Tape(nn.Module):
         self.layer, self.index = layer, index
         self.runner = [runner]  # a list: not a submodule
 
-    def forward(self, hidden: torch.Tensor, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         runner = self.runner[0]
+        # Models hand a layer its hidden states first, or (some) by name.
+        hidden, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
         if runner.stop_at_input:
             raise _Stop(hidden)
         runner.keep(self.index, hidden, args, kwargs)

@@ -29,7 +29,6 @@ def test_the_8b_full_recipe_runs_layer_major_within_21_5_gib():
     assert rest + t.group * t.saved_inputs <= 0.9 * 64 * GiB < rest + (t.group + 1) * t.saved_inputs
     assert (t.group, t.groups) == (17, 2)
     assert _estimate(256).layer_major.groups == 1  # the whole step in one group: no host addition
-    assert _estimate(32).layer_major.group == 1  # short of RAM: one micro-batch at a time
     assert _estimate(256, "optimizer.offload_group_size=8").layer_major.groups == 4
 
 
