@@ -50,6 +50,26 @@ def test_layer_major_is_the_resident_run_bit_for_bit(tiny_run, monkeypatch, dtyp
 
 
 
+def test_a_tied_head_sums_both_uses_of_the_embedding(tiny_run):
+    """A head tied to the input embedding: its gradient from the head (summed first, at the top)
+    and from the lookup (summed last) are the resident run's sum in another order: the same run
+    up to float32 rounding."""
+    import json
+
+    import torch
+    from test_resume import final_weights, losses
+
+    config = tiny_run.dir / "model" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tie_word_embeddings": True}))
+    resident = _run(tiny_run, "resident", _full("float32", 4))
+    device = _run(tiny_run, "device", _full("float32", 4, cpu_offload=True))
+    assert torch.allclose(torch.tensor(list(losses(resident).values())), torch.tensor(list(losses(device).values())),
+                          rtol=1e-5, atol=0)
+    a, b = final_weights(resident), final_weights(device)
+    assert a.keys() == b.keys() and "lm_head.weight" not in a
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
 def test_counted_transfers_device_and_host(tiny_run):
     """Dense gradients (no sparse embedding): `host` ships every micro-batch's gradient and adds
     all but the first on the host; `device` in one group ships one gradient and the saved layer
