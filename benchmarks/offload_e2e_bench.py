@@ -2,15 +2,18 @@
 optimizer.cpu_offload summing the micro-batches layer-major (`device`) and micro-batch-major
 (`host`), through lisaft's own trainer step: benchmarks/offload_e2e_bench.py.
 
-Three sessions of one recipe (a random Llama, bfloat16 weights, adamw_32bit, clipping at 1.0)
-differ only in optimizer.cpu_offload and optimizer.offload_accumulation, at each of --accum's
-grad_accum_steps. On a CPU the training device and the host are one memory, so whatever an
-offloaded run spends beyond the resident one is its own overhead: the copies (counted: the train
-record's offload_d2h_bytes, offload_h2d_bytes, host_grad_additions), the host additions, the
-layer-major recompute's bookkeeping. The sessions advance in lockstep, one step of each in turn
-(the order rotated every step), so load from other work falls on all alike; tokens/s comes from
-the median step time after the warm-up steps. All three must end with the same weights bit for
-bit (checked: `device` in one group sums in the resident run's order).
+Three sessions of one recipe (a random Llama, bfloat16 weights, gradient checkpointing as the 8B
+recipe has it, adamw_32bit, clipping at 1.0) differ only in optimizer.cpu_offload and
+optimizer.offload_accumulation, at grad_accum_steps 8 and 32 (--quick: 4). On a CPU the training
+device and the host are one memory, so whatever an offloaded run spends beyond the resident one
+is its own overhead: the copies (counted: the train record's offload_d2h_bytes,
+offload_h2d_bytes, host_grad_additions), the host additions, the layer-major recompute's
+bookkeeping. The sessions advance in lockstep, one step of each in turn (the order rotated every
+step), so load from other work falls on all alike; tokens/s comes from the median step time
+after the warm-up steps. With checkpointing every arm computes each layer's forward twice (the
+layer-major backward's first forward keeps no graph, its recompute does), so the comparison is
+of the paths' own costs. All three must end with the same weights bit for bit (checked: `device`
+in one group sums in the resident run's order).
 
     python -m benchmarks.offload_e2e_bench           # writes benchmarks/results/offload_e2e/paths.json
     python -m benchmarks.offload_e2e_bench --quick   # seconds, nothing written
@@ -52,7 +55,8 @@ def session(cfg: dict, accum: int, folder: Path, arm: str):
                 num_attention_heads=max(1, h // 64), num_key_value_heads=max(1, h // 256),
                 max_position_embeddings=cfg["seq"], tie_word_embeddings=False).save_pretrained(model_dir)
     recipe = recipe_from_dict({
-        "model": {"config": str(model_dir), "tokenizer": "unused", "dtype": "bfloat16", "attention": "sdpa"},
+        "model": {"config": str(model_dir), "tokenizer": "unused", "dtype": "bfloat16", "attention": "sdpa",
+                  "gradient_checkpointing": True},
         "data": {"train": "unused", "max_seq_len": cfg["seq"]},
         "optimizer": {"name": "adamw_32bit", "lr": 1e-4, **ARMS[arm]},
         "training": {"seed": 0, "batch_size": cfg["batch"], "grad_accum_steps": accum, "max_grad_norm": 1.0,
