@@ -17,6 +17,10 @@ in one group sums in the resident run's order).
 
     python -m benchmarks.offload_e2e_bench           # writes benchmarks/results/offload_e2e/paths.json
     python -m benchmarks.offload_e2e_bench --quick   # seconds, nothing written
+    python -m benchmarks.offload_e2e_bench --quick --device cuda  # the same three arms on a GPU
+        # (pinned copies, the side streams): each arm's largest weight difference from the resident
+        # run is reported beside the bit-for-bit check, since CUDA's backward kernels may sum in
+        # another order from run to run
     python -m benchmarks.offload_e2e_bench --from-bandwidth  # no timing: the 8B recipe's step on
         # an RTX 4090, PCIe 4 and DDR5 for both paths, worked out by the estimator
         # (lisaft/memory/layer_major.py), written to benchmarks/results/offload_e2e/from_bandwidth.json
@@ -46,7 +50,7 @@ ARMS = {"resident": {"cpu_offload": False}, "device": {"cpu_offload": True, "off
 FULL_RECIPE = REPO / "recipes" / "llama3.1-8b-full-24gb.yaml"
 
 
-def session(cfg: dict, accum: int, folder: Path, arm: str):
+def session(cfg: dict, accum: int, folder: Path, arm: str, device: str = "cpu"):
     from transformers import LlamaConfig
 
     h = cfg["hidden"]
@@ -60,15 +64,15 @@ def session(cfg: dict, accum: int, folder: Path, arm: str):
         "data": {"train": "unused", "max_seq_len": cfg["seq"]},
         "optimizer": {"name": "adamw_32bit", "lr": 1e-4, **ARMS[arm]},
         "training": {"seed": 0, "batch_size": cfg["batch"], "grad_accum_steps": accum, "max_grad_norm": 1.0,
-                     "max_steps": cfg["steps"], "output_dir": str(folder / arm), "device": "cpu"},
+                     "max_steps": cfg["steps"], "output_dir": str(folder / arm), "device": device},
     })
     rows = cfg["steps"] * cfg["batch"] * accum
     examples = synthetic_examples(rows, cfg["seq"], cfg["vocab"], seed=1)
     return build_session(recipe, folder / arm, tokenizer=PadOnly(), train_examples=examples, eval_examples=None)
 
 
-def measure(cfg: dict, accum: int, folder: Path) -> dict:
-    runs = {arm: session(cfg, accum, folder / f"accum-{accum}", arm) for arm in ARMS}
+def measure(cfg: dict, accum: int, folder: Path, device: str = "cpu") -> dict:
+    runs = {arm: session(cfg, accum, folder / f"accum-{accum}", arm, device) for arm in ARMS}
     seconds: dict[str, list[float]] = {arm: [] for arm in runs}
     last: dict = {}
     for step in range(cfg["steps"]):
@@ -78,12 +82,17 @@ def measure(cfg: dict, accum: int, folder: Path) -> dict:
             t = time.perf_counter()
             result = train_step(s, step, measure_norm=True)
             s.optimizers.wait()  # an offloaded step in flight is that step's cost
+            if device == "cuda":
+                torch.cuda.synchronize()
             seconds[arm].append(time.perf_counter() - t)
             last[arm] = result
     weights = {arm: list(s.model.parameters()) for arm, s in runs.items()}
     out: dict = {"params": sum(p.numel() for p in weights["resident"]),
                  "same_weights_bit_for_bit": {arm: all(torch.equal(a, b) for a, b in zip(weights["resident"], w))
-                                              for arm, w in weights.items() if arm != "resident"}}
+                                              for arm, w in weights.items() if arm != "resident"},
+                 "max_abs_diff": {arm: max(float((a.float() - b.float()).abs().max())
+                                           for a, b in zip(weights["resident"], w))
+                                  for arm, w in weights.items() if arm != "resident"}}
     median = {arm: statistics.median(ts[cfg["warmup"]:]) for arm, ts in seconds.items()}
     for arm, ts in seconds.items():
         out[arm] = {"median_step_s": round(median[arm], 3), "tokens_per_s": round(last[arm].tokens / median[arm], 1),
@@ -125,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--from-bandwidth", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.from_bandwidth:
@@ -133,8 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = QUICK if args.quick else FULL
         with tempfile.TemporaryDirectory() as tmp:
             result = timed_on_this_machine(
-                cfg, lambda: {f"accum_{a}": measure(cfg, a, Path(tmp)) for a in cfg["accum"]})
-        name = None if args.quick else "paths.json"
+                cfg, lambda: {f"accum_{a}": measure(cfg, a, Path(tmp), args.device) for a in cfg["accum"]})
+        name = None if args.quick else "paths.json" if args.device == "cpu" else "paths_cuda.json"
     if name is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
