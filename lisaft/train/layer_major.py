@@ -13,7 +13,8 @@ training device over the group and shipped once:
    step and their backward gives the micro-batch's gradient at the top of the layers (kept on
    the device) and adds the head's weight gradient into its .grad;
 2. from the top layer down: for each micro-batch in order, the layer's saved input comes back,
-   the layer is recomputed from it and back-propagated; its weight gradients add up in .grad on
+   the layer is recomputed from it (from the random state its forward started with: the same
+   dropout masks) and back-propagated; its weight gradients add up in .grad on
    the device in the order the resident run adds them, and the boundary gradient moves one layer
    down. The layer's summed gradient is then shipped to the host once (where, in the step's last
    group, its CPU step starts while the layers below run: OffloadedOptimizers.ship);
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from lisaft.data.collate import to_device
+from lisaft.memory.layer_major import groups
 from lisaft.model.attention import model_inputs
 from lisaft.model.parts import ModelParts
 from lisaft.optim.cpu_offload import OffloadedOptimizers
@@ -96,12 +98,16 @@ class LayerMajor:
         # (layer, micro-batch in the group) -> the saved input on the host, and the layer's arguments.
         self.saved: dict[tuple[int, int], torch.Tensor] = {}
         self.arguments: dict[tuple[int, int], tuple[tuple, dict]] = {}
+        # The random state each layer (key: its index) and each micro-batch's forward (key: -1)
+        # started from: a recompute draws the forward's dropout masks again, as checkpointing does.
+        self.rng: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._micro = 0
 
     def summary(self, grad_accum_steps: int) -> str:
-        n = -(-grad_accum_steps // self.group_size)
+        n = groups(grad_accum_steps, self.group_size)
         return (f"optimizer.offload_accumulation device: layer-major backward, {self.group_size} micro-batches "
-                f"per group, {n} group{'s' if n > 1 else ''} per step ({n - 1} host additions of each gradient)")
+                f"per group, {n} group{'s' if n > 1 else ''} per step ({n - 1} host addition"
+                f"{'' if n == 2 else 's'} of each gradient)")
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -120,6 +126,7 @@ class LayerMajor:
                 grads = []
                 for i, batch in enumerate(batches):
                     self._micro = i
+                    self.rng[-1, i] = _rng_state(device)
                     loss = forward(self.model, batch)
                     (loss / loss_tokens.to(loss.dtype)).backward()
                     grads.append(self.tops.pop().grad)
@@ -130,6 +137,7 @@ class LayerMajor:
                 self._embeddings_backward(batches, grads)
                 self.saved.clear()
                 self.arguments.clear()
+                self.rng.clear()
         return losses
 
     def _layer_backward(self, index: int, grads: list[torch.Tensor | None]) -> None:
@@ -139,7 +147,8 @@ class LayerMajor:
             for i, grad in enumerate(grads):
                 x = self._fetch(index, i).requires_grad_(wants_input_grad)
                 args, kwargs = self.arguments.pop((index, i))
-                out = _hidden(layer(x, *args, **kwargs))
+                with _replayed(self.rng.pop((index, i))):
+                    out = _hidden(layer(x, *args, **kwargs))
                 torch.autograd.backward(out, grad)
                 grads[i] = x.grad
         self._ship(list(layer.parameters()))
@@ -149,9 +158,10 @@ class LayerMajor:
             return
         self.stop_at_input = True
         try:
-            for batch, grad in zip(batches, grads):
+            for i, (batch, grad) in enumerate(zip(batches, grads)):
                 try:
-                    self.model(**model_inputs(batch))
+                    with _replayed(self.rng[-1, i]):
+                        self.model(**model_inputs(batch))
                 except _Stop as stop:
                     torch.autograd.backward(stop.hidden, grad)
                 else:
@@ -174,6 +184,7 @@ class LayerMajor:
         self.counts.d2h_bytes += host.numel() * host.element_size()
         self.saved[index, self._micro] = host
         self.arguments[index, self._micro] = (args, kwargs)
+        self.rng[index, self._micro] = _rng_state(hidden.device)
 
     def _fetch(self, index: int, micro: int) -> torch.Tensor:
         host = self.saved.pop((index, micro))
@@ -193,6 +204,24 @@ class LayerMajor:
             for i, layer in enumerate(self.originals):
                 self.layers[i] = layer
             self.tops.clear()
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+@contextlib.contextmanager
+def _replayed(states: list[torch.Tensor]) -> Iterator[None]:
+    """Run with the random state of `states` (_rng_state's), the caller's restored after it."""
+    devices = [torch.cuda.current_device()] if len(states) > 1 else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(states[0])
+        if devices:
+            torch.cuda.set_rng_state(states[1])
+        yield
 
 
 @contextlib.contextmanager

@@ -25,14 +25,21 @@ def _run(tiny_run, tag: str, sections: dict):
 
 
 @pytest.mark.parametrize("dtype, case", [("float32", None), ("bfloat16", None), ("float32", "packed"),
-                                         ("bfloat16", "as_ready")],
-                         ids=["fp32", "bf16", "fp32-packed-checkpointed-chunked", "bf16-units-step-as-shipped"])
+                                         ("bfloat16", "as_ready"), ("float32", "dropout")],
+                         ids=["fp32", "bf16", "fp32-packed-checkpointed-chunked", "bf16-units-step-as-shipped",
+                              "fp32-attention-dropout"])
 def test_layer_major_is_the_resident_run_bit_for_bit(tiny_run, monkeypatch, dtype, case):
     """packed: rows of several documents (position ids restart: the recompute must get the
     forward's position embeddings and mask), gradient checkpointing in both runs, and the head's
     loss over chunks of positions. as_ready: no clipping, so each unit's CPU step starts as its
-    summed gradient is shipped, while the layers below are still back-propagated."""
+    summed gradient is shipped, while the layers below are still back-propagated. dropout: the
+    recompute draws the forward's masks again (attention dropout 0.1)."""
     common = _full(dtype, 8)
+    if case == "dropout":
+        import json
+
+        config = tiny_run.dir / "model" / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "attention_dropout": 0.1}))
     if case == "as_ready":
         common["training"]["max_grad_norm"] = None
     if case == "packed":
