@@ -39,7 +39,7 @@ from lisaft.data.collate import to_device
 from lisaft.memory.layer_major import groups
 from lisaft.model.attention import model_inputs
 from lisaft.model.parts import ModelParts
-from lisaft.optim.cpu_offload import OffloadedOptimizers
+from lisaft.optim.cpu_offload import OffloadedOptimizers, TransferCounts
 
 
 class _Stop(Exception):
@@ -83,6 +83,50 @@ class _Tape(nn.Module):
         return _with_hidden(out, top)
 
 
+class _Link:
+    """The saved inputs' copies. On CUDA they run on a stream of their own beside the compute: an
+    input goes out as the forward produces it, the next one comes back while a layer is
+    recomputed. On a CPU they are plain copies (counted the same)."""
+
+    def __init__(self, device: torch.device, counts: TransferCounts) -> None:
+        self.device, self.counts = device, counts
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def out(self, hidden: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.stream is not None)
+        self.counts.d2h_bytes += host.numel() * host.element_size()
+        if self.stream is None:
+            host.copy_(hidden.detach())
+            return host
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # `hidden` is computed
+        with torch.cuda.stream(self.stream):
+            host.copy_(hidden.detach(), non_blocking=True)
+        hidden.record_stream(self.stream)  # its memory is reused only once the copy has read it
+        return host
+
+    def back(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """`host` queued to the device: the tensor, and the event that marks it there (None: it is)."""
+        self.counts.h2d_bytes += host.numel() * host.element_size()
+        if self.stream is None:
+            x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            x.copy_(host)
+            return x, None
+        # Behind the copy out on the same stream; the pinned block is kept until the copy is done.
+        with torch.cuda.stream(self.stream):
+            x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            x.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        x.record_stream(torch.cuda.current_stream(self.device))  # used, and freed, there
+        return x, done
+
+    @staticmethod
+    def ready(x: torch.Tensor, done: torch.cuda.Event | None) -> torch.Tensor:
+        if done is not None:
+            torch.cuda.current_stream(x.device).wait_event(done)
+        return x
+
+
 class LayerMajor:
     """The step's forward and backward, layer-major, for a model whose optimizer is on the host."""
 
@@ -92,7 +136,6 @@ class LayerMajor:
         self.originals: list[nn.Module] = list(parts.layers)
         self.optimizers = optimizers
         self.group_size = group_size
-        self.counts = optimizers.counts
         self.stop_at_input = False
         self.tops: list[torch.Tensor] = []
         # (layer, micro-batch in the group) -> the saved input on the host, and the layer's arguments.
@@ -101,6 +144,8 @@ class LayerMajor:
         # The random state each layer (key: its index) and each micro-batch's forward (key: -1)
         # started from: a recompute draws the forward's dropout masks again, as checkpointing does.
         self.rng: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.link = _Link(optimizers.train_device, optimizers.counts)
+        self._prefetched: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._micro = 0
 
     def summary(self, grad_accum_steps: int) -> str:
@@ -138,6 +183,7 @@ class LayerMajor:
                 self.saved.clear()
                 self.arguments.clear()
                 self.rng.clear()
+                self._prefetched.clear()
         return losses
 
     def _layer_backward(self, index: int, grads: list[torch.Tensor | None]) -> None:
@@ -176,22 +222,20 @@ class LayerMajor:
     # -- the saved inputs -----------------------------------------------------------------------
 
     def keep(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        """Layer `index`'s input to host memory (pinned on CUDA: the copy is asynchronous, and the
-        compute stream orders it before the recompute's copy back) and its arguments."""
-        cuda = hidden.device.type == "cuda"
-        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=cuda)
-        host.copy_(hidden.detach(), non_blocking=cuda)
-        self.counts.d2h_bytes += host.numel() * host.element_size()
-        self.saved[index, self._micro] = host
+        """Layer `index`'s input to host memory, and the arguments it was called with."""
+        self.saved[index, self._micro] = self.link.out(hidden)
         self.arguments[index, self._micro] = (args, kwargs)
         self.rng[index, self._micro] = _rng_state(hidden.device)
 
     def _fetch(self, index: int, micro: int) -> torch.Tensor:
-        host = self.saved.pop((index, micro))
-        x = torch.empty(host.shape, dtype=host.dtype, device=self.optimizers.train_device)
-        x.copy_(host, non_blocking=True)
-        self.counts.h2d_bytes += host.numel() * host.element_size()
-        return x
+        """Layer `index`'s input for `micro` back on the device, and the next one queued behind it
+        (the next micro-batch's, or the layer below's first) while this one is recomputed."""
+        key = (index, micro)
+        x, done = self._prefetched.pop(key) if key in self._prefetched else self.link.back(self.saved.pop(key))
+        following = (index, micro + 1) if (index, micro + 1) in self.saved else (index - 1, 0)
+        if following in self.saved:
+            self._prefetched[following] = self.link.back(self.saved.pop(following))
+        return _Link.ready(x, done)
 
     @contextlib.contextmanager
     def _taped(self) -> Iterator[None]:
