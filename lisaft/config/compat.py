@@ -39,6 +39,30 @@ def _loss(r: Recipe) -> str | None:
     return r.preference.loss if r.preference is not None else None
 
 
+def _layer_major_blocker(r: Recipe) -> str | None:
+    """What keeps optimizer.offload_accumulation from being device, and the way that applies."""
+    if not r.optimizer.cpu_offload:
+        return "it sums gradients for optimizer.cpu_offload; set cpu_offload true or offload_accumulation null"
+    if r.lisa.enabled:
+        return "the layer-major backward is full fine-tuning's; LISA trains γ layers: use host"
+    if r.preference is not None:
+        return "the layer-major backward runs the token loss; a preference loss runs its own forward: use host"
+    if r.model.offload_activations:
+        return ("the layer-major backward keeps each layer's input in host memory itself; set "
+                "model.offload_activations false, or use host")
+    return None
+
+
+def offload_accumulation(r: Recipe) -> str | None:
+    """optimizer.offload_accumulation resolved: device where the layer-major backward applies and
+    more than one micro-batch makes a step (null's default), host elsewhere; None without cpu_offload."""
+    if not r.optimizer.cpu_offload:
+        return None
+    if r.optimizer.offload_accumulation is not None:
+        return r.optimizer.offload_accumulation
+    return "device" if _layer_major_blocker(r) is None and r.training.grad_accum_steps > 1 else "host"
+
+
 # The model's and the optimizer's own rules first, then LoRA's, then the rest: the first row hit
 # is the message.
 EXCLUSIONS: tuple[Exclusion, ...] = (
@@ -74,6 +98,13 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.optimizer.cpu_offload and r.optimizer.in_backward, _fixed(
         "optimizer.cpu_offload cannot be combined with optimizer.in_backward: with the step on the CPU no "
         "gradient stays on the device anyway; set in_backward false")),
+    Exclusion(lambda r: r.optimizer.offload_accumulation is not None and not r.optimizer.cpu_offload, lambda r: (
+        f"optimizer.offload_accumulation: {r.optimizer.offload_accumulation}: {_layer_major_blocker(r)}")),
+    Exclusion(lambda r: r.optimizer.offload_accumulation == "device" and _layer_major_blocker(r) is not None,
+              lambda r: f"optimizer.offload_accumulation: device: {_layer_major_blocker(r)}"),
+    Exclusion(lambda r: r.optimizer.offload_group_size is not None and offload_accumulation(r) != "device", _fixed(
+        "optimizer.offload_group_size groups the micro-batches of the layer-major backward "
+        "(optimizer.offload_accumulation: device, with cpu_offload); set it null")),
     Exclusion(lambda r: r.optimizer.moments_dtype == "bfloat16" and not _kind(r).own_adamw, lambda r: (
         f"optimizer.moments_dtype bfloat16 is for {', '.join(names_where(lambda k: k.own_adamw))}; "
         f"{r.optimizer.name} keeps its own moments (8-bit "

@@ -205,6 +205,21 @@ class OptimizerSection(Section):
         "to host memory in backward and accumulated there, the updated weights are copied back "
         "(ZeRO-Offload's design; docs/memory.md). Not with in_backward or data parallel.",
     )
+    offload_accumulation: Literal["device", "host"] | None = Field(
+        None,
+        description="How cpu_offload sums a step's micro-batches. device: the layer-major backward (every "
+        "micro-batch forward first, each decoder layer's input kept in host memory; then layer by layer from "
+        "the top, each layer's gradient summed on the device over the micro-batches and shipped to the host "
+        "once). host: each micro-batch's whole gradient shipped and added on the host. null: device for full "
+        "fine-tuning with grad_accum_steps > 1, host otherwise (LISA, preference, model.offload_activations; "
+        "docs/memory.md).",
+    )
+    offload_group_size: Int | None = Field(
+        None, ge=1,
+        description="offload_accumulation device: micro-batches per group, whose layer inputs host memory holds "
+        "at once; each further group adds each gradient once on the host. null: the most the host RAM holds "
+        "(at most grad_accum_steps).",
+    )
     moments_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Moments of adamw_32bit where the step runs on the CPU (cpu_offload or "

@@ -11,8 +11,9 @@ docs/memory.md gives every formula.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+from lisaft.config.compat import offload_accumulation
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.memory.activations import Shape, offloaded_host_bytes, shape_from_config
 from lisaft.memory.counts import ParamCounts, param_counts
@@ -23,6 +24,7 @@ from lisaft.memory.cuda_process import (
     cublas_workspace_bytes,
 )
 from lisaft.memory.host import offload_host_bytes
+from lisaft.memory.layer_major import HOST_RAM_SHARE, LayerMajorTerms, device_phases, layer_major_terms
 from lisaft.memory.settings import DTYPE_BYTES, GiB, Settings, moment_bytes
 from lisaft.memory.sharded import fsdp_phases, fsdp_units
 from lisaft.memory.step_terms import Backward, Resident, backward, resident, weight_bytes
@@ -75,6 +77,7 @@ class Estimate:
     saved_activation_bytes: int  # what saved-tensor hooks measure at the end of forward
     activation_host_bytes: int = 0  # pinned host memory of offloaded layer inputs
     host_components: dict[str, int] = field(default_factory=dict)  # cpu_offload on CUDA (memory/host.py)
+    layer_major: LayerMajorTerms | None = None  # optimizer.offload_accumulation device (memory/layer_major.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -141,6 +144,7 @@ class Estimate:
             "activation_host_bytes": self.activation_host_bytes,
             "host_bytes": self.host_bytes,
             "host_components": dict(self.host_components),
+            "layer_major": asdict(self.layer_major) if self.layer_major is not None else None,
             "host_budget_bytes": s.host_budget_bytes,
             "fits_host": self.fits_host,
             "total_params": self.total_params,
@@ -159,14 +163,17 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     b = backward(s, counts, shape, dt, r)
     phases = _phases(s, counts, dt, r, b)
     fixed = _Fixed.of(s, counts, r.state.paged)
+    tokens = (s.sequences, rec.data.max_seq_len)
+    activation_host = offloaded_host_bytes(shape, dt, *tokens) if b.offload_act else 0
+    lm = _layer_major(s, counts, shape, dt, r, b, phases, fixed, activation_host)
+    if lm is not None:
+        phases = device_phases(phases, s, counts, dt, r, b, lm)
     totals = {name: fixed.total(m, True)[0] for name, m in phases.items()}
     peak_phase = max(totals, key=lambda name: totals[name])
     # With a paged optimizer the driver evicts paged state to host when the device is short, so
     # the device must hold at least everything else; what is left over keeps paged state.
     without_paged = max(fixed.total(parts, False)[0] for parts in phases.values())
     paged_gpu = max(0, min(r.state.paged, s.budget_bytes - without_paged))
-    tokens = (s.sequences, rec.data.max_seq_len)
-    activation_host = offloaded_host_bytes(shape, dt, *tokens) if b.offload_act else 0
     return Estimate(
         settings=s, total_params=counts.total, trainable_params=r.trainable_params,
         components=fixed.with_fixed(phases[peak_phase]),
@@ -179,8 +186,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
         phases=totals, peak_phase=peak_phase, total_bytes=totals[peak_phase],
         paged_state_bytes=r.state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=r.state.paged - paged_gpu,
         resident_without_paged_bytes=without_paged, saved_activation_bytes=b.act.saved,
-        activation_host_bytes=activation_host, host_components=_host(s, counts, dt, r, activation_host),
-        notes=_notes(s, r, b, peak_phase),
+        activation_host_bytes=activation_host, host_components=_host(s, counts, dt, r, activation_host, lm),
+        layer_major=lm, notes=_notes(s, r, b, peak_phase),
     )
 
 
@@ -273,7 +280,25 @@ class _Fixed:
         return {**m, **cuda_terms, **self.outside}
 
 
-def _host(s: Settings, counts: ParamCounts, dt: int, r: Resident, activation_host: int) -> dict[str, int]:
+def _layer_major(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Resident, b: Backward,
+                 phases: dict[str, dict[str, int]], fixed: _Fixed, activation_host: int) -> LayerMajorTerms | None:
+    """The layer-major backward's terms, its group the most micro-batches whose saved inputs fit
+    HOST_RAM_SHARE of the RAM beside everything else the run keeps there (on a CPU device: the
+    whole run)."""
+    if offload_accumulation(s.recipe) != "device":
+        return None
+    one = layer_major_terms(s, shape, dt, free_host_bytes=0)
+    if s.device == "cuda":
+        budget, held = s.host_budget_bytes, sum(_host(s, counts, dt, r, activation_host, None).values())
+    else:
+        budget = s.budget_bytes
+        held = max(fixed.total(m, True)[0] for m in device_phases(phases, s, counts, dt, r, b, one).values())
+        held -= one.host_bytes
+    return layer_major_terms(s, shape, dt, None if budget is None else int(HOST_RAM_SHARE * budget) - held)
+
+
+def _host(s: Settings, counts: ParamCounts, dt: int, r: Resident, activation_host: int,
+          lm: LayerMajorTerms | None) -> dict[str, int]:
     """optimizer.cpu_offload on CUDA: the host memory of moments, accumulators and copies."""
     if not r.offload:
         return {}
@@ -286,7 +311,8 @@ def _host(s: Settings, counts: ParamCounts, dt: int, r: Resident, activation_hos
                               activation_host, CPU_PROCESS_BASELINE_BYTES
                               + (BITSANDBYTES_IMPORT_BYTES if optimizer_kind(opt.name).imports_bitsandbytes else 0),
                               sparse_numel=sparse, sparse_bytes=sparse * dt - r.sparse_saving if sparse else 0,
-                              moment_bytes=moment_bytes(opt.moments_dtype))
+                              moment_bytes=moment_bytes(opt.moments_dtype),
+                              layer_inputs=lm.host_bytes if lm is not None else 0)
 
 
 def _notes(s: Settings, r: Resident, b: Backward, peak_phase: str) -> list[str]:

@@ -13,7 +13,9 @@ With the optimizer on the CPU the host holds, for the run's whole length:
 - step_temporaries: the CPU step's float32 buffers (lisaft/memory/optimizer_state.py) for one
   chunk: lisaft hands the CPU kernels, bitsandbytes' included, one chunk of a tensor at a time;
 - process_baseline: the Python process with torch and transformers.
-Offloaded activation checkpoints (model.offload_activations) are counted beside these, pinned.
+Offloaded activation checkpoints (model.offload_activations) are counted beside these, pinned;
+so are the layer-major backward's saved layer inputs (layer_inputs: one group's,
+lisaft/memory/layer_major.py).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from lisaft.optim.host_arena import arena_bytes, slab_size
 from lisaft.optim.transfers import STAGING_SLOTS, staging_slot_bytes
 
 HOST_COMPONENTS = ("moments", "host_weights", "gradient_accumulators", "staging", "step_temporaries",
-                   "activation_checkpoints", "process_baseline")
-PINNED = ("host_weights", "gradient_accumulators", "staging", "activation_checkpoints")
+                   "activation_checkpoints", "layer_inputs", "process_baseline")
+PINNED = ("host_weights", "gradient_accumulators", "staging", "activation_checkpoints", "layer_inputs")
 
 
 def offload_host_bytes(optimizer: str, state_numels: list[int], all_numels: list[int], trainable_numels: list[int],
                        dt: int, bf16_update: str, activation_host_bytes: int, process_baseline: int,
-                       sparse_numel: int = 0, sparse_bytes: int = 0, moment_bytes: int = 4) -> dict[str, int]:
+                       sparse_numel: int = 0, sparse_bytes: int = 0, moment_bytes: int = 4,
+                       layer_inputs: int = 0) -> dict[str, int]:
     """Bytes of each host component (HOST_COMPONENTS) for a run with the optimizer on the CPU.
     Numels are in the model's order; `sparse_numel` names the trainable tensor (the input
     embedding) whose gradient is sparse, `sparse_bytes` that gradient's size."""
@@ -51,6 +54,7 @@ def offload_host_bytes(optimizer: str, state_numels: list[int], all_numels: list
         "step_temporaries": step_temporaries(optimizer, largest_chunk, dt, "cpu", bf16_update)
         + 8 * len(trainable_numels),
         "activation_checkpoints": activation_host_bytes,
+        "layer_inputs": layer_inputs,
         "process_baseline": process_baseline,
     }
 

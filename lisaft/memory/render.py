@@ -8,6 +8,7 @@ from rich.text import Text
 
 from lisaft.memory.advice import AUTO_MARGIN, RANKS, host_is_the_limit
 from lisaft.memory.estimate import SETUP_PHASES, Estimate
+from lisaft.memory.layer_major import layer_major_lines
 from lisaft.memory.methods import shared_settings
 from lisaft.memory.preference import preference_lines
 from lisaft.memory.tables import HOST_RAM_NO, advice_table, fit_mark, grid_table, human, human_pair, methods_table
@@ -42,6 +43,7 @@ _HOST_DESCRIPTIONS = {
     "staging": "later micro-batches' gradients before they are added (pinned)",
     "step_temporaries": "the CPU step's float32 chunk buffers, clipping norms",
     "activation_checkpoints": "offloaded layer inputs (pinned)",
+    "layer_inputs": "the layer-major backward's saved layer inputs, one group (pinned)",
     "process_baseline": "Python + torch + transformers resident set",
 }
 
@@ -255,6 +257,8 @@ def render(report, explain: bool = False) -> Group:
     if est.host_components:
         parts.append(host_table(est))
     parts.append(verdict(est))
+    if est.layer_major is not None:
+        parts.append(Text(layer_major_lines(est, explain)))
     paged = paged_lines(est, explain)
     if paged is not None:
         parts.append(paged)

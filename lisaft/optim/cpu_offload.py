@@ -45,14 +45,18 @@ step, as the device path does); their copy is synchronous, and small.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lisaft import internals
 from lisaft.config.schema import OptimizerSection
 from lisaft.env.threads import team_pool
 from lisaft.model.units import Unit
@@ -61,6 +65,30 @@ from lisaft.optim.gradients import clip_grad_norm, tensor_norms, total_norm
 from lisaft.optim.host_arena import HostArena, slab_size
 from lisaft.optim.transfers import Transfers, staging_slot_bytes
 from lisaft.optim.unit_optimizers import UnitOptimizers
+
+
+@dataclass
+class TransferCounts:
+    """What a step moved over the link and added on the host, counted from the copies made."""
+
+    d2h_bytes: int = 0           # device -> host: gradients, and the layer-major backward's saved inputs
+    h2d_bytes: int = 0           # host -> device: stepped weights, and saved inputs fetched back
+    host_grad_additions: int = 0  # gradient elements added into a host accumulator
+
+    def take(self) -> dict[str, int]:
+        """The train record's fields, and a fresh count for the next step."""
+        out = {"offload_d2h_bytes": self.d2h_bytes, "offload_h2d_bytes": self.h2d_bytes,
+               "host_grad_additions": self.host_grad_additions}
+        for f in fields(self):
+            setattr(self, f.name, 0)
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if t.is_sparse:
+        values, indices = internals.sparse_sizes(t)
+        return values * t.element_size() + indices * 8  # int64 indices
+    return t.numel() * t.element_size()
 
 
 def _host_copy(p: nn.Parameter, arena: HostArena) -> nn.Parameter:
@@ -128,6 +156,10 @@ class OffloadedOptimizers(UnitOptimizers):
         self._marks: dict[torch.Tensor, list] = {}  # CUDA: what marks a host accumulator complete
         self._grad_hooks = []
         self._forward_hooks: list = []  # wait_in_forward's; without them a step waits for itself
+        self.counts = TransferCounts()
+        # The layer-major backward (lisaft/train/layer_major.py) sums gradients on the device and
+        # ships each one itself (`ship`): the hook leaves them in .grad meanwhile.
+        self._hold = False
         for p in self._host_of:
             trains = p.requires_grad  # torch hooks only tensors that require grad; frozen units too
             p.requires_grad_(True)
@@ -137,12 +169,33 @@ class OffloadedOptimizers(UnitOptimizers):
     # -- backward -------------------------------------------------------------------------------
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
+        if not self._hold:
+            self._ship(p)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Gradients stay in the device's .grad, summed there, until `ship` sends them."""
+        self._hold = True
+        try:
+            yield
+        finally:
+            self._hold = False
+
+    def ship(self, params: list[nn.Parameter]) -> None:
+        """Send the gradients summed on the device to the host accumulators, as the hook does."""
+        for p in params:
+            self._ship(p)
+
+    def _ship(self, p: torch.Tensor) -> None:
         self._wait_unit(self._unit_name[p])  # its accumulators are the step's gradients until then
         g, p.grad = p.grad, None
         assert g is not None, "called by the post-accumulate-grad hook"
         host = self._host_of[p]
+        self.counts.d2h_bytes += _nbytes(g)
         if g.is_sparse:
             g = g.cpu()
+            if host.grad is not None:
+                self.counts.host_grad_additions += internals.sparse_sizes(g)[0]
             host.grad = g if host.grad is None else host.grad + g
         else:
             self._accumulate(host, g)
@@ -160,6 +213,8 @@ class OffloadedOptimizers(UnitOptimizers):
         first = host.grad is None
         if first:
             host.grad = acc  # filled below, complete after drain()
+        else:
+            self.counts.host_grad_additions += g.numel()
         if self.transfers is not None:
             self._marks[host] = self.transfers.gradient(g, acc, add=not first)
         elif first:
@@ -214,6 +269,9 @@ class OffloadedOptimizers(UnitOptimizers):
     def _begin(self, units: list[Unit]) -> list:
         """Each unit's optimizer, readied in the calling thread (never in the workers)."""
         self.changes.bump(u.name for u in units)  # before a checkpoint could ask, step in flight or not
+        # The weights each step sends back (_step_unit), counted here, in the step's own thread.
+        self.counts.h2d_bytes += sum(_nbytes(h) for u in units for p in u.params
+                                     if (h := self._host_of[p]).grad is not None)
         optimizers = [self.optimizer(u) for u in units]
         self._first_steps |= {u.name for u, opt in zip(units, optimizers) if not opt.state}
         for opt in optimizers:

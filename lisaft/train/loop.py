@@ -39,6 +39,7 @@ def _train_record(session: Session, result: StepResult, window: dict, elapsed: f
         "optimizer_state_bytes": dev_state,
         "offloaded_state_bytes": off_state,
         **memory_counters(session.device),
+        **(result.offload or {}),
         **({"skipped_steps": session.progress.skipped_steps}
            if session.recipe.training.on_nonfinite == "skip" else {}),
         # A preference run's rewards and log-probs, mean over the window's steps as the loss.

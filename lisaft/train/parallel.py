@@ -26,7 +26,7 @@ from torch import nn
 from lisaft.checkpoint.adapters import adapter_component
 from lisaft.checkpoint.checkpointer import UnitWeights
 from lisaft.checkpoint.components import FolderComponent
-from lisaft.config.compat import check_world
+from lisaft.config.compat import check_world, offload_accumulation
 from lisaft.config.schema import Recipe
 from lisaft.distributed import dist
 from lisaft.lisa import LisaController
@@ -37,6 +37,7 @@ from lisaft.model.units import Unit
 from lisaft.optim.cpu_offload import OffloadedOptimizers
 from lisaft.optim.gradients import clip_grad_total
 from lisaft.optim.unit_optimizers import UnitOptimizers
+from lisaft.train.layer_major import LayerMajor
 from lisaft.train.stop import resume_command
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class Strategy:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.adapters: Adapters | None = None  # lora.enabled: what trains, exports and is checkpointed
+        # optimizer.offload_accumulation device: the step's forward and backward, layer by layer.
+        self.layer_major: LayerMajor | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -143,6 +146,10 @@ class Strategy:
 
     def before_last_backward(self, controller: LisaController, measure_norm: bool) -> None:
         """Called before the step's last micro-batch's backward (cpu_offload steps units there)."""
+
+    def transfer_counts(self) -> dict[str, int] | None:
+        """The step's counted copies over the link (cpu_offload's train record fields), reset."""
+        return None
 
     def update(self, controller: LisaController, optimizers: UnitOptimizers, max_norm: float | None,
                measure_norm: bool, phases: Phases, skip_nonfinite: bool = False) -> tuple[Norm, int, bool]:
@@ -249,6 +256,14 @@ class CpuOffload(Strategy):
     def hook_forward(self, model: nn.Module, parts: ModelParts) -> None:
         # The next step's forward starts before the CPU step ends: each unit waits for its own.
         self.offloaded.wait_in_forward(model, parts.layers)
+        if offload_accumulation(self.recipe) == "device":
+            from lisaft.memory.layer_major import run_group_size
+
+            size = run_group_size(self.recipe, self.offloaded.train_device.type)
+            self.layer_major = LayerMajor(model, parts, self.offloaded, size)
+
+    def transfer_counts(self) -> dict[str, int] | None:
+        return self.offloaded.counts.take()
 
     def before_last_backward(self, controller: LisaController, measure_norm: bool) -> None:
         self.offloaded.arm(controller.trainable_units(), measure_norm)

@@ -34,6 +34,9 @@ def announce(session: Session, display: Display) -> None:
     )
     if session.packing is not None:
         display.print(session.packing.summary())
+    layer_major = session.parallel.layer_major
+    if layer_major is not None:
+        display.print(layer_major.summary(r.training.grad_accum_steps))
 
 
 def _adapters(r: Recipe) -> str:

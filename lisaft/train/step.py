@@ -30,6 +30,7 @@ class StepResult:
     activation_seq_len: int = 0          # that micro-batch's padded length
     skipped: bool = False                # training.on_nonfinite: skip dropped a non-finite update
     preference: dict[str, float] | None = None  # a preference run: the rewards, mean over the step's pairs
+    offload: dict[str, int] | None = None  # optimizer.cpu_offload: the step's counted transfers
 
 
 _NO_PHASES = Phases()
@@ -122,7 +123,14 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     measured = widths.index(max(widths)) if measure_activations and max(widths) > longer_than else None
     totals = StepTotals(session.device)
     in_backward = session.in_backward.step(measure_norm) if session.in_backward else contextlib.nullcontext()
+    layer_major = session.parallel.layer_major
     with in_backward as norm:
+        if layer_major is not None:  # optimizer.offload_accumulation: device (train/layer_major.py)
+            with phases.phase("backward"):
+                for loss in layer_major.run(micro, session.device, loss_tokens, forward, lambda: (
+                        session.parallel.before_last_backward(controller, measure_norm))):
+                    totals.add("loss", loss)
+            micro = []  # every micro-batch ran above, layer by layer
         for i, batch in enumerate(micro):
             batch = to_device(batch, session.device)
             with phases.phase("forward"):
@@ -153,4 +161,5 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
                       padding=int(read["positions"] - read["tokens"]), lr=lr, grad_norm=read.get("grad_norm"),
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
                       activation_seq_len=activation_seq_len, skipped=skipped,
-                      preference={m: read[m] / normaliser for m in METRICS} if pairs is not None else None)
+                      preference={m: read[m] / normaliser for m in METRICS} if pairs is not None else None,
+                      offload=session.parallel.transfer_counts())

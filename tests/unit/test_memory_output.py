@@ -98,7 +98,8 @@ def test_the_json_of_every_shipped_recipe_keeps_its_keys_and_adds_up():
            "activation_host_bytes", "host_bytes", "host_components", "host_budget_bytes", "fits_host",
            "total_params", "trainable_params", "settings", "notes", "budget", "largest_seq_len",
            "largest_batch_size", "context_length", "weights_fit", "advice", "fewest_ranks", "smallest_budget_bytes",
-           "smallest_gpu", "smallest_gpu_as_is", "optimizers", "methods", "preference", "flag_notes"}
+           "smallest_gpu", "smallest_gpu_as_is", "optimizers", "methods", "preference", "flag_notes",
+           "layer_major"}
     for path in sorted((REPO / "recipes").glob("llama3.1-8b-*.yaml")):
         recipe, out = load_recipe(path), _json(str(path), "--host-ram", "64GiB")
         assert set(out) == top, (path.name, set(out) ^ top)
