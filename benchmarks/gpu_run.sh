@@ -48,7 +48,7 @@ dry = bool(sys.argv[1])
 missing = []
 for name in ("torch", "transformers", "bitsandbytes", "pydantic", "yaml", "rich", "typer", "annotated_doc",
              "safetensors", "xxhash", "numpy", "numba", "llvmlite", "peft", "accelerate", "psutil", "lisaft.train",
-             "lisaft.cli", "lisaft.memory.command", "lisaft.optim.host_kernel"):
+             "lisaft.cli", "lisaft.memory.command", "lisaft.optim.host_kernel", "pytest", "pytest_timeout"):
     try:
         importlib.import_module(name)
     except Exception as e:

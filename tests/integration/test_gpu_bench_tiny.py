@@ -149,9 +149,27 @@ def test_wheels_carried_in_turns_add_up(tmp_path):
     assert not (tmp_path / "out" / "preflight.log").exists()  # nothing measured, not even checked
 
 
-def test_gpu_wheels_keeps_numba_with_its_llvmlite_and_carries_annotated_doc():
+def test_gpu_wheels_keeps_numba_with_its_llvmlite_and_carries_annotated_doc_and_pytest():
     script = (REPO / "benchmarks" / "gpu_wheels.sh").read_text()
-    assert "jit=(numba llvmlite)" in script and "annotated-doc" in script.split("jit=")[0]
+    base = script.split("jit=")[0]
+    assert "jit=(numba llvmlite)" in script and "annotated-doc" in base
+    assert all(f" {name}" in base for name in ("pytest", "pluggy", "iniconfig", "pytest-timeout"))
+
+
+def test_gpu_wheels_refuses_to_gather_what_it_cannot_pin(tmp_path):
+    """Outside the environment the tests ran in, a package has no version to pin: the script
+    stops before downloading anything rather than fetch whatever version the index has now."""
+    bare = tmp_path / "bin" / "python3"
+    bare.parent.mkdir()
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')  # no site-packages: nothing installed
+    bare.chmod(0o755)
+    env = {**os.environ, "PATH": os.pathsep.join([str(bare.parent), os.environ.get("PATH", "")]),
+           "WHEELS": str(tmp_path / "wheels")}
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_wheels.sh")], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no version to pin: bitsandbytes pydantic" in proc.stderr and "Collecting" not in proc.stdout
+    assert not list((tmp_path / "wheels").rglob("*.whl"))
 
 
 def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
