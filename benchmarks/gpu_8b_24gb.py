@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import gpu_box
 from benchmarks.common import PadOnly, synthetic_examples
 from benchmarks.gpu_times import recipe_values, run_seconds
 from benchmarks.step_parts import StepParts
@@ -427,15 +428,15 @@ def _child(cfg: Config, args, tmp: str, remaining: float | None, partial: Path) 
     cmd = [sys.executable, "-m", "benchmarks.gpu_8b_24gb", "--only", cfg.name, "--steps", str(cfg.steps),
            "--cap-gib", str(args.cap_gib), "--workdir", tmp, "--partial", str(partial)]
     env = {**os.environ, **cfg.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=remaining)
-    except subprocess.TimeoutExpired:
+    rc, stdout, stderr = gpu_box.run_boxed(cmd, remaining, cwd=REPO, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env)
+    if rc == 124:
         kept = json.loads(partial.read_text()) if partial.exists() else {"run": cfg.name, "steps_done": 0,
                                                                          "steps_planned": cfg.steps}
         return {**kept, "error": "timeout (budget)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if rc != 0 or not lines:
+        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
         return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps, "error": tail[0][:300]}
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -461,12 +462,12 @@ def _run_all(chosen: list[Config], args) -> list[dict]:
     """Each configuration in turn, skipped where the budget's time left is under its expected
     time. The clock is the GPU's: wall time on CUDA; with --tiny the expected GPU times of the runs
     so far, so a dry run skips exactly what the GPU run would."""
-    start, spent, results = time.monotonic(), 0.0, []
+    spent, results = 0.0, []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in chosen:
-            elapsed = spent if args.tiny else time.monotonic() - start
-            remaining = None if args.budget_s is None else args.budget_s - elapsed
+            remaining = (None if args.budget_s is None else args.budget_s - spent) if args.tiny \
+                else gpu_box.remaining(args.started, args.budget_s)
             expected = cfg.expected["seconds"]
             spent += expected
             if remaining is not None and remaining < expected:
@@ -491,6 +492,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-gib", type=float, default=24.0, help="per-process memory cap")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget: a configuration that would not finish in time is skipped")
+    ap.add_argument("--started", type=float, default=time.time(),
+                    help="time.time() the budget counts from (default: now; the plan's: when the step's box opened)")
     ap.add_argument("--configs", default=None, help="comma-separated subset, in the suite's order")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (default: each its own)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_8b_24gb.json")

@@ -36,7 +36,8 @@ LINK_BYTES_PER_S = 25e9
 # on the build machine, measured with /usr/bin/time), the CUDA context (2 s, assumed), an 8B
 # model of random bf16 weights built on the GPU (5 s, assumed: init kernels over 16 GB), the
 # estimate and the bf16 rate probe (2 s, assumed).
-START_S = 6.6 + 2 + 5 + 2
+IMPORT_S = 6.6
+START_S = IMPORT_S + 2 + 5 + 2
 # Assumed: numba compiling the host kernel on first use (cached on disk afterwards).
 HOST_KERNEL_COMPILE_S = 10.0
 # Assumed: quantizing 8B random weights to NF4 on the GPU, after building them.
