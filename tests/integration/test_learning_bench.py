@@ -15,8 +15,7 @@ MEASURES = {"new_token_accuracy", "new_exact_match", "old_token_accuracy", "old_
 
 
 def test_learning_bench_quick(tmp_path):
-    # Two workers: each run takes one thread, and the suite's machine has two cores.
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.learning_bench", "--quick", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.learning_bench", "--quick",
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "learning.json").read_text())
@@ -69,9 +68,8 @@ def test_learning_bench_quick(tmp_path):
 def test_learning_bench_second_protocol_quick(tmp_path):
     """--protocol 2 --quick: two depths, both task kinds, the validation/test split, the equal-memory
     LoRA, both samplings, and the tables built from them."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.learning_bench", "--protocol", "2", "--quick",
-                           "--workers", "2", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                          timeout=280)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.learning_bench", "--protocol", "2",
+                           "--quick", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "learning2.json").read_text())
     assert summary["protocol"] == 2 and summary["mode"] == "quick"
