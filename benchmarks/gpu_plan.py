@@ -44,10 +44,8 @@ class Step:
     budget_s: int
     module: str
     args: tuple[str, ...] = ()
-    dry_args: tuple[str, ...] = ("--dry-run",)
     configs: tuple[str, ...] = ()  # gpu_8b_24gb runs: their expected times are the step's
     writes_out: bool = True  # takes --out (pytest writes only its log)
-    takes_budget: bool = False  # takes --budget-s and --started (a step that starts processes of its own)
 
     def expected(self) -> dict:
         if self.configs:
@@ -68,9 +66,8 @@ class Step:
                     ",".join(self.configs), *inner, "--out", str(out / f"{self.name}.json")]
         if not self.writes_out:
             return [sys.executable, "-m", self.module, *self.args]
-        return [sys.executable, "-m", self.module, *(self.dry_args if dry else self.args),
-                *(inner if self.takes_budget else ()),
-                "--out", str(out / (self.name if self.name == "packing" else f"{self.name}.json"))]
+        return [sys.executable, "-m", self.module, *(["--dry-run"] if dry else self.args), "--out",
+                str(out / f"{self.name}.json")]
 
 
 def _small(name: str) -> dict:
