@@ -67,3 +67,30 @@ def test_the_plan_counts_the_peer_parent_and_the_float32_host_kernel():
     assert gpu_plan._small("equality")["parts"]["host_kernel_s"] == HOST_KERNEL_COMPILE_S
     assert gpu_plan.check(gpu_plan.plan()) == []
 
+
+
+def test_a_forked_step_runs_as_python_m_would_and_its_box_holds(tmp_path, monkeypatch):
+    """The dry run's steps, forked from one process: the module runs as __main__ with its argv,
+    its exit code and output come back, and an expired box kills what it started too."""
+    (tmp_path / "step_mod.py").write_text(textwrap.dedent("""
+        import subprocess, sys, time
+        print("argv", sys.argv[1:], flush=True)
+        if sys.argv[1] == "hang":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            open(sys.argv[2], "w").write(str(child.pid))
+            time.sleep(60)
+        if __name__ == "__main__":
+            sys.exit(5)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with (tmp_path / "log").open("w") as log:
+        assert gpu_box.run_forked([sys.executable, "-m", "step_mod", "quick"], 60, log, tmp_path) == 5
+    assert (tmp_path / "log").read_text() == "argv ['quick']\n"
+    pidfile = tmp_path / "pid"
+    with (tmp_path / "log2").open("w") as log:
+        assert gpu_box.run_forked([sys.executable, "-m", "step_mod", "hang", str(pidfile)], 4, log, tmp_path) == 124
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(grandchild)
