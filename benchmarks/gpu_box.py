@@ -72,8 +72,8 @@ def run_forked(argv: list[str], timeout: float | None, log, cwd) -> int:
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
             # Python's streams anew on those descriptors: the parent's may be anything (pytest's capture).
-            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
             sys.argv = [argv[2], *argv[3:]]
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
             code = 0
