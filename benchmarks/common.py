@@ -28,6 +28,27 @@ def synthetic_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[dict
     return [{"input_ids": row, "labels": list(row)} for row in synthetic_rows(n, seq_len, vocab, seed)]
 
 
+def synthetic_documents(rows: int, seq_len: int, vocab: int, seed: int, per_row: int = 4) -> list[dict]:
+    """`per_row` documents for each packed row of `seq_len` tokens (data.packing fills each row with
+    exactly that many): rows of several documents, so sdpa gets the block-diagonal mask (and
+    FlashAttention its document lengths) that the estimate counts for packed rows."""
+    assert seq_len % per_row == 0, (seq_len, per_row)
+    return synthetic_examples(rows * per_row, seq_len // per_row, vocab, seed)
+
+
+def synthetic_pairs(n: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
+    """Preference pairs: a prompt of a quarter of `seq_len` (no loss), a chosen answer to `seq_len`
+    in all, a rejected one to three quarters of it; the pair batch pads the rejected sequence, so
+    attention gets the padding mask the estimate counts for pairs."""
+    out = []
+    for row in synthetic_rows(n, seq_len, vocab, seed):
+        prompt = seq_len // 4
+        rejected = row[: 3 * seq_len // 4]
+        out.append({k: {"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}
+                    for k, ids in (("chosen", row), ("rejected", rejected))})
+    return out
+
+
 def timed_on_this_machine(cfg: dict, measure: Callable[[], dict]) -> dict:
     """`measure()`'s result beside the settings, the machine and the load average before and after
     (on a shared machine a timing means little without the load it ran under)."""

@@ -4,8 +4,10 @@ Each configuration runs in a fresh subprocess whose PyTorch allocator is capped 
 the NVML-used bytes of its bare CUDA context (torch.cuda.set_per_process_memory_fraction), trained
 by lisaft's own trainer (`build_session` + `train_step`) on synthetic token rows, with the model
 built from the shipped Llama-3.1-8B config with random bf16 weights directly on the GPU (nothing
-downloaded, nothing on the CPU first). Most important first, so a time budget (--budget-s) cuts
-the least important; each run's expected time is computed (benchmarks/gpu_times.py):
+downloaded, nothing on the CPU first): packed rows of four documents each, or preference pairs
+whose rejected answer is shorter, so attention gets the masks the estimate counts. Most
+important first, so a time budget (--budget-s) cuts the least important; each run's expected
+time is computed (benchmarks/gpu_times.py):
 
   lisa-8b             recipes/llama3.1-8b-lisa-24gb.yaml re-sampling every 4 steps: layer
                       switches inside the timed steps
@@ -18,9 +20,14 @@ the least important; each run's expected time is computed (benchmarks/gpu_times.
   compiled            the 24 GiB recipe with training.compile: true (tokens/s, FLOP share)
   full-in-backward    full fine-tuning, paged AdamW 8-bit stepped in backward, no clipping
   offload-full-ga4 / -ga8 / -ga32   recipes/llama3.1-8b-full-24gb.yaml: full fine-tuning with
-                      the optimizer on the CPU (optimizer.cpu_offload) at 4, 8 and 32 micro-batches
+                      the optimizer on the CPU (optimizer.cpu_offload) at 4 (on the recipe's dense
+                      embedding gradient), 8 and 32 micro-batches
                       per step: tokens/s, NVML peak, the host's peak RSS and the step's parts
                       (benchmarks/step_parts.py: transfers, accumulation, host step)
+  apollo-r32-8b       the same recipe with its header's APOLLO at rank 32, channel scaling
+  dpo-8b / lora-dpo-8b   recipes/llama3.1-8b-dpo-24gb.yaml (every weight, optimizer on the CPU, 2
+                      pairs a step) and recipes/llama3.1-8b-lora-dpo-24gb.yaml (8,192 tokens a
+                      sequence, one pair a step), DPO's reference pass first
   apollo-8b           recipes/llama3.1-8b-apollo-24gb.yaml as shipped (APOLLO-Mini, every weight,
                       stepped in backward): its NVML peak against its estimate
   lora-8b / qlora-8b  recipes/llama3.1-8b-lora-24gb.yaml (16,384 tokens) and
@@ -57,7 +64,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import PadOnly, synthetic_examples
+from benchmarks import gpu_box
+from benchmarks.common import PadOnly, synthetic_documents, synthetic_examples, synthetic_pairs
 from benchmarks.gpu_times import recipe_values, run_seconds
 from benchmarks.step_parts import StepParts
 
@@ -69,6 +77,8 @@ RECIPE_FULL = REPO / "recipes" / "llama3.1-8b-full-24gb.yaml"
 RECIPE_APOLLO = REPO / "recipes" / "llama3.1-8b-apollo-24gb.yaml"
 RECIPE_LORA = REPO / "recipes" / "llama3.1-8b-lora-24gb.yaml"
 RECIPE_QLORA = REPO / "recipes" / "llama3.1-8b-qlora-24gb.yaml"
+RECIPE_DPO = REPO / "recipes" / "llama3.1-8b-dpo-24gb.yaml"
+RECIPE_LORA_DPO = REPO / "recipes" / "llama3.1-8b-lora-dpo-24gb.yaml"
 CONFIG_8B = REPO / "lisaft" / "memory" / "catalogue" / "llama-3.1-8b.json"
 GiB = 1024**3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -130,10 +140,24 @@ CONFIGS = [
     # recipes/llama3.1-8b-full-24gb.yaml at 4 micro-batches a step (the step's parts are the
     # recipe's, 8 times fewer micro-batches to time), then at 8 and 32. Step times are averaged
     # from the third step on (_derive): three steps each.
-    Config("offload-full-ga4", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=4",), steps=3),
+    # The recipe's own 32 micro-batches of 2,048 tokens (65,536 a step) take the dense embedding
+    # gradient (sparse pays under half the vocabulary's tokens a step: model/load.py); at 4 the
+    # sparse path would run, which the recipe never takes, so the run keeps the recipe's.
+    Config("offload-full-ga4", recipe=RECIPE_FULL,
+           overrides=("training.grad_accum_steps=4", "model.sparse_embedding_grad=false"), steps=2, tiny_steps=3),
     Config("offload-full-ga8", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=8",), steps=3),
     Config("offload-full-ga32", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=32",), steps=3),
     Config("apollo-8b", recipe=RECIPE_APOLLO, steps=8),
+    # The recipe header's APOLLO at rank 32 with channel scaling (21.40 GiB estimated).
+    Config("apollo-r32-8b", recipe=RECIPE_APOLLO, overrides=("optimizer.name=apollo", "optimizer.rank=32",
+                                                            "optimizer.scale=1", "optimizer.scale_type=channel"),
+           steps=8),
+    # The preference recipes (README: 20.96 GiB full-parameter DPO with the optimizer on the CPU,
+    # 19.63 GiB LoRA-DPO at 8,192 tokens a sequence), DPO's reference pass included: full DPO at 2
+    # pairs a step (the recipe's 32 pay the same peak, 16 times the host time), LoRA-DPO at one.
+    Config("dpo-8b", recipe=RECIPE_DPO, overrides=("training.grad_accum_steps=2",), steps=2, tiny_steps=3),
+    Config("lora-dpo-8b", recipe=RECIPE_LORA_DPO, overrides=("training.grad_accum_steps=1",), steps=2,
+           tiny_steps=3),
     # The LoRA and QLoRA recipes at their shipped lengths (16,384 and 32,768 tokens), one
     # micro-batch a step: the peak is a micro-batch's, the adapters' gradients are small.
     Config("lora-8b", recipe=RECIPE_LORA, overrides=("training.grad_accum_steps=1",), steps=3),
@@ -293,6 +317,8 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Pat
               "attention": recipe.model.attention, "optimizer": recipe.optimizer.name,
               "in_backward": recipe.optimizer.in_backward, "lisa": recipe.lisa.enabled,
               "lora": recipe.lora.enabled, "quantize": recipe.model.quantize,
+              "preference": recipe.preference.loss if recipe.preference is not None else None,
+              "packing": recipe.data.packing,
               "offload_activations": recipe.model.offload_activations, "seq_len": recipe.data.max_seq_len,
               "batch_size": t.batch_size, "cap_bytes": budget, "estimated_total_bytes": est.total_bytes,
               "estimated_comparable_bytes": est.comparable_peak_bytes, "estimated_components": est.components,
@@ -305,8 +331,7 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Pat
     if cuda:
         result["nvml_baseline_bytes"] = cap_allocator(budget)  # the context alone
         result["allocator_cap_bytes"] = budget - result["nvml_baseline_bytes"]
-    vocab = json.loads(_config_of(recipe).read_text())["vocab_size"]
-    examples = synthetic_examples(cfg.steps * t.batch_size * t.grad_accum_steps, recipe.data.max_seq_len, vocab, t.seed)
+    examples = _examples(recipe, cfg.steps * t.batch_size * t.grad_accum_steps)
     with NvmlPeak() as nvml:
         try:
             session = build_session(recipe, workdir / cfg.name, tokenizer=PadOnly(), train_examples=examples,
@@ -323,6 +348,18 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Pat
     result.update(_flop_bound(recipe, cuda))
     _derive(result, cuda)
     return result
+
+
+def _examples(recipe, rows: int) -> list[dict]:
+    """What the recipe trains on, as the estimate assumes it: pairs for a preference recipe, rows
+    of several documents for a packing one (the block-diagonal mask), else whole rows."""
+    vocab = json.loads(_config_of(recipe).read_text())["vocab_size"]
+    seq, seed = recipe.data.max_seq_len, recipe.training.seed
+    if recipe.preference is not None:
+        return synthetic_pairs(rows, seq, vocab, seed)
+    if recipe.data.packing:
+        return synthetic_documents(rows, seq, vocab, seed)
+    return synthetic_examples(rows, seq, vocab, seed)
 
 
 def _flop_bound(recipe, cuda: bool) -> dict:
@@ -427,15 +464,15 @@ def _child(cfg: Config, args, tmp: str, remaining: float | None, partial: Path) 
     cmd = [sys.executable, "-m", "benchmarks.gpu_8b_24gb", "--only", cfg.name, "--steps", str(cfg.steps),
            "--cap-gib", str(args.cap_gib), "--workdir", tmp, "--partial", str(partial)]
     env = {**os.environ, **cfg.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=remaining)
-    except subprocess.TimeoutExpired:
+    rc, stdout, stderr = gpu_box.run_boxed(cmd, remaining, cwd=REPO, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env)
+    if rc == 124:
         kept = json.loads(partial.read_text()) if partial.exists() else {"run": cfg.name, "steps_done": 0,
                                                                          "steps_planned": cfg.steps}
         return {**kept, "error": "timeout (budget)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if rc != 0 or not lines:
+        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
         return {"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps, "error": tail[0][:300]}
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -461,12 +498,12 @@ def _run_all(chosen: list[Config], args) -> list[dict]:
     """Each configuration in turn, skipped where the budget's time left is under its expected
     time. The clock is the GPU's: wall time on CUDA; with --tiny the expected GPU times of the runs
     so far, so a dry run skips exactly what the GPU run would."""
-    start, spent, results = time.monotonic(), 0.0, []
+    spent, results = 0.0, []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in chosen:
-            elapsed = spent if args.tiny else time.monotonic() - start
-            remaining = None if args.budget_s is None else args.budget_s - elapsed
+            remaining = (None if args.budget_s is None else args.budget_s - spent) if args.tiny \
+                else gpu_box.remaining(args.started, args.budget_s)
             expected = cfg.expected["seconds"]
             spent += expected
             if remaining is not None and remaining < expected:
@@ -491,6 +528,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-gib", type=float, default=24.0, help="per-process memory cap")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget: a configuration that would not finish in time is skipped")
+    ap.add_argument("--started", type=float, default=time.time(),
+                    help="time.time() the budget counts from (default: now; the plan's: when the step's box opened)")
     ap.add_argument("--configs", default=None, help="comma-separated subset, in the suite's order")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (default: each its own)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_8b_24gb.json")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import synthetic_examples
 from benchmarks.gpu_8b_24gb import BY_NAME, CONFIG_8B, TINY_CONFIG, TINY_SEQ, Config, GiB, cap_allocator, one_run
+from benchmarks.gpu_box import remaining, run_boxed
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = BY_NAME["peer-lisaft"]
@@ -77,9 +78,9 @@ def hf_trainer_run(tiny: bool, steps: int, cap_gib: float) -> dict:
     return out
 
 
-def _side(cmd: list[str], tiny: bool) -> dict:
-    """One side in a fresh process on CUDA (its own cap and peaks); in this one in a dry run,
-    which has neither and would pay the imports twice more."""
+def _side(cmd: list[str], tiny: bool, timeout: float | None = None) -> dict:
+    """One side in a fresh process on CUDA (its own cap and peaks), killed with whatever it started
+    past `timeout`; in this one in a dry run, which has neither and would pay the imports twice more."""
     if tiny:
         try:
             if "--hf-only" in cmd:
@@ -88,11 +89,15 @@ def _side(cmd: list[str], tiny: bool) -> dict:
             return one_run(Config(**{**PEER.__dict__, "steps": steps}), True, 24.0, workdir)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
-    proc = subprocess.run([sys.executable, "-m", *cmd, *(["--tiny"] if tiny else [])], cwd=REPO,
-                          capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        return {"error": ((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1][:300]}
+    if timeout is not None and timeout <= 0:
+        return {"error": "timeout (budget): no time left"}
+    rc, stdout, stderr = run_boxed([sys.executable, "-m", *cmd], timeout, cwd=REPO, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+    if rc == 124:
+        return {"error": "timeout (budget)"}
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if rc or not lines:
+        return {"error": ((stderr or stdout).strip().splitlines() or ["no output"])[-1][:300]}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -103,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # the HF Trainer process
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--budget-s", type=float, default=None, help="both sides end within this (default: no limit)")
+    ap.add_argument("--started", type=float, default=time.time(), help="time.time() the budget counts from")
     args = ap.parse_args(argv)
     steps = args.steps or (4 if args.dry_run or args.tiny else PEER.steps)
     if args.hf_only:
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
         sides = {"lisaft": ["benchmarks.gpu_8b_24gb", "--only", PEER.name, "--steps", str(steps), "--workdir", tmp],
                  "hf-trainer": ["benchmarks.gpu_peer", "--hf-only", "--steps", str(steps)]}
         for name, cmd in sides.items():
-            result["sides"][name] = _side(cmd, args.dry_run)
+            result["sides"][name] = _side(cmd, args.dry_run, remaining(args.started, args.budget_s))
             print(f"{name}: {json.dumps({k: result['sides'][name].get(k) for k in ('tokens_per_s', 'error')})}",
                   flush=True)
             args.out.write_text(json.dumps(result, indent=1))

@@ -2,9 +2,9 @@
 # The GPU suite in one command, on the lent CUDA machine (torch, transformers, nvidia-ml-py, numba,
 # peft, accelerate; no network): installs the wheels benchmarks/gpu_wheels.sh gathered into
 # $WHEELS (default wheels/, carried with the tree), checks that everything imports and that NVML
-# answers, then runs benchmarks/gpu_plan.py's plan: lisa, offload, apollo, lora, equality, resume,
-# peer, packing, most valuable per device minute first, each under its own time box, the boxes
-# summing to at most 540 s. Everything comes back as two files in $OUT (default
+# answers, then runs benchmarks/gpu_plan.py's plan: lisa, dpo, offload, lora, apollo, long,
+# equality, resume, gpu-tests, most valuable per device minute first, each under its own time box,
+# the boxes summing to at most 540 s (`--plan` names on stderr what it leaves out). Everything comes back as two files in $OUT (default
 # benchmarks/results/gpu): gpu-results.tar.gz (every step's JSON, markdown and log, rewritten
 # after each step) and summary.json; the steps write elsewhere ($WORK, default a temporary folder).
 #   bash benchmarks/gpu_run.sh --plan           # one JSON line per step: step, budget_s, expected_s
@@ -48,7 +48,7 @@ dry = bool(sys.argv[1])
 missing = []
 for name in ("torch", "transformers", "bitsandbytes", "pydantic", "yaml", "rich", "typer", "annotated_doc",
              "safetensors", "xxhash", "numpy", "numba", "llvmlite", "peft", "accelerate", "psutil", "lisaft.train",
-             "lisaft.cli", "lisaft.memory.command", "lisaft.optim.host_kernel"):
+             "lisaft.cli", "lisaft.memory.command", "lisaft.optim.host_kernel", "pytest", "pytest_timeout"):
     try:
         importlib.import_module(name)
     except Exception as e:

@@ -4,9 +4,10 @@ No lisaft figure on a GPU exists yet, so every expected time is computed from na
 measured (on the lent machine by others, or by this project's benchmarks on the build CPU) or
 assumed, and the plan (benchmarks/gpu_plan.py) fits its budgets to them:
 
-    run   = START_S + steps x step + extra
+    run   = START_S + steps x step + extra (DPO's reference pass; NF4's quantizing; numba's compile)
     step  = micro-batches x max(FLOPs / (BF16_RATE x TRAIN_SHARE), gradient bytes out / LINK)
             + host parts (cpu_offload: accumulation per micro-batch, the host step, weights back)
+            (a preference pair is two sequences in one micro-batch)
 
 Once the suite has run, its JSON holds each run's step time, share of the FLOP bound and wall
 time: the assumptions below are then to be replaced by those figures.
@@ -36,7 +37,8 @@ LINK_BYTES_PER_S = 25e9
 # on the build machine, measured with /usr/bin/time), the CUDA context (2 s, assumed), an 8B
 # model of random bf16 weights built on the GPU (5 s, assumed: init kernels over 16 GB), the
 # estimate and the bf16 rate probe (2 s, assumed).
-START_S = 6.6 + 2 + 5 + 2
+IMPORT_S = 6.6
+START_S = IMPORT_S + 2 + 5 + 2
 # Assumed: numba compiling the host kernel on first use (cached on disk afterwards).
 HOST_KERNEL_COMPILE_S = 10.0
 # Assumed: quantizing 8B random weights to NF4 on the GPU, after building them.
@@ -107,16 +109,23 @@ def run_seconds(recipe: Path, overrides: tuple[str, ...], steps: int, config: Pa
     t = r["training"]
     shape = model_shape(config)
     seq, micro = r["data"]["max_seq_len"], t.get("grad_accum_steps", 1) * t.get("batch_size", 1)
+    pref = r.get("preference") or {}
+    sequences = 2 if pref else 1  # a pair's chosen and rejected answers, one forward
     kind = "lora" if lora.get("enabled") else "lisa" if lisa.get("enabled") else "full"
     flops = flops_per_token(shape, seq, kind, lisa.get("active_layers", 2) or 2,
                             model.get("gradient_checkpointing", False))
-    compute = flops * seq / (BF16_RATE * TRAIN_SHARE) * (NF4_SLOWDOWN if model.get("quantize") else 1.0)
+    rate = BF16_RATE * TRAIN_SHARE / (NF4_SLOWDOWN if model.get("quantize") else 1.0)
+    compute = sequences * flops * seq / rate
     parts = {"start_s": START_S, "compute_per_micro_batch_s": compute}
     per_step = micro * compute
     extra = 0.0
+    if pref.get("loss") == "dpo":
+        # The reference pass: one forward (2P a token, and attention) over every pair trained on.
+        forward = shape["layers"] * (2 * shape["layer"] + 4 * seq * shape["hidden"]) + 2 * shape["head"]
+        parts["reference_pass_s"] = extra = steps * micro * sequences * forward * seq / rate
     if model.get("quantize"):
         weights = 2 * shape["params"]
-        extra = NF4_QUANTIZE_S + weights / DISK_WRITE_BYTES_PER_S + weights / DISK_READ_BYTES_PER_S
+        extra += NF4_QUANTIZE_S + weights / DISK_WRITE_BYTES_PER_S + weights / DISK_READ_BYTES_PER_S
     if opt.get("cpu_offload"):
         rates, p = _host_rates(), shape["params"] / 1e9
         out = 2 * shape["params"] / LINK_BYTES_PER_S  # bf16 gradients, overlapped with backward

@@ -19,24 +19,35 @@ base=(
     bitsandbytes pydantic pydantic-core annotated-types typing-inspection typing-extensions
     typer annotated-doc click shellingham rich markdown-it-py mdurl pygments pyyaml xxhash safetensors
     peft accelerate psutil
+    # The gpu-tests step runs pytest, which a bare lent machine lacks; the tests' markers need
+    # pytest-timeout (--strict-markers).
+    pytest pluggy iniconfig packaging pytest-timeout
 )
 jit=(numba llvmlite)
-# The versions this tree's tests ran with, where this python has them installed.
+# The versions this tree's tests ran with: run it in that environment (the project's venv). A
+# package it lacks is refused, not fetched at whatever version the index has now.
 pins() {
     python3 - "$@" <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version
+missing = []
 for name in sys.argv[1:]:
     try:
         print(f"{name}=={version(name)}")
     except PackageNotFoundError:
-        print(name)
+        missing.append(name)
+if missing:
+    print(f"error: not installed here, so no version to pin: {' '.join(missing)} (run this in the "
+          "project's venv, where the tests ran)", file=sys.stderr)
+    sys.exit(2)
 PY
 }
 download() {  # FOLDER PACKAGES...
     local folder=$1; shift
     mkdir -p "$folder"
-    mapfile -t pinned < <(pins "$@")
+    local pinned
+    pinned=$(pins "$@") || exit 2
+    mapfile -t pinned <<< "$pinned"
     python3 -m pip download --quiet --only-binary=:all: --no-deps --dest "$folder" \
         --python-version "$py" --platform "$platform" --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \

@@ -125,7 +125,7 @@ def adam_update_32bit(g, w, m, v, *, beta1: float, beta2: float, eps: float, ste
     F.optimizer_update_32bit("adam", g, w, m, beta1, eps, step, lr, v, beta2, weight_decay=weight_decay)
 
 
-# -- transformers -----------------------------------------------------------------------------
+# -- transformers (checked against 5.25 and, for input_require_grads_hooked, 4.57) ----------
 
 
 def registered_mask_builder(kind: str):
@@ -133,6 +133,14 @@ def registered_mask_builder(kind: str):
     from transformers.masking_utils import AttentionMaskInterface
 
     return AttentionMaskInterface._global_mapping[kind]
+
+
+def input_require_grads_hooked(model: torch.nn.Module) -> bool:
+    """Whether enable_input_require_grads left its hook on this PreTrainedModel. Its undo differs by
+    version: 5.x keeps a list (`_require_grads_hooks`) on every PreTrainedModel and removes it safely;
+    4.x (4.45 to 4.57, which pyproject still allows) keeps one `_require_grads_hook` on the model it
+    was called on and raises AttributeError where there is none. No public query exists."""
+    return bool(getattr(model, "_require_grads_hooks", None)) or hasattr(model, "_require_grads_hook")
 
 
 def set_checkpointing_func(layer: torch.nn.Module, func) -> None:

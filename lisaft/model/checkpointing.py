@@ -14,6 +14,9 @@ def frozen_inputs(model: nn.Module) -> None:
     and trainable embeddings make their output require grad themselves."""
     from transformers import PreTrainedModel
 
+    from lisaft.internals import input_require_grads_hooked
+
     for module in model.modules():
-        if isinstance(module, PreTrainedModel):
+        # Only where the hook is: transformers 4.x raises on a model that has none.
+        if isinstance(module, PreTrainedModel) and input_require_grads_hooked(module):
             module.disable_input_require_grads()

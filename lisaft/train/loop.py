@@ -72,6 +72,7 @@ def _save(session: Session, checkpointer: Checkpointer, base: Path | None) -> Pa
 
 
 def _evaluate(session: Session, metrics: RunLog, display: Display) -> None:
+    session.optimizers.wait()  # cpu_offload: the weights eval reads are back from the CPU step
     rec = {"step": session.progress.step, **evaluate(session)}
     metrics.write(rec)
     display.eval(rec)

@@ -146,7 +146,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     tokenizer (anything with pad_token_id) and tokenized examples to skip loading. A DPO run
     not `resuming` computes its reference log-probs here, before the optimizer exists."""
     from lisaft.env.threads import apply_threads
-    from lisaft.model.load import load_tokenizer
+    from lisaft.model.load import compile_layers, load_tokenizer
     from lisaft.model.units import model_units
 
     t = recipe.training
@@ -169,6 +169,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
     optimizers = parallel.optimizers(units, device, run_dir)
     parallel.hook_forward(model, parts)
+    if t.compile:
+        # Last: the first traced forward sees the waiters just hooked (dynamo skips a hook it did
+        # not see), and DPO's reference pass above ran eagerly rather than tracing without them.
+        compile_layers(parts.layers, device)
     controller = LisaController(units, optimizers, recipe.lisa, seed=t.seed, check_agreement=parallel.layer_agreement())
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
@@ -210,7 +214,7 @@ def _model(recipe: Recipe, parallel: Strategy,
            device: torch.device) -> tuple[nn.Module, ModelParts, Adapters | None]:
     """The model, loaded and placed as the parallel strategy says, its parts, and its adapters
     (lora.enabled)."""
-    from lisaft.model.load import check_context_length, compile_layers, use_sparse_embedding_grad
+    from lisaft.model.load import check_context_length, use_sparse_embedding_grad
     from lisaft.model.parts import model_parts
 
     t = recipe.training
@@ -222,8 +226,6 @@ def _model(recipe: Recipe, parallel: Strategy,
                               tokens_per_step=t.batch_size * t.grad_accum_steps * recipe.data.max_seq_len,
                               world_size=dist.world_size())
     parts = model_parts(model, recipe.model.layers_path)
-    if t.compile:
-        compile_layers(parts.layers, device)
     return model, parallel.place(model, parts, device), adapters
 
 

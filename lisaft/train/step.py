@@ -95,14 +95,20 @@ def _measured_forward(model: torch.nn.Module, batch: dict, forward) -> tuple[tor
     return loss, meter.bytes
 
 
+# The host reads the device once per step on the dense paths. Reads beyond that one, each where its
+# path runs (tests/unit/test_step_syncs.py counts the CPU ones): training.on_nonfinite: skip reads
+# the norm before the update; a sparse embedding gradient reads its chunk bounds (one `tolist`)
+# and, on CUDA, syncs in `coalesce`; paged optimizers on CUDA synchronize the device after each
+# unit's update (the host touches paged memory next); transformers' unpadding for FlashAttention 2
+# reads each padded batch's lengths (`.item()`) in every layer.
 def train_step(session: Session, step: int, measure_norm: bool = True, measure_activations: bool = False,
                phases: Phases = _NO_PHASES, forward: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None,
                longer_than: int = 0) -> StepResult:
     """One optimizer step. measure_norm: the gradient norm even when nothing clips;
     measure_activations: what the step's longest micro-batch saves for backward, if it is longer
     than `longer_than` positions (the hooks only observe); `forward`: a benchmark's own loss. The
-    host reads the device once, at the end (with training.on_nonfinite: skip, the norm once more
-    before the update)."""
+    step's own figures are read from the device once, at the end; the reads some paths add are
+    listed above."""
     forward = forward or session.parallel.token_loss
     t = session.recipe.training
     controller = session.controller

@@ -93,3 +93,26 @@ def test_lora_input_does_not_require_grad():
     forwards, backwards = _calls(model, model_parts(model).layers)
     assert seen == [False]
     assert set(backwards) == {0, 1, 2, 3}  # every layer holds adapters: each one trains
+
+
+def test_transformers_4_input_hook_is_undone_too(monkeypatch):
+    """transformers 4.x (pyproject allows >=4.45; 4.57 checked) keeps one `_require_grads_hook` on
+    the model enable_input_require_grads was called on, and its disable raises AttributeError on
+    every other PreTrainedModel (the inner LlamaModel): frozen_inputs undoes it where it is."""
+    from transformers import PreTrainedModel
+
+    def enable_4x(self):
+        self._require_grads_hook = self.get_input_embeddings().register_forward_hook(
+            lambda m, a, out: out.requires_grad_(True))
+
+    def disable_4x(self):
+        self._require_grads_hook.remove()
+
+    monkeypatch.setattr(PreTrainedModel, "enable_input_require_grads", enable_4x)
+    monkeypatch.setattr(PreTrainedModel, "disable_input_require_grads", disable_4x)
+    model = _tiny(0, 4)
+    apply_model_settings(model, SECTION, CPU)
+    layers = model_parts(model).layers
+    _freeze_below(model, layers, 2, embeddings=False)
+    forwards, backwards = _calls(model, layers)
+    assert forwards == {0: 1, 1: 1, 2: 2, 3: 2} and set(backwards) == {2, 3}

@@ -104,3 +104,17 @@ def test_totals_sum_in_float64_and_leave_out_what_was_not_measured():
     read = totals.read({"grad_norm": None, "tokens": torch.tensor(3.0)})
     # The host's own float64 sum of the float32 losses, as the step summed them before.
     assert read == {"loss": float(losses[0]) + float(losses[1]) + float(losses[2]), "tokens": 3.0}
+
+
+SPARSE = {"batch_size": 1, "grad_accum_steps": 1, "optimizer": {"name": "adamw_8bit"}}
+
+
+def test_sparse_embedding_gradients_add_their_documented_reads(tmp_path, tiny_llama_config, monkeypatch):
+    """The exception train_step's docstring names: a sparse embedding gradient (a vocabulary larger
+    than the step's tokens) is stepped by chunks of whole rows, found with one `tolist` of the
+    chunk bounds per step; on CUDA its `coalesce` syncs as well, which a CPU cannot count."""
+    session = _session(tmp_path, tiny_llama_config, **SPARSE)
+    assert session.model.get_input_embeddings().sparse
+    for step in range(2):
+        _, scalars, lists = _reads(monkeypatch, session, step)
+        assert scalars == 0 and len(lists) == 2, (scalars, lists)
