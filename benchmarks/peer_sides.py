@@ -28,12 +28,14 @@ class Stamps:
 
     def __init__(self, warmup: int, profile: bool) -> None:
         self.t: list[float] = []
+        self.cpu: list[float] = []  # the process's CPU time, every thread: less moved by other work than wall time
         self.warmup, self.profile = warmup, profile
         self.prof = None
         self.top: list[dict] = []
 
     def step_ended(self) -> None:
         self.t.append(time.perf_counter())
+        self.cpu.append(time.process_time())
         n = len(self.t)
         if self.profile and n == self.warmup:
             from torch.profiler import ProfilerActivity, profile
@@ -51,7 +53,8 @@ class Stamps:
         span = self.t[-1] - self.t[w - 1] if steps > 0 else float("nan")
         gaps = sorted(b - a for a, b in zip(self.t[w - 1:], self.t[w:]))
         return {"steps_timed": steps, "step_s_mean": span / steps, "step_s_median": gaps[len(gaps) // 2],
-                "steps_per_s": steps / span, **({"profile_top_ops": self.top} if self.profile else {})}
+                "steps_per_s": steps / span, "cpu_s_per_step": (self.cpu[-1] - self.cpu[w - 1]) / steps,
+                **({"profile_top_ops": self.top} if self.profile else {})}
 
 
 def top_ops(prof, steps: int, n: int = 20) -> list[dict]:
