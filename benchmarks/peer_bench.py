@@ -9,7 +9,7 @@ Three comparisons on the same model, data, batch and steps (benchmarks/peer_side
          once before step 1
 
 Shapes: `tiny` (SFT: Llama 8 layers x 384, 4 rows of 256 tokens, data.packing; DPO: Llama 4 x 256,
-8 pairs a step, the quickstart tokenizer), `quick` (a smoke test's), and the real model with
+8 pairs a step, the quickstart tokenizer), `quick` (a smoke test's), or the real model with
 --real-model PATH (a local Hugging Face folder such as SmolLM2-135M-Instruct's: its weights and,
 for DPO, its tokenizer). float32, sdpa, constant LR, no weight decay, clipping at 1.0, a train
 record every --log-every steps on every side.
@@ -21,8 +21,8 @@ step, over those steps (the loop's per-step work included); start-up and the end
 outside. The best of --repeats rounds counts (a shared CPU only slows a run down); every round's
 figure and the load average before and after each process are in the JSON.
 
-    python -m benchmarks.peer_bench                          # tiny shape, all three (about 5 minutes)
-    python -m benchmarks.peer_bench --real-model PATH        # the same on a real model, too
+    python -m benchmarks.peer_bench                          # tiny shapes, all three (about 5 minutes)
+    python -m benchmarks.peer_bench --real-model PATH --repeats 1   # a real model instead (about 6 minutes)
     python -m benchmarks.peer_bench --quick                  # seconds: the tests run this
     python -m benchmarks.peer_bench --only dpo --profile     # each side's top operators (shares)
 
@@ -56,10 +56,10 @@ DPO_MODEL = {"tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_lay
 # steps, warm-up steps left out, rows (pairs) per step, tokens per row, LISA's interval, log cadence
 SETTINGS = {"sft": {"tiny": dict(steps=30, warmup=5, batch_size=4, seq_len=256, interval=5, log_every=5),
                     "quick": dict(steps=6, warmup=2, batch_size=2, seq_len=32, interval=2, log_every=2),
-                    "real": dict(steps=14, warmup=4, batch_size=4, seq_len=256, interval=5, log_every=5)},
+                    "real": dict(steps=7, warmup=2, batch_size=4, seq_len=256, interval=5, log_every=5)},
             "dpo": {"tiny": dict(steps=60, warmup=10, batch_size=8, seq_len=128, interval=5, log_every=5),
                     "quick": dict(steps=6, warmup=2, batch_size=2, seq_len=64, interval=2, log_every=2),
-                    "real": dict(steps=14, warmup=4, batch_size=8, seq_len=128, interval=5, log_every=5)}}
+                    "real": dict(steps=7, warmup=2, batch_size=8, seq_len=128, interval=5, log_every=5)}}
 COMPARISONS = {"full": ("lisaft_full", "hf_full"), "lisa": ("lisaft_lisa", "hf_lmflow"),
                "dpo": ("lisaft_dpo", "trl_dpo")}
 
@@ -114,9 +114,10 @@ def compare(comparison: str, s: dict, repeats: int, profile: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the smoke test's shape (seconds)")
-    ap.add_argument("--real-model", type=Path, help="a local Hugging Face model folder: the real shape, too")
+    ap.add_argument("--real-model", type=Path, help="a local Hugging Face model folder: its shape instead of tiny")
     ap.add_argument("--only", choices=sorted(COMPARISONS), action="append", help="one comparison (repeatable)")
     ap.add_argument("--repeats", type=int, default=None, help="rounds of A, B (default 2; 1 with --quick)")
+    ap.add_argument("--steps", type=int, help="steps timed after the warm-up (default: the shape's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="each side's top operators by self CPU time")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "peer" / "peer_bench.json")
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     import torch
 
     repeats = args.repeats or (1 if args.quick else 2)
-    shapes = ["quick"] if args.quick else ["tiny"] + (["real"] if args.real_model else [])
+    shapes = ["quick"] if args.quick else ["real"] if args.real_model else ["tiny"]
     result: dict = {"benchmark": "peer_bench", "command": "python -m benchmarks.peer_bench " + " ".join(
         argv if argv is not None else sys.argv[1:]), "torch": torch.__version__, "repeats": repeats,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpus": os.cpu_count(), "comparisons": {}}
@@ -146,6 +147,8 @@ def main(argv=None) -> int:
                 print("dpo: skipped, TRL is not installed (pip install -e '.[bench]')")
                 continue
             s = settings(comparison, shape, args.real_model, args.threads)
+            if args.steps:
+                s["steps"] = s["warmup"] + args.steps
             result["comparisons"][f"{shape}/{comparison}"] = compare(comparison, s, repeats, args.profile)
             args.out.write_text(json.dumps(result, indent=1))
     for key, c in result["comparisons"].items():

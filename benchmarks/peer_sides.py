@@ -129,8 +129,9 @@ def lisaft_side(name: str, s: dict, work: Path, stamps: Stamps) -> dict:
 
     model = ({"name_or_path": s["model_path"]} if s.get("model_path")
              else {"config": str(model_config(s["model"], work, s["seq_len"]))})
-    training = {"seed": SEED, "batch_size": s["batch_size"], "max_steps": s["steps"] + 1, "max_grad_norm": MAX_GRAD_NORM,
-                "log_every": s["log_every"], "output_dir": str(work / "run"), "device": "cpu"}
+    training = {"seed": SEED, "batch_size": s["batch_size"], "max_steps": s["steps"] + 1,
+                "max_grad_norm": MAX_GRAD_NORM, "log_every": s["log_every"], "output_dir": str(work / "run"),
+                "device": "cpu"}
     common = {"optimizer": {"name": "adamw_32bit", "lr": LR, "weight_decay": 0.0},
               "scheduler": {"name": "constant", "warmup_steps": 0}, "training": training}
     if name == "lisaft_dpo":

@@ -1,6 +1,7 @@
 """SimPO and ORPO against TRL's trainers (trl.experimental's CPOTrainer and ORPOTrainer) on the
-same pairs, tokenizer and initial model: what is the same and what differs (docs/preference.md). TRL's loss is its trainer's own
-get_batch_loss_metrics on one batch of every pair (the means do not depend on the order)."""
+same pairs, tokenizer and initial model: what is the same and what differs (docs/preference.md).
+TRL's loss is its trainer's own get_batch_loss_metrics on one batch of every pair (the means do
+not depend on the order)."""
 
 import tempfile
 from pathlib import Path
