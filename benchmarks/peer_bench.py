@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     result: dict = {"benchmark": "peer_bench", "command": "python -m benchmarks.peer_bench " + " ".join(
         argv if argv is not None else sys.argv[1:]), "torch": torch.__version__, "repeats": repeats,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpus": os.cpu_count(), "comparisons": {}}
+    if args.profile:
+        result["note"] = "timed under torch.profiler: the operator shares count, the steps/s do not"
     for version in ("transformers", "trl"):
         result[version] = (importlib.import_module(version).__version__
                            if importlib.util.find_spec(version) else None)
