@@ -23,11 +23,12 @@ figure and the load average before and after each process are in the JSON.
 
     python -m benchmarks.peer_bench                          # tiny shapes, all three (about 5 minutes)
     python -m benchmarks.peer_bench --real-model PATH --repeats 1   # a real model instead (about 6 minutes)
-    python -m benchmarks.peer_bench --quick                  # seconds: the tests run this
+    python -m benchmarks.peer_bench --quick                  # the smoke shape (the tests run its sides)
     python -m benchmarks.peer_bench --only dpo --profile     # each side's top operators (shares)
 
 TRL missing: the dpo comparison is skipped with one line. Writes
-benchmarks/results/peer/peer_bench.json (or --out).
+benchmarks/results/peer/peer_bench.json (peer_bench_real.json with --real-model, peer_bench_quick.json
+with --quick; or --out).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="steps timed after the warm-up (default: the shape's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="each side's top operators by self CPU time")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "peer" / "peer_bench.json")
+    ap.add_argument("--out", type=Path, help="the result file (default benchmarks/results/peer/peer_bench.json; "
+                    "_real, _quick for those shapes)")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     import torch
 
     repeats = args.repeats or (1 if args.quick else 2)
-    shapes = ["quick"] if args.quick else ["real"] if args.real_model else ["tiny"]
+    shape = "quick" if args.quick else "real" if args.real_model else "tiny"
     result: dict = {"benchmark": "peer_bench", "command": "python -m benchmarks.peer_bench " + " ".join(
         argv if argv is not None else sys.argv[1:]), "torch": torch.__version__, "repeats": repeats,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpus": os.cpu_count(), "comparisons": {}}
@@ -142,17 +144,18 @@ def main(argv=None) -> int:
     for version in ("transformers", "trl"):
         result[version] = (importlib.import_module(version).__version__
                            if importlib.util.find_spec(version) else None)
+    suffix = "" if shape == "tiny" else "_" + shape
+    args.out = args.out or REPO / "benchmarks" / "results" / "peer" / f"peer_bench{suffix}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for shape in shapes:
-        for comparison in args.only or list(COMPARISONS):
-            if comparison == "dpo" and result["trl"] is None:
-                print("dpo: skipped, TRL is not installed (pip install -e '.[bench]')")
-                continue
-            s = settings(comparison, shape, args.real_model, args.threads)
-            if args.steps:
-                s["steps"] = s["warmup"] + args.steps
-            result["comparisons"][f"{shape}/{comparison}"] = compare(comparison, s, repeats, args.profile)
-            args.out.write_text(json.dumps(result, indent=1))
+    for comparison in args.only or list(COMPARISONS):
+        if comparison == "dpo" and result["trl"] is None:
+            print("dpo: skipped, TRL is not installed (pip install -e '.[bench]')")
+            continue
+        s = settings(comparison, shape, args.real_model, args.threads)
+        if args.steps:
+            s["steps"] = s["warmup"] + args.steps
+        result["comparisons"][f"{shape}/{comparison}"] = compare(comparison, s, repeats, args.profile)
+        args.out.write_text(json.dumps(result, indent=1))
     for key, c in result["comparisons"].items():
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in c.items() if "_over_" in k)
         print(f"{key}: " + ", ".join(f"{n} {v:.2f} steps/s" for n, v in c["steps_per_s"].items()) + f"; {ratios}")
