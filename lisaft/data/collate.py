@@ -38,7 +38,8 @@ def collate(examples: list[Example], pad_id: int, flatten: bool = False) -> dict
     Plain examples are right-padded to the longest, with attention_mask 0 and label -100 on the
     padding. Packed rows (with `doc_lens`) get position ids restarting at 0 per document and no
     attention_mask: transformers then builds a block-diagonal causal mask from the position ids
-    (sdpa, eager). A padded tail is one more document of its own, with label -100. `flatten`
+    (sdpa, eager). A padded tail is one more document of its own, with label -100. A batch whose
+    rows are each one whole document gets no position ids at all (plain causal attention). `flatten`
     puts every document of the micro-batch into one row with no padding at all, plus the
     cumulative lengths the flash-attention varlen kernels take (cu_seq_lens_q/k, max_length_q/k).
     In both layouts the first token of each document carries no loss: nothing in the row may
@@ -50,6 +51,12 @@ def collate(examples: list[Example], pad_id: int, flatten: bool = False) -> dict
         return _collate_padded(examples, pad_id)
     input_ids, labels = _pad_rows(examples, pad_id)
     width = input_ids.shape[1]
+    if all(doc_lens(ex) == [width] for ex in examples):
+        # Each row one document and no padding: the model's own positions are the documents'.
+        # Without position ids transformers neither looks for packed documents (a read of the
+        # device per forward) nor builds a mask: sdpa runs is_causal, as for the peers' rows.
+        labels[:, 0] = IGNORE_INDEX
+        return {"input_ids": input_ids, "labels": labels}
     position_ids = torch.zeros_like(input_ids)
     for row, ex in enumerate(examples):
         k = len(ex["input_ids"])

@@ -210,7 +210,8 @@ class AdamW(torch.optim.Optimizer):
         stepped = False
         # The whole unit's paged moments start towards the GPU before its first update, so the
         # later parameters' pages arrive while the earlier ones update.
-        self._prefetch([p for group in self.param_groups for p in group["params"] if p.grad is not None])
+        if self.paged:  # only paged moments move: no pass over every parameter otherwise
+            self._prefetch([p for group in self.param_groups for p in group["params"] if p.grad is not None])
         for group in self.param_groups:
             fused: list[torch.Tensor] = []
             chunked: list[torch.Tensor] = []
@@ -232,7 +233,8 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step_param(self, p: torch.Tensor) -> None:
         """Update one parameter now (step-in-backward: its gradient has just been completed)."""
-        self._prefetch([p])
+        if self.paged:
+            self._prefetch([p])
         if self._on_host(p):
             self._host_update(p, self._group[p])
         elif self._fusable(p):

@@ -26,6 +26,8 @@ TASKS_PER_GRAB = 4  # host_kernel.TASK elements each (16 KiB of 8-bit moments)
 # already spreads over every core, so callers take turns.
 _lock = threading.Lock()
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# Elements below which a call runs on the calling thread alone: torch's at::internal::GRAIN_SIZE.
+SERIAL_BELOW = 1 << 15
 
 _missing = ""  # why the kernel did not load
 _warned = False
@@ -98,14 +100,20 @@ def accumulate(acc: torch.Tensor, g: torch.Tensor) -> None:
     assert _kernel is not None and acc.is_contiguous()
     a, b = _np(acc.view(-1)), _np(g.reshape(-1))
     with _lock:
-        _take_threads()
+        _take_threads(a.shape[0])
         _kernel.accumulate(a, b)
 
 
-def _take_threads() -> None:
+def _take_threads(elements: int) -> None:
     assert _kernel is not None
-    # numba's thread count is per calling thread: follow torch's (training.threads).
-    _kernel.numba.set_num_threads(max(1, min(torch.get_num_threads(), _kernel.numba.config.NUMBA_NUM_THREADS)))
+    # numba's thread count is per calling thread: follow torch's (training.threads), except for a
+    # tensor too small to share: there a fork and join costs more than the work, and on a busy
+    # machine the join waits for a thread the scheduler parked (one call took 24 ms at load 10).
+    # torch's own CPU kernels run inline below the same grain.
+    threads = 1 if elements < SERIAL_BELOW else min(torch.get_num_threads(), _kernel.numba.config.NUMBA_NUM_THREADS)
+    _kernel.numba.set_num_threads(max(1, threads))
+    if threads <= 1:
+        return
     # Tasks are handed out a few at a time instead of split evenly up front: when another
     # process holds one core, the other thread takes the busy one's share (8-bit on two cores
     # shared with one other process: 3.0 instead of 4.8 ns per element). Tasks are whole 8-bit
@@ -132,7 +140,7 @@ def step_chunk(w: torch.Tensor, g: torch.Tensor, st: dict, lo: int, hi: int, s: 
             host_reference.step_dense(w, g, m, v, sl, lo, k1, k2, stochastic)
         return
     with _lock:
-        _take_threads()
+        _take_threads(hi - lo)
         if eight:
             assert maps is not None
             _kernel.step_8bit(_np(w), _np(g), m.numpy(), v.numpy(), am.numpy(), av.numpy(), *_codes(*maps), s,

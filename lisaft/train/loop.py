@@ -127,6 +127,7 @@ def run(session: Session, base: Path | None, show: bool, stop_at: int | None,
             stopping = dist.any_rank(stop.requested or (stop_at is not None and progress.step >= stop_at))
             if (t.save_every and progress.step % t.save_every == 0) or stopping or progress.step == t.max_steps:
                 progress.window = window
+                metrics.sync()
                 base = _save(session, checkpointer, base)
             if stopping and progress.step < t.max_steps:
                 assert base is not None  # saved just above: a stop always checkpoints

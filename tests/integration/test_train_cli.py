@@ -12,10 +12,18 @@ TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "active_layer
                 "peak_memory_counter"}
 
 
-def test_train_end_to_end_writes_the_run_directory(tiny_run):
+def test_train_end_to_end_writes_the_run_directory(tiny_run, monkeypatch):
+    from lisaft.checkpoint.checkpointer import Checkpointer
+    from lisaft.metrics.log import MetricsLog
+
+    events = []  # metrics.jsonl reaches the disk before each checkpoint a resume truncates it to
+    sync, save = MetricsLog.sync, Checkpointer.save
+    monkeypatch.setattr(MetricsLog, "sync", lambda self: events.append("sync") or sync(self))
+    monkeypatch.setattr(Checkpointer, "save", lambda self, step, *a: events.append(step) or save(self, step, *a))
     recipe = tiny_run()
     result = runner.invoke(app, ["train", str(recipe), "--set", "training.save_every=4"])
     assert result.exit_code == 0, result.output
+    assert events == ["sync", 4, "sync", 8, "sync"]  # the last: the log closing
     run = tiny_run.dir / "run"
     records = read_metrics(run / "metrics.jsonl")
     train = [r for r in records if "loss" in r]

@@ -397,6 +397,7 @@ def test_step_workers_share_the_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(optim.AdamW, "step", counted_step)
     monkeypatch.setattr(host_step, "step_chunk", counted_chunk)
     monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(host_step, "SERIAL_BELOW", 0)  # the tiny model's tensors would step on one thread
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:

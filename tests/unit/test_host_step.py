@@ -250,6 +250,7 @@ def test_many_tasks_in_any_schedule_are_the_same_bits(monkeypatch):
     w0, g = torch.randn(n, generator=gen).to(torch.bfloat16), (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
     st0 = state(torch.uint8, gen, n)
     out = []
+    monkeypatch.setattr(host_step, "SERIAL_BELOW", 0)  # this small tensor on two threads too
     for kernel, grab, threads in ((True, host_step.TASKS_PER_GRAB, 2), (True, 1, 2), (True, 0, 2), (True, 4, 1),
                                   (False, 0, 2)):
         monkeypatch.setattr(host_step, "TASKS_PER_GRAB", grab)
@@ -266,6 +267,23 @@ def test_many_tasks_in_any_schedule_are_the_same_bits(monkeypatch):
     assert_near(wk, wr, "weights")
     for k in sk:
         assert_near(sk[k], sr[k], k)
+
+
+def test_a_tensor_below_the_grain_steps_on_the_calling_thread(monkeypatch):
+    """A fork and join per small tensor (norms, biases, a small embedding) cost more than its
+    update, and on a busy machine the join waits for a parked thread."""
+    from lisaft.optim import host_kernel
+
+    assert host_step.available()
+    asked = []
+    monkeypatch.setattr(host_kernel.numba, "set_num_threads", asked.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for n in (host_step.SERIAL_BELOW - 1, host_step.SERIAL_BELOW):
+        w, g = torch.zeros(n), torch.ones(n)
+        st = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+        host_step.step_chunk(w, g, st, 0, n, host_step.adam_scalars(GROUP, 1), 0, False, None)
+        assert bool((w < 0).all())  # stepped either way
+    assert asked == [1, min(2, host_kernel.numba.config.NUMBA_NUM_THREADS)]
 
 
 @pytest.mark.parametrize("acc_dtype,g_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),

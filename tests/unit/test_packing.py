@@ -102,6 +102,35 @@ def test_collate_restarts_positions_and_masks_each_documents_first_label():
     assert batch["labels"][1, 2:].eq(IGNORE_INDEX).all()
 
 
+def test_rows_of_one_whole_document_each_get_plain_causal_attention():
+    """No position ids: transformers then neither searches them for packed documents (a read of
+    the device per forward) nor builds a mask, and sdpa runs is_causal; the logits are those of
+    the explicit positions, bit for bit."""
+    from _tiny import tiny
+
+    rows = [{**ex, "doc_lens": [8]} for ex in _examples([8, 8], vocab=128)]
+    batch = collate(rows, pad_id=0)
+    assert set(batch) == {"input_ids", "labels"}
+    assert batch["labels"][:, 0].eq(IGNORE_INDEX).all()
+    assert batch["labels"][:, 1:].tolist() == [r["labels"][1:] for r in rows]
+    model = tiny(0, 1)
+    model.config._attn_implementation = "sdpa"
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        plain = model(input_ids=batch["input_ids"], use_cache=False).logits
+        positioned = model(input_ids=batch["input_ids"], position_ids=torch.arange(8).repeat(2, 1),
+                           use_cache=False).logits
+    assert calls == [(None, True)] * 2
+    assert torch.equal(plain, positioned)
+
+
 def test_flattened_batches_carry_the_varlen_kernels_lengths():
     examples = _examples([5, 3, 4])
     batch = collate(examples, pad_id=0, flatten=True)

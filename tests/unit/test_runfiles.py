@@ -159,3 +159,20 @@ def test_docs_resume_quotes_the_live_refusal_as_it_is(tmp_path):
     said = said.replace(socket.gethostname(), "HOST")
     doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "resume.md").read_text().split())
     assert f"``{said} ``" in doc, said
+
+
+def test_metrics_records_are_flushed_each_and_reach_the_disk_at_a_sync(tmp_path, monkeypatch):
+    """An fsync per record cost a small model's step as much as its optimizer: the records are
+    flushed (a killed process loses none) and fsynced once, before the checkpoint a resume
+    truncates metrics.jsonl to (the loop calls sync before it saves)."""
+    import os
+
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 4):
+        log.write({"step": step})
+        assert (tmp_path / "metrics.jsonl").read_text().count("\n") == step  # flushed, readable now
+    assert not synced
+    log.sync()
+    assert len(synced) == 1
