@@ -68,7 +68,7 @@ from pathlib import Path
 
 from benchmarks import gpu_box
 from benchmarks.common import PadOnly, synthetic_documents, synthetic_examples, synthetic_pairs
-from benchmarks.gpu_times import recipe_values, run_seconds
+from benchmarks.gpu_times import in_sequence, recipe_values, run_seconds
 from benchmarks.step_parts import StepParts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -513,10 +513,9 @@ def _run_all(chosen: list[Config], args) -> list[dict]:
     spent, results = 0.0, []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for cfg in chosen:
+        for cfg, expected in zip(chosen, in_sequence([c.expected for c in chosen])):
             remaining = (None if args.budget_s is None else args.budget_s - spent) if args.tiny \
                 else gpu_box.remaining(args.started, args.budget_s)
-            expected = cfg.expected["seconds"]
             spent += expected
             if remaining is not None and remaining < expected:
                 results.append({"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps,

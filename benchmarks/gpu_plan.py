@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.gpu_box import preload, run_boxed, run_forked
-from benchmarks.gpu_times import HOST_KERNEL_COMPILE_S, IMPORT_S, START_S
+from benchmarks.gpu_times import HOST_KERNEL_COMPILE_S, IMPORT_S, START_S, in_sequence
 
 REPO = Path(__file__).resolve().parents[1]
 TOTAL_S = 540  # of the 600 s one command may run: 60 s for the preflight and the archive
@@ -52,12 +52,9 @@ class Step:
         if self.configs:
             from benchmarks.gpu_8b_24gb import BY_NAME
 
-            runs = {c: BY_NAME[c].expected["seconds"] for c in self.configs}
-            # numba caches the host kernel on disk: a step's later cpu_offload runs do not compile it.
-            offloaded = sum("offload_accumulation" in BY_NAME[c].expected["parts"] for c in self.configs)
-            cached = max(0, offloaded - 1) * HOST_KERNEL_COMPILE_S
-            return {"seconds": SUITE_MARGIN_S + sum(runs.values()) - cached, "how": "gpu_times.run_seconds per run",
-                    "runs": runs, "cached_host_kernel_s": cached}
+            runs = dict(zip(self.configs, in_sequence([BY_NAME[c].expected for c in self.configs])))
+            return {"seconds": SUITE_MARGIN_S + sum(runs.values()), "how": "gpu_times.in_sequence of run_seconds",
+                    "runs": runs}
         return _small(self.name)
 
     def argv(self, out: Path, dry: bool, started: float) -> list[str]:
