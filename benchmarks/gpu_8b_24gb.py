@@ -20,10 +20,12 @@ time is computed (benchmarks/gpu_times.py):
   compiled            the 24 GiB recipe with training.compile: true (tokens/s, FLOP share)
   full-in-backward    full fine-tuning, paged AdamW 8-bit stepped in backward, no clipping
   offload-full-ga4 / -ga8 / -ga32   recipes/llama3.1-8b-full-24gb.yaml: full fine-tuning with
-                      the optimizer on the CPU (optimizer.cpu_offload) at 4 (on the recipe's dense
-                      embedding gradient), 8 and 32 micro-batches
-                      per step: tokens/s, NVML peak, the host's peak RSS and the step's parts
-                      (benchmarks/step_parts.py: transfers, accumulation, host step)
+                      the optimizer on the CPU (optimizer.cpu_offload), layer-major
+                      (offload_accumulation: device), at 4 (on the recipe's dense embedding
+                      gradient), 8 and 32 micro-batches per step: tokens/s, NVML peak, the host's
+                      peak RSS, the step's parts (benchmarks/step_parts.py: transfers,
+                      accumulation, host step) and its counted transfers and host additions
+  offload-host-ga4    the same at 4 micro-batches with offload_accumulation: host, one step
   apollo-r32-8b       the same recipe with its header's APOLLO at rank 32, channel scaling
   dpo-8b / lora-dpo-8b   recipes/llama3.1-8b-dpo-24gb.yaml (every weight, optimizer on the CPU, 2
                       pairs a step) and recipes/llama3.1-8b-lora-dpo-24gb.yaml (8,192 tokens a
@@ -66,7 +68,7 @@ from pathlib import Path
 
 from benchmarks import gpu_box
 from benchmarks.common import PadOnly, synthetic_documents, synthetic_examples, synthetic_pairs
-from benchmarks.gpu_times import recipe_values, run_seconds
+from benchmarks.gpu_times import in_sequence, recipe_values, run_seconds
 from benchmarks.step_parts import StepParts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +97,7 @@ TINY_SEQ = {512: 32, 2048: 64, 8192: 96, 16384: 128, 32768: 160}
 TINY_MLP_CHUNK = 32
 
 
+OFFLOAD_GA4 = ("training.grad_accum_steps=4", "model.sparse_embedding_grad=false")
 PEER = ("training.grad_accum_steps=1", "data.max_seq_len=2048", "model.offload_activations=false",
         "model.mlp_chunk_tokens=null", "training.max_grad_norm=null", "scheduler.name=constant",
         "scheduler.warmup_steps=0")
@@ -143,8 +146,13 @@ CONFIGS = [
     # The recipe's own 32 micro-batches of 2,048 tokens (65,536 a step) take the dense embedding
     # gradient (sparse pays under half the vocabulary's tokens a step: model/load.py); at 4 the
     # sparse path would run, which the recipe never takes, so the run keeps the recipe's.
+    # Both accumulation paths at that shape: `device` (the layer-major backward, the recipe's
+    # default) against `host` (every micro-batch's gradient shipped and added on the host), one
+    # step of it: its tokens/s then includes the first step's warm-up.
     Config("offload-full-ga4", recipe=RECIPE_FULL,
-           overrides=("training.grad_accum_steps=4", "model.sparse_embedding_grad=false"), steps=2, tiny_steps=3),
+           overrides=(*OFFLOAD_GA4, "optimizer.offload_accumulation=device"), steps=2, tiny_steps=3),
+    Config("offload-host-ga4", recipe=RECIPE_FULL, overrides=(*OFFLOAD_GA4, "optimizer.offload_accumulation=host"),
+           steps=1, tiny_steps=3),
     Config("offload-full-ga8", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=8",), steps=3),
     Config("offload-full-ga32", recipe=RECIPE_FULL, overrides=("training.grad_accum_steps=32",), steps=3),
     Config("apollo-8b", recipe=RECIPE_APOLLO, steps=8),
@@ -278,6 +286,8 @@ def _train(session, steps: int, cuda: bool, result: dict, partial: Path | None) 
         result["step_parts"].append(parts.take())
         result["active_layers"].append(list(session.controller.active_layers) if result["lisa"] else None)
         result.update(steps_done=step + 1, last_loss=loss, tokens_per_step=tokens)
+        if stepped.offload is not None:  # the step's counted transfers and host additions
+            result["offload_counts"] = stepped.offload
         if cuda:
             result["torch_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         if partial is not None:
@@ -302,6 +312,7 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Pat
     """Train one configuration in this process; returns its measurements."""
     import torch
 
+    from lisaft.config.compat import offload_accumulation
     from lisaft.config.schema import load_recipe
     from lisaft.memory.command import estimate_for_recipe
     from lisaft.metrics.measure import peak_rss_bytes
@@ -325,6 +336,7 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Pat
               "estimated_paged_state_bytes": est.paged_state_bytes,
               "estimated_activation_host_bytes": est.activation_host_bytes,
               "cpu_offload": recipe.optimizer.cpu_offload, "grad_accum_steps": t.grad_accum_steps,
+              "offload_accumulation": offload_accumulation(recipe),
               "estimated_host_bytes": est.host_bytes, "expected": cfg.expected,
               "steps_planned": cfg.steps, "steps_done": 0, "oom": False, "step_times_s": [], "step_parts": [],
               "active_layers": []}
@@ -501,10 +513,9 @@ def _run_all(chosen: list[Config], args) -> list[dict]:
     spent, results = 0.0, []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for cfg in chosen:
+        for cfg, expected in zip(chosen, in_sequence([c.expected for c in chosen])):
             remaining = (None if args.budget_s is None else args.budget_s - spent) if args.tiny \
                 else gpu_box.remaining(args.started, args.budget_s)
-            expected = cfg.expected["seconds"]
             spent += expected
             if remaining is not None and remaining < expected:
                 results.append({"run": cfg.name, "steps_done": 0, "steps_planned": cfg.steps,

@@ -4,6 +4,8 @@ compiled layer waiting for the CPU step) against the path they must equal, on a 
 
   offload-vs-resident   optimizer.cpu_offload against the optimizer on the device, 3 steps of 2
                         micro-batches, float32: the CPU's AdamW is not the GPU's, so to 1e-5
+  layer-major           offload_e2e_bench --quick on this device: cpu_offload's layer-major
+                        backward (`device`) and `host` against resident, bf16, 4 micro-batches
   activation-offload    model.offload_activations against plain checkpointing: bit for bit
   packed-sdpa / packed-varlen   one train_step over packed rows against the same examples
                         unpacked, loss and gradient norm: with sdpa (float32, 1e-4; per-document
@@ -231,8 +233,26 @@ def check_paged_in_backward(device, tmp: Path) -> dict:
             "weight_max_abs_diff": max(_diff(ref_w[n], got_w[n]) for n in ref_w)}
 
 
+def check_layer_major(device, tmp: Path) -> dict:
+    """`python -m benchmarks.offload_e2e_bench --quick --device cuda`: the trainer's step with
+    optimizer.cpu_offload layer-major (`device`) and micro-batch-major (`host`) against the
+    resident run, bf16 weights. On CPU `device` equals resident bit for bit; CUDA's backward
+    kernels may sum in another order from run to run, so there `device` may differ from resident
+    by no more than `host` does, or one bf16 rounding of a weight of 1 (the norms')."""
+    from benchmarks.offload_e2e_bench import QUICK, measure
+
+    r = measure(QUICK, QUICK["accum"][0], tmp / "layer-major", device.type)
+    same, diff = r["same_weights_bit_for_bit"], r["max_abs_diff"]
+    tol = "bit for bit" if device.type != "cuda" else max(diff["host"], 2.0**-7)
+    ok = same["device"] or (device.type == "cuda" and diff["device"] <= tol)
+    return {"ok": ok, "tolerance": tol, "same_weights_bit_for_bit": same, "weight_max_abs_diff": diff,
+            "counts": {arm: {k: v for k, v in r[arm].items() if k.startswith(("offload_", "host_"))}
+                       for arm in ("device", "host")}}
+
+
 CHECKS = {
     "offload-vs-resident": lambda d, t: check_offload(d, t),
+    "layer-major": check_layer_major,
     "activation-offload": check_activation_offload,
     "packed-sdpa": lambda d, t: check_packed(d, t, "sdpa"),
     "packed-varlen": lambda d, t: check_packed(d, t, "flash_attention_2"),

@@ -14,7 +14,8 @@ whole process group (benchmarks/gpu_box.py). Every step's expected time is compu
 
 What comes back: DIR holds two files, written again after every step: gpu-results.tar.gz (every
 step's JSON, markdown and log, and the preflight's) and summary.json (each step's exit, time and
-JSON files). Everything else goes to --work (default: a temporary folder).
+JSON files, and each 8B run's tokens/s, NVML peak and offload path). Everything else goes to
+--work (default: a temporary folder).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.gpu_box import preload, run_boxed, run_forked
-from benchmarks.gpu_times import HOST_KERNEL_COMPILE_S, IMPORT_S, START_S
+from benchmarks.gpu_times import HOST_KERNEL_COMPILE_S, IMPORT_S, START_S, in_sequence
 
 REPO = Path(__file__).resolve().parents[1]
 TOTAL_S = 540  # of the 600 s one command may run: 60 s for the preflight and the archive
@@ -51,8 +52,8 @@ class Step:
         if self.configs:
             from benchmarks.gpu_8b_24gb import BY_NAME
 
-            runs = {c: BY_NAME[c].expected["seconds"] for c in self.configs}
-            return {"seconds": SUITE_MARGIN_S + sum(runs.values()), "how": "gpu_times.run_seconds per run",
+            runs = dict(zip(self.configs, in_sequence([BY_NAME[c].expected for c in self.configs])))
+            return {"seconds": SUITE_MARGIN_S + sum(runs.values()), "how": "gpu_times.in_sequence of run_seconds",
                     "runs": runs}
         return _small(self.name)
 
@@ -75,11 +76,13 @@ def _small(name: str) -> dict:
     do not pay) and their own parts, each assumed where no figure exists."""
     start = START_S - 5
     parts = {
-        # 6 checks on 4-layer models: inductor compiling one layer on CUDA (30 s, assumed), the
-        # other five under 2 s each (their CPU dry run takes 2-8 s each at hidden 64-256), and
-        # numba compiling the float32 host kernel that offload-vs-resident's cpu_offload steps with
-        # (gpu_times' figure; no other step compiles that dtype first).
-        "equality": {"start_s": start, "compile_s": 30.0, "checks_s": 5 * 2.0, "host_kernel_s": HOST_KERNEL_COMPILE_S},
+        # 7 checks on 2- and 4-layer models: inductor compiling one layer on CUDA (30 s, assumed),
+        # the other six under 2 s each (their CPU dry run takes 2-8 s each at hidden 64-256), and
+        # numba compiling the host kernel for float32 weights (offload-vs-resident) and for bf16
+        # weights with fp32 moments (layer-major: offload_e2e_bench's adamw_32bit), gpu_times'
+        # figure each (no step before compiles either).
+        "equality": {"start_s": start, "compile_s": 30.0, "checks_s": 6 * 2.0,
+                     "host_kernel_s": 2 * HOST_KERNEL_COMPILE_S},
         # 2 variants x 3 runs of the quickstart model (8 steps of 32 x 64 tokens): 2 s each on a
         # GPU (assumed), and cpu_offload's host kernel compiled once (gpu_times' 10 s).
         "resume": {"start_s": start, "runs_s": 6 * 2.0, "host_kernel_s": HOST_KERNEL_COMPILE_S},
@@ -114,17 +117,17 @@ def gpu_test_files() -> list[str]:
 STEPS = (
     Step("lisa", 31, "benchmarks.gpu_8b_24gb", configs=("lisa-8b",)),
     Step("dpo", 84, "benchmarks.gpu_8b_24gb", configs=("dpo-8b",)),
-    Step("offload", 99, "benchmarks.gpu_8b_24gb", configs=("offload-full-ga4",)),
+    Step("offload", 123, "benchmarks.gpu_8b_24gb", configs=("offload-full-ga4", "offload-host-ga4")),
     Step("lora", 73, "benchmarks.gpu_8b_24gb", configs=("lora-8b", "lora-dpo-8b")),
     Step("apollo", 72, "benchmarks.gpu_8b_24gb", configs=("apollo-8b", "apollo-r32-8b", "full-in-backward")),
     Step("long", 65, "benchmarks.gpu_8b_24gb", configs=("long-16k",)),
-    Step("equality", 62, "benchmarks.gpu_equality"),
-    Step("resume", 35, "benchmarks.gpu_resume"),
+    Step("equality", 74, "benchmarks.gpu_equality"),
     Step("gpu-tests", 18, "pytest", args=("-q", "-p", "no:cacheprovider", "-m", "gpu", *gpu_test_files()),
          writes_out=False),
 )
 # What one 540 s plan cannot hold, least valuable per device second: a second lent session's plan.
 LEFT_OUT = {
+    "resume": "resuming bit for bit on CUDA (benchmarks/gpu_resume.py); every path's resume is tested on CPU",
     "qlora-8b": "most of it writing and reading back 16 GB of random weights to quantize them",
     "peer": "a speed comparison with HF Trainer (benchmarks/gpu_peer.py), no memory claim",
     "packing": "packing's speed at 1.1B (benchmarks/packing_bench.py --gpu-size), no memory claim",
@@ -154,12 +157,19 @@ def check(rows: list[dict]) -> list[str]:
     return faults
 
 
-def _skipped(step: Step, out: Path) -> list[str]:
-    """The step's named runs its JSON says were skipped for time."""
+# Each run's headline in the summary, beside every other step's: the LISA recipe's tokens/s and
+# NVML peak next to the full recipe's under each accumulation path.
+HEADLINE = ("tokens_per_s", "nvml_peak_used_bytes", "peak_rss_bytes", "offload_accumulation", "offload_counts")
+
+
+def _runs(step: Step, out: Path) -> tuple[list[str], dict]:
+    """The step's named runs its JSON says were skipped for time, and each run's headline."""
     path = out / f"{step.name}.json"
     if not step.configs or not path.exists():
-        return []
-    return [r["run"] for r in json.loads(path.read_text()).get("runs", []) if r.get("skipped")]
+        return [], {}
+    runs = json.loads(path.read_text()).get("runs", [])
+    return ([r["run"] for r in runs if r.get("skipped")],
+            {r["run"]: {k: r[k] for k in HEADLINE if r.get(k) is not None} for r in runs if not r.get("skipped")})
 
 
 def pack(work: Path, out: Path, summary: dict) -> None:
@@ -194,9 +204,10 @@ def run(out: Path, work: Path, dry: bool) -> int:
             argv = step.argv(work, dry, time.time())
             rc = run_forked(argv, box, log, REPO) if dry else run_boxed(argv, box, cwd=REPO, stdout=log,
                                                                   stderr=subprocess.STDOUT)[0]
-        skipped = _skipped(step, work)
+        skipped, headlines = _runs(step, work)
         seconds = round(time.monotonic() - t0, 1)
-        summary["steps"][step.name] = {"exit": rc, "seconds": seconds, "skipped_runs": skipped}
+        summary["steps"][step.name] = {"exit": rc, "seconds": seconds, "skipped_runs": skipped,
+                                       **({"runs": headlines} if headlines else {})}
         print(f"{step.name}: {seconds} s, exit {rc}" + (f", skipped for time: {', '.join(skipped)}" if skipped else ""),
               flush=True)
         failed |= rc != 0 or bool(skipped)

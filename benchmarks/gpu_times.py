@@ -5,9 +5,15 @@ measured (on the lent machine by others, or by this project's benchmarks on the 
 assumed, and the plan (benchmarks/gpu_plan.py) fits its budgets to them:
 
     run   = START_S + steps x step + extra (DPO's reference pass; NF4's quantizing; numba's compile)
-    step  = micro-batches x max(FLOPs / (BF16_RATE x TRAIN_SHARE), gradient bytes out / LINK)
-            + host parts (cpu_offload: accumulation per micro-batch, the host step, weights back)
+    step  = micro-batches x FLOPs / (BF16_RATE x TRAIN_SHARE)
             (a preference pair is two sequences in one micro-batch)
+    cpu_offload's step: the estimator's step model (lisaft/memory/layer_major.py step_seconds) on
+            the lent machine's parts (LENT), none of them overlapped (its serial bound): the GPU,
+            the link's larger direction, the host memory's traffic and the CPU step. Its path is
+            the run's own (config/compat.py offload_accumulation): `host` ships every
+            micro-batch's gradient and adds it on the host; `device` (layer-major) ships each
+            group's gradient once and every layer's saved input out and back, at the estimator's
+            group on LENT_HOST_RAM, the recompute of each layer in its FLOPs as checkpointing's
 
 Once the suite has run, its JSON holds each run's step time, share of the FLOP bound and wall
 time: the assumptions below are then to be replaced by those figures.
@@ -33,6 +39,8 @@ TRAIN_SHARE = 0.25
 NF4_SLOWDOWN = 1.5
 # Assumed: the host link, the 25 GB/s recipes/llama3.1-8b-full-24gb.yaml states for PCIe.
 LINK_BYTES_PER_S = 25e9
+# The lent machine's RAM (the device notes: 128 GiB), which sets the layer-major group.
+LENT_HOST_RAM = 128 * 2**30
 # A child's start, in parts: Python with torch, transformers and lisaft imported (6.6 s of CPU
 # on the build machine, measured with /usr/bin/time), the CUDA context (2 s, assumed), an 8B
 # model of random bf16 weights built on the GPU (5 s, assumed: init kernels over 16 GB), the
@@ -89,17 +97,43 @@ def flops_per_token(shape: dict, seq: int, kind: str, gamma: int = 0, recompute:
     return n * (4 * layer + 3 * attn + again) + 4 * head
 
 
-def _host_rates() -> dict:
-    """Seconds per 10^9 parameters of the cpu_offload host parts, measured on the build machine
-    (2 threads): the fused 8-bit host step (benchmarks/results/host_step/host_step.json) and the
-    accumulation of a micro-batch's gradients (benchmarks/results/offload/offload.json, 218.1M
-    parameters, adamw_8bit, 2 threads). The lent machine has 16 cores: a bound from above."""
+def lent_machine():
+    """The lent machine as the estimator's step model takes it (lisaft/memory/layer_major.py
+    Machine): BF16_RATE at TRAIN_SHARE, LINK_BYTES_PER_S, and the cpu_offload host parts measured
+    on the build machine (2 threads; the lent machine has 16 cores: a bound from above): the fused
+    8-bit host step (benchmarks/results/host_step/host_step.json), and the host memory's rate from
+    the accumulation of a micro-batch's gradients (benchmarks/results/offload/offload.json, 218.1M
+    parameters, adamw_8bit), taken as the three bf16 gradients an addition moves, as step_seconds
+    counts it."""
+    from lisaft.memory.layer_major import Machine
+
     host = json.loads((RESULTS / "host_step" / "host_step.json").read_text())
     offload = json.loads((RESULTS / "offload" / "offload.json").read_text())
     rows = [r for r in offload["results"] if r["optimizer"] == "adamw_8bit" and r["threads"] == 2]
-    big = max(rows, key=lambda r: r["params"])
-    return {"host_step": host["moments"]["8bit"]["kernel"]["s_per_1e9_params"],
-            "accumulate": big["seconds_per_1e9_params"]["accumulate"]}
+    accumulate = max(rows, key=lambda r: r["params"])["seconds_per_1e9_params"]["accumulate"]
+    step = host["moments"]["8bit"]["kernel"]["s_per_1e9_params"]
+    return Machine("the lent GPU (assumed parts)", BF16_RATE * TRAIN_SHARE, LINK_BYTES_PER_S, 3 * 2 * 1e9 / accumulate,
+                   step / 1e9)
+
+
+def offload_step(recipe: Path, overrides: tuple[str, ...], params: int, tokens: int) -> dict:
+    """cpu_offload's step on the lent machine, on the path the run resolves to, with its parts."""
+    from lisaft.config.compat import offload_accumulation
+    from lisaft.config.schema import load_recipe
+    from lisaft.memory.command import settings_from_recipe
+    from lisaft.memory.estimate import compute
+    from lisaft.memory.layer_major import step_seconds
+
+    rec = load_recipe(recipe, overrides)
+    path, accum = offload_accumulation(rec), rec.training.grad_accum_steps
+    saved, groups = 0, 0
+    if path == "device":
+        t = compute(settings_from_recipe(rec).with_(host_budget_bytes=LENT_HOST_RAM)).layer_major
+        assert t is not None, "device resolves to the layer-major terms"
+        saved, groups = t.saved_inputs, t.groups
+    p = step_seconds(params, 2 * params, tokens, accum, lent_machine(), saved, groups,
+                     rec.training.max_grad_norm is not None)
+    return {"offload_accumulation": path, "groups": groups, **{f"offload_{k}": v for k, v in p.items()}}
 
 
 def run_seconds(recipe: Path, overrides: tuple[str, ...], steps: int, config: Path) -> dict:
@@ -127,12 +161,19 @@ def run_seconds(recipe: Path, overrides: tuple[str, ...], steps: int, config: Pa
         weights = 2 * shape["params"]
         extra += NF4_QUANTIZE_S + weights / DISK_WRITE_BYTES_PER_S + weights / DISK_READ_BYTES_PER_S
     if opt.get("cpu_offload"):
-        rates, p = _host_rates(), shape["params"] / 1e9
-        out = 2 * shape["params"] / LINK_BYTES_PER_S  # bf16 gradients, overlapped with backward
-        parts.update(transfer_per_micro_batch_s=out, accumulate_per_micro_batch_s=rates["accumulate"] * p,
-                     host_step_s=rates["host_step"] * p, weights_back_s=out)
-        per_step = (micro * (max(compute, out) + parts["accumulate_per_micro_batch_s"])
-                    + parts["host_step_s"] + parts["weights_back_s"])
+        parts.update(offload_step(recipe, overrides, shape["params"], micro * sequences * seq))
+        per_step = parts["offload_serial_s"]
         extra += HOST_KERNEL_COMPILE_S
     parts.update(step_s=per_step, steps=steps, extra_s=extra)
     return {"seconds": START_S + steps * per_step + extra, "parts": parts}
+
+
+def in_sequence(expected: list[dict]) -> list[float]:
+    """The seconds of runs made one after another on one machine (run_seconds' results, in
+    order): numba caches the host kernel on disk, so only the first cpu_offload run compiles it."""
+    seconds, compiled = [], False
+    for e in expected:
+        offload = "offload_accumulation" in e["parts"]
+        seconds.append(e["seconds"] - HOST_KERNEL_COMPILE_S * (compiled and offload))
+        compiled |= offload
+    return seconds

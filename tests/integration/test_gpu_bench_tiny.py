@@ -38,10 +38,14 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     assert sorted(f.name for f in files) == ["gpu-results.tar.gz", "summary.json"]
     assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
     order = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("== ")]
-    assert order == ["lisa", "dpo", "offload", "lora", "apollo", "long", "equality", "resume", "gpu-tests"]
+    assert order == ["lisa", "dpo", "offload", "lora", "apollo", "long", "equality", "gpu-tests"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and not summary["faults"]
     assert all(s["exit"] == 0 and not s["skipped_runs"] for s in summary["steps"].values()), summary["steps"]
+    # The LISA recipe's tokens/s and peak beside the full recipe's under each accumulation path.
+    heads = {**summary["steps"]["lisa"]["runs"], **summary["steps"]["offload"]["runs"]}
+    assert all(h["tokens_per_s"] > 0 for h in heads.values()) and len(heads) == 3
+    assert [heads[r].get("offload_accumulation") for r in heads] == [None, "device", "host"]
     with tarfile.open(out / "gpu-results.tar.gz") as tar:
         def read(name):
             return json.load(tar.extractfile(name))
@@ -53,8 +57,8 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
             assert step["mode"] == "tiny-cpu" and step["complete"] is True
             runs.update({r["run"]: r for r in step["runs"]})
         checks = read("equality.json")["checks"]
-        resume = read("resume.json")["variants"]
-    assert list(runs) == ["lisa-8b", "dpo-8b", "offload-full-ga4", "lora-8b", "lora-dpo-8b", "apollo-8b",
+    assert list(runs) == ["lisa-8b", "dpo-8b", "offload-full-ga4", "offload-host-ga4", "lora-8b", "lora-dpo-8b",
+                          "apollo-8b",
                           "apollo-r32-8b", "full-in-backward", "long-16k"]
     for r in runs.values():
         assert r["steps_done"] == len(r["step_times_s"]) >= 3 and not r["oom"] and "error" not in r
@@ -66,19 +70,23 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     assert len({tuple(a) for a in lisa["active_layers"][2:]}) > 1  # a layer switch inside the timed steps
     offload = runs["offload-full-ga4"]
     assert offload["cpu_offload"] and {"drain", "step_unit"} <= set(offload["offload_parts_timed"])
-    assert all(len(p["backward"]) == len(p["forward"]) == 4 for p in offload["step_parts"])
+    host = runs["offload-host-ga4"]
+    # Layer-major, the step's forwards and backwards are one phase; micro-batch-major, one each.
+    assert all(len(p["backward"]) == 1 and "forward" not in p for p in offload["step_parts"])
+    assert all(len(p["backward"]) == len(p["forward"]) == 4 for p in host["step_parts"])
     # The host steps overlap the next step's forward: each shows in the step whose time it took.
-    assert sum(p.get("offload_step_unit", 0) for p in offload["step_parts"]) > 0
+    assert all(sum(p.get("offload_step_unit", 0) for p in r["step_parts"]) > 0 for r in (offload, host))
+    assert offload["offload_counts"]["host_grad_additions"] == 0 < host["offload_counts"]["host_grad_additions"]
     assert runs["apollo-8b"]["optimizer"] == "apollo_mini" and runs["apollo-8b"]["in_backward"]
     assert runs["dpo-8b"]["preference"] == "dpo" and runs["dpo-8b"]["cpu_offload"] and not runs["dpo-8b"]["lora"]
     assert runs["lora-8b"]["lora"] and runs["lora-dpo-8b"]["lora"] and runs["lora-dpo-8b"]["preference"] == "dpo"
     assert runs["apollo-r32-8b"]["optimizer"] == "apollo"
     assert runs["full-in-backward"]["in_backward"] and not runs["full-in-backward"]["lisa"]
-    assert set(checks) == {"offload-vs-resident", "activation-offload", "packed-sdpa", "packed-varlen",
-                           "compile-offload", "paged-in-backward"}
+    assert set(checks) == {"offload-vs-resident", "layer-major", "activation-offload", "packed-sdpa",
+                           "packed-varlen", "compile-offload", "paged-in-backward"}
+    assert checks["layer-major"]["same_weights_bit_for_bit"]["device"]
     assert all(c.get("ok") or c.get("skipped") for c in checks.values()), checks
     assert checks["packed-sdpa"]["ok"] and checks["packed-sdpa"]["route"] == "position ids"
-    assert resume["resident"]["ok"] and resume["resident"]["compared_steps"] == [6, 7, 8]
     # Tiny: the plan's CPU time, which a loaded machine does not inflate as it does wall time.
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu_s < 150, cpu_s
@@ -94,17 +102,19 @@ def test_the_plan_fits_its_command_and_names_every_subject():
     assert all(set(r) == {"step", "budget_s", "expected_s"} and 0 < r["expected_s"] <= r["budget_s"] for r in rows)
     assert sum(r["budget_s"] for r in rows) <= 540
     names = [r["step"] for r in rows]
-    assert set(names) >= {"lisa", "dpo", "offload", "apollo", "lora", "long", "resume", "equality", "gpu-tests"}
+    assert set(names) >= {"lisa", "dpo", "offload", "apollo", "lora", "long", "equality", "gpu-tests"}
     assert "dpo" in names[:3]  # the 8B DPO recipe's claim among the first measured
     from benchmarks.gpu_8b_24gb import BY_NAME
     from benchmarks.gpu_plan import STEPS
 
     planned = {c for s in STEPS for c in s.configs}
-    assert {"dpo-8b", "lora-dpo-8b", "long-16k", "apollo-r32-8b", "full-in-backward"} <= planned
+    assert {"dpo-8b", "lora-dpo-8b", "long-16k", "apollo-r32-8b", "full-in-backward", "offload-full-ga4",
+            "offload-host-ga4"} <= planned
     assert BY_NAME["full-in-backward"].overrides[:2] == ("lisa.enabled=false", "optimizer.in_backward=true")
     # What the plan leaves out is said, each with its time.
     left = [ln for ln in proc.stderr.splitlines() if ln.startswith("left out: ")]
-    assert [ln.split()[2] for ln in left] == ["qlora-8b", "peer", "packing"] and all(" s): " in ln for ln in left)
+    assert [ln.split()[2] for ln in left] == ["resume", "qlora-8b", "peer", "packing"]
+    assert all(" s): " in ln for ln in left)
 
 
 def test_a_plan_over_its_time_fails_before_running(monkeypatch, tmp_path):
@@ -196,19 +206,30 @@ def test_budget_skips_what_would_not_finish_and_still_writes(tmp_path):
     assert all(r["skipped"].startswith("budget") for r in summary["runs"])
 
 
-def test_expected_times_add_up_from_their_parts():
-    """An offload run's time: per micro-batch the longer of compute and the gradients' copy, plus
-    the host's accumulation; per step the host step and the weights back; the start once."""
-    from benchmarks.gpu_8b_24gb import CONFIG_8B, RECIPE_FULL
-    from benchmarks.gpu_times import START_S, run_seconds
+def test_offload_times_are_the_estimators_step_on_the_runs_own_path():
+    """An offload run's step is lisaft/memory/layer_major.py's step_seconds (its serial bound) on
+    the path the run resolves to: `device` ships one gradient a group and the saved layer inputs
+    out and back, `host` one gradient a micro-batch and adds them on the host; the start once."""
+    from benchmarks.gpu_8b_24gb import BY_NAME, CONFIG_8B, RECIPE_FULL
+    from benchmarks.gpu_times import LENT_HOST_RAM, START_S, lent_machine, run_seconds
+    from lisaft.memory.layer_major import saved_input_bytes, step_seconds
 
-    ga4, ga8 = (run_seconds(RECIPE_FULL, (f"training.grad_accum_steps={n}",), 3, CONFIG_8B) for n in (4, 8))
-    p = ga4["parts"]
-    per_micro = max(p["compute_per_micro_batch_s"], p["transfer_per_micro_batch_s"]) + p["accumulate_per_micro_batch_s"]
-    assert ga8["seconds"] - ga4["seconds"] == pytest.approx(3 * 4 * per_micro)
-    assert ga4["seconds"] == pytest.approx(START_S + p["extra_s"] + 3 * (4 * per_micro + p["host_step_s"]
-                                                                        + p["weights_back_s"]))
-    assert 7.9e9 < p["host_step_s"] / 1.61 * 1e9 < 8.1e9  # 1.61 s per 10^9 parameters, 8.03 x 10^9 of them
+    device, host = (BY_NAME[f"offload-{arm}-ga4"].expected for arm in ("full", "host"))
+    d, h = device["parts"], host["parts"]
+    assert (d["offload_accumulation"], d["groups"], h["offload_accumulation"]) == ("device", 1, "host")
+    params, tokens = 8_029_995_008, 4 * 2048  # Llama-3.1-8B's matmul weights and embeddings
+    saved = saved_input_bytes(32, 2048, 4096, 2)
+    assert LENT_HOST_RAM > 4 * saved  # one group at 4 micro-batches
+    for parts, groups in ((d, 1), (h, 0)):
+        want = step_seconds(params, 2 * params, tokens, 4, lent_machine(), saved if groups else 0, groups, True)
+        assert parts["step_s"] == pytest.approx(want["serial_s"])
+    assert h["offload_host_additions"] == 3 and d["offload_host_additions"] == 0
+    assert d["offload_link_s"] < h["offload_link_s"] and d["step_s"] < h["step_s"]
+    assert device["seconds"] == pytest.approx(START_S + d["extra_s"] + 2 * d["step_s"])
+    # The recipe as shipped resolves to device; its DPO recipe (a preference loss) to host.
+    assert run_seconds(RECIPE_FULL, (), 1, CONFIG_8B)["parts"]["offload_accumulation"] == "device"
+    assert BY_NAME["dpo-8b"].expected["parts"]["offload_accumulation"] == "host"
+    assert 7.9e9 < d["offload_cpu_step_s"] / 1.61 * 1e9 < 8.1e9  # 1.61 s per 10^9 parameters, 8.03 x 10^9
 
 
 def test_packing_at_gpu_size_makes_its_data_in_a_moment():
