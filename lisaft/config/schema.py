@@ -32,6 +32,7 @@ from lisaft.config.hub import can_only_be_path
 from lisaft.config.lora import LoraSection
 from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parsed_overrides
+from lisaft.config.preference_losses import PREFERENCE_LOSSES, PreferenceLoss, preference_loss
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
@@ -344,12 +345,8 @@ class TrainingSection(Section):
         return v
 
 
-PreferenceLoss = Literal["dpo", "simpo", "orpo"]
-
-# Each loss's β when the recipe gives none: DPO's paper (Rafailov et al. 2023) and TRL's DPOConfig
-# 0.1; SimPO's paper (Meng et al. 2024) 2.0-2.5, torchtune's SimPOLoss 2.0; ORPO's paper (Hong et
-# al. 2024) and TRL's ORPOConfig λ = 0.1.
-PREFERENCE_BETA: dict[str, float] = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+# Each loss's β when the recipe gives none, with its source: config/preference_losses.py.
+PREFERENCE_BETA: dict[str, float] = {n: preference_loss(n).beta for n in PREFERENCE_LOSSES}
 
 
 class PreferenceSection(Section):
@@ -372,7 +369,7 @@ class PreferenceSection(Section):
     @model_validator(mode="before")
     @classmethod
     def _beta_of_the_loss(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_BETA:
+        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_LOSSES:
             data = {**data, "beta": PREFERENCE_BETA[data["loss"]]}
         return data
 
