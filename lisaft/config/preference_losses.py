@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-PreferenceLoss = Literal["dpo", "simpo", "orpo"]
+PreferenceLoss = Literal["dpo", "simpo", "orpo", "ipo"]
 PREFERENCE_LOSSES: tuple[PreferenceLoss, ...] = get_args(PreferenceLoss)
 
 
@@ -35,6 +35,10 @@ _KINDS: dict[str, LossKind] = {
                       beta_source="the SimPO paper (Meng et al. 2024) 2.0-2.5, torchtune's SimPOLoss"),
     "orpo": LossKind("preference", "odds_ratio", reference=False, beta=0.1, per_token=True,
                      beta_source="the ORPO paper (Hong et al. 2024) and TRL's ORPOConfig λ"),
+    # Log-ratios averaged over the answer's tokens, as TRL's DPOTrainer does for IPO (a choice TRL
+    # says it confirmed with the IPO authors; the paper writes sequence log-probs).
+    "ipo": LossKind("preference", "squared", reference=True, beta=0.1, per_token=True,
+                    beta_source="TRL's DPOConfig β, IPO's τ (the IPO paper, Azar et al. 2023)"),
 }
 assert set(_KINDS) == set(PREFERENCE_LOSSES), "every preference loss has one row"
 
