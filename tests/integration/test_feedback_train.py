@@ -107,3 +107,21 @@ def test_lisaft_data_audits_a_feedback_file(kto_run):
     assert f"32 rows, 0 dropped with no loss token; {sum(labels)} desirable, {32 - sum(labels)} undesirable" \
         in text.output
     assert ", desirable" in text.output or ", undesirable" in text.output
+
+
+def test_two_ranks_take_the_kl_estimate_over_the_global_batch_as_one_process_at_twice_the_batch(kto_run):
+    """Data parallel and FSDP2, two gloo ranks of batch 2, against one process of batch 4."""
+    from test_distributed import grad_norms, torchrun
+
+    assert train(kto_run("one.yaml", batch_size=4, output_dir="one", max_steps=4), show=False) == 0
+    one_train, one_eval = _records(kto_run.dir / "one")
+    for name, fsdp in (("dp", False), ("fsdp", True)):
+        recipe = kto_run(f"{name}.yaml", batch_size=2, output_dir=name, fsdp=fsdp, max_steps=4)
+        result = torchrun("train", str(recipe), cwd=kto_run.dir)
+        assert result.returncode == 0, result.stdout + result.stderr
+        two_train, two_eval = _records(kto_run.dir / name)
+        for key in ("loss", "kl", "reward_margin", "reward_accuracy"):
+            assert [r[key] for r in two_train] == pytest.approx([r[key] for r in one_train], rel=1e-4, abs=1e-5), \
+                (name, key)
+        assert grad_norms(kto_run.dir / name) == pytest.approx(grad_norms(kto_run.dir / "one"), rel=1e-4), name
+        assert [r["eval_loss"] for r in two_eval] == pytest.approx([r["eval_loss"] for r in one_eval], rel=1e-5)
