@@ -46,12 +46,7 @@ PEFT_IMPORT_BYTES = 9 * MiB
 
 # training.fsdp only (lisaft/memory/sharded.py).
 FSDP_COMPONENTS = ("gathered_units", "gradient_reduce", "unsharded_load")
-COMPONENTS = (
-    "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient", *FSDP_COMPONENTS,
-    "cublas_workspace", "allocator_overhead", "cuda_context", "cuda_kernels", "process_baseline",
-    "host_weight_copies",
-)
-# Moments before the first step: a random init whole on each rank (training.fsdp), DPO's reference pass.
+# Moments before the first step: a random init whole on each rank (training.fsdp), the reference pass.
 SETUP_PHASES = ("model_load", "reference_pass")
 # Outside PyTorch's allocator counters (torch.cuda.max_memory_reserved), inside NVML-used.
 OUTSIDE_ALLOCATOR = ("cuda_context", "cuda_kernels")
