@@ -32,6 +32,7 @@ from lisaft.config.hub import can_only_be_path
 from lisaft.config.lora import LoraSection
 from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parsed_overrides
+from lisaft.config.preference_losses import PREFERENCE_LOSSES, PreferenceLoss, preference_loss
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
@@ -134,11 +135,12 @@ class DataSection(Section):
     eval_fraction: Float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
     )
-    format: Literal["text", "instruction", "chat", "preference"] = Field(
+    format: Literal["text", "instruction", "chat", "preference", "feedback"] = Field(
         "text",
         description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
         "chat: `messages` [{role, content}]; preference: `prompt`, `chosen`, `rejected` (strings or "
-        "messages; needs a `preference` section, docs/preference.md).",
+        "messages; needs a `preference` section, docs/preference.md); feedback: `prompt`, `completion` "
+        "(strings or messages) and a boolean `label` (preference.loss kto, docs/preference.md).",
     )
     max_seq_len: Int = Field(
         1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
@@ -359,12 +361,8 @@ class TrainingSection(Section):
         return v
 
 
-PreferenceLoss = Literal["dpo", "simpo", "orpo"]
-
-# Each loss's β when the recipe gives none: DPO's paper (Rafailov et al. 2023) and TRL's DPOConfig
-# 0.1; SimPO's paper (Meng et al. 2024) 2.0-2.5, torchtune's SimPOLoss 2.0; ORPO's paper (Hong et
-# al. 2024) and TRL's ORPOConfig λ = 0.1.
-PREFERENCE_BETA: dict[str, float] = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+# Each loss's β when the recipe gives none, with its source: config/preference_losses.py.
+PREFERENCE_BETA: dict[str, float] = {n: preference_loss(n).beta for n in PREFERENCE_LOSSES}
 
 
 class PreferenceSection(Section):
@@ -372,22 +370,34 @@ class PreferenceSection(Section):
         ..., description="dpo: −log σ(β((logp_c − ref_c) − (logp_r − ref_r))), log-probs summed over "
         "each completion, the reference's computed once before step 1; simpo: −log σ(β(avg_c − avg_r) − γ), "
         "avg the mean log-prob per completion token, no reference; orpo: the chosen answers' NLL plus "
-        "β times the odds-ratio loss, no reference. docs/preference.md")
+        "β times the odds-ratio loss, no reference; ipo: (h − 1/(2β))², h the difference of the "
+        "per-token log-ratios to the reference; kto (data.format feedback): 1 − σ(β(r − z)) for a desirable answer, "
+        "1 − σ(β(z − r)) for an undesirable one, r its log-ratio to the reference, z the batch's KL estimate. "
+        "docs/preference.md")
     beta: Float = Field(
-        0.1, gt=0.0, description="DPO's β, SimPO's β, ORPO's λ (the odds-ratio term's weight). When unset, "
-        "the loss's own default: dpo 0.1 (the DPO paper, TRL's DPOConfig), simpo 2.0 (the SimPO paper, "
-        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig).")
+        0.1, gt=0.0, description="DPO's β, SimPO's β, ORPO's λ (the odds-ratio term's weight), IPO's τ. When "
+        "unset, the loss's own default: dpo 0.1 (the DPO paper, TRL's DPOConfig), simpo 2.0 (the SimPO paper, "
+        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig), ipo 0.1 (TRL's DPOConfig), "
+        "kto 0.1 (the KTO paper, TRL's KTOConfig).")
     gamma: Float = Field(
         0.5, ge=0.0, description="SimPO's target reward margin γ (TRL's CPOConfig simpo_gamma and torchtune's "
         "SimPOLoss: 0.5). Read by simpo only.")
+    desirable_weight: Float = Field(
+        1.0, gt=0.0, description="KTO's weight of a desirable answer's loss (TRL's KTOConfig: 1.0); with fewer "
+        "desirable than undesirable rows the paper keeps desirable_weight × desirable rows over undesirable_weight "
+        "× undesirable rows between 1 and 4/3. Read by kto only.")
+    undesirable_weight: Float = Field(
+        1.0, gt=0.0, description="KTO's weight of an undesirable answer's loss (TRL's KTOConfig: 1.0). Read by "
+        "kto only.")
     reference: str | None = Field(
-        None, description="DPO's reference model (a local folder or hub id), loaded only for the one pass "
-        "that computes the reference log-probs before step 1. null: the initial policy itself.")
+        None, description="The reference model of a loss with one (dpo, ipo, kto; a local folder or hub id), loaded "
+        "only for the one pass that computes the reference log-probs before step 1. null: the initial policy "
+        "itself.")
 
     @model_validator(mode="before")
     @classmethod
     def _beta_of_the_loss(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_BETA:
+        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_LOSSES:
             data = {**data, "beta": PREFERENCE_BETA[data["loss"]]}
         return data
 
@@ -418,7 +428,8 @@ class Recipe(Section):
     training: TrainingSection
     logging: LoggingSection = LoggingSection()
     preference: PreferenceSection | None = Field(
-        None, description="Preference tuning (DPO, SimPO, ORPO) on data.format preference; null: SFT.")
+        None, description="Preference tuning: DPO, SimPO, ORPO, IPO on data.format preference, KTO on data.format "
+        "feedback; null: SFT.")
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
@@ -584,13 +595,6 @@ def load_recipe(path: str | Path, overrides: Sequence[str | Override] | None = N
     if resolve_paths and parsed:
         _resolve_paths(data, Path.cwd(), only=list(parsed))
     return recipe_from_dict(data, str(path), parsed)
-
-
-def get_key(recipe: Recipe, dotted: str) -> Any:
-    node: Any = recipe
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

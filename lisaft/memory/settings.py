@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lisaft.config.overrides import Override, apply_overrides, flag_override, parsed_overrides
+from lisaft.config.preference_losses import preference_loss
 from lisaft.config.schema import Recipe, recipe_from_dict
 
 GiB = 1024**3
@@ -102,14 +103,27 @@ class Settings:
 
     @property
     def sequences(self) -> int:
-        """Sequences per micro-batch: training.batch_size, twice over for pairs (the chosen and the
-        rejected answer of each go through one forward, lisaft/train/preference.py)."""
-        return self.recipe.training.batch_size * (2 if self.recipe.preference is not None else 1)
+        """Sequences per micro-batch with gradients: training.batch_size, twice over for pairs (the
+        chosen and the rejected answer of each go through one forward, train/objectives/pairs.py)."""
+        p = self.recipe.preference
+        return self.recipe.training.batch_size * (preference_loss(p.loss).sequences if p is not None else 1)
+
+    @property
+    def reference_sequences(self) -> int:
+        """Sequences per batch of the reference pass: a pair's two, an unpaired answer and its KL
+        sequence (train/objectives/feedback.py)."""
+        return self.recipe.training.batch_size * 2
+
+    @property
+    def kl_pass(self) -> bool:
+        """KTO's forward without gradients over the step's KL sequences before the first micro-batch."""
+        p = self.recipe.preference
+        return p is not None and preference_loss(p.loss).data_format == "feedback"
 
     @property
     def reference_pass(self) -> bool:
-        """DPO computes its reference's log-probs in one pass before step 1 (no other loss has one)."""
-        return self.recipe.preference is not None and self.recipe.preference.loss == "dpo"
+        """A loss with a reference computes its log-probs in one pass before step 1."""
+        return self.recipe.preference is not None and preference_loss(self.recipe.preference.loss).reference
 
     @property
     def clipping(self) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 from lisaft import run_folder as runfiles
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import Recipe
+from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
@@ -27,8 +28,8 @@ def announce(session: Session, display: Display) -> None:
         f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
         f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
         f"{' on the CPU' if r.optimizer.cpu_offload else ''}; "
-        + (f"{r.preference.loss} β={r.preference.beta:g}; " if r.preference is not None else "")
-        + f"{len(session.train_examples)} train {'rows' if session.packing else _unit(r)}"
+        + session.objective.describe()
+        + f"{len(session.train_examples)} train {'rows' if session.packing else session.objective.unit}"
         + (f", {len(session.eval_examples)} eval" if session.eval_examples else "")
         + f"; steps {session.progress.step}->{r.training.max_steps}; run {session.run_dir}"
     )
@@ -43,10 +44,6 @@ def _adapters(r: Recipe) -> str:
     kind = "DoRA" if r.lora.dora else "LoRA"
     base = f" on a 4-bit {r.model.quantize} base (Q{kind})" if r.model.quantize else " on a frozen base"
     return f"{kind} rank {r.lora.rank}{base}"
-
-
-def _unit(recipe: Recipe) -> str:
-    return "pairs" if recipe.preference is not None else "examples"
 
 
 def memory_report(session: Session, metrics: RunLog) -> None:
@@ -66,7 +63,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     try:
         estimate = estimate_for_recipe(recipe, device=session.device.type)
     except LisaftError as e:  # e.g. an architecture the estimator does not model
-        print(f"memory estimate unavailable: {e}")
+        warn(f"memory estimate unavailable: {first_line(e)}")
         return
     dev_state, off_state = session.optimizers.state_bytes()
     if session.device.type == "cpu" and session.recipe.lisa.state_policy == "offload_cpu":

@@ -20,8 +20,7 @@ warning.
 
 from __future__ import annotations
 
-import warnings
-
+from lisaft.console import warn
 from lisaft.data.formats.base import (
     IGNORE_INDEX,
     DataFormat,
@@ -121,12 +120,12 @@ def _warn_of_spaced_prompts(rows: Rows, spaced: list[int]) -> None:
     stays a token of its own, where the joined text would start the answer's first word with it
     ("Answer: " + "good": ':' ' ' | 'good', not ':' ' good')."""
     if spaced:
-        warnings.warn(
+        warn(
             f"{rows.key}: {rows.source}: {len(spaced)} of {len(rows.rows)} string prompts end with whitespace "
             f"({numbers(rows, spaced)}); prompt and answers are tokenized apart, so it is a token of its own "
             "before each answer, not the start of the answer's first word as in the joined text: end the "
             "prompts without it and start the answers with it (`lisaft data --examples` shows the split)",
-            DataWarning, stacklevel=5)
+            DataWarning, stacklevel=4)
 
 
 def prompt_length(example: Example) -> int:
@@ -167,7 +166,7 @@ class Preference(DataFormat):
                 pair = {k: {f: v[:max_seq_len] for f, v in pair[k].items()} for k in ANSWERS}
             out.append(pair)
         if cut:
-            warnings.warn(
+            warn(
                 f"{rows.key}: {rows.source}: {len(cut)} of {len(examples)} pairs were longer than data.max_seq_len="
                 f"{max_seq_len}; their answers were cut at the end, their prompts kept ({numbers(rows, cut)})",
                 DataWarning, stacklevel=4)
