@@ -50,7 +50,6 @@ import math
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -61,34 +60,10 @@ from lisaft.config.schema import OptimizerSection
 from lisaft.env.threads import team_pool
 from lisaft.model.units import Unit
 from lisaft.optim import host_step
-from lisaft.optim.gradients import clip_grad_norm, tensor_norms, total_norm
+from lisaft.optim.gradients import clip_grad_norm, grad_nbytes, tensor_norms, total_norm
 from lisaft.optim.host_arena import HostArena, slab_size
-from lisaft.optim.transfers import Transfers, staging_slot_bytes
+from lisaft.optim.transfers import TransferCounts, Transfers, staging_slot_bytes
 from lisaft.optim.unit_optimizers import UnitOptimizers
-
-
-@dataclass
-class TransferCounts:
-    """What a step moved over the link and added on the host, counted from the copies made."""
-
-    d2h_bytes: int = 0           # device -> host: gradients, and the layer-major backward's saved inputs
-    h2d_bytes: int = 0           # host -> device: stepped weights, and saved inputs fetched back
-    host_grad_additions: int = 0  # gradient elements added into a host accumulator
-
-    def take(self) -> dict[str, int]:
-        """The train record's fields, and a fresh count for the next step."""
-        out = {"offload_d2h_bytes": self.d2h_bytes, "offload_h2d_bytes": self.h2d_bytes,
-               "host_grad_additions": self.host_grad_additions}
-        for f in fields(self):
-            setattr(self, f.name, 0)
-        return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    if t.is_sparse:
-        values, indices = internals.sparse_sizes(t)
-        return values * t.element_size() + indices * 8  # int64 indices
-    return t.numel() * t.element_size()
 
 
 def _host_copy(p: nn.Parameter, arena: HostArena) -> nn.Parameter:
@@ -191,7 +166,7 @@ class OffloadedOptimizers(UnitOptimizers):
         g, p.grad = p.grad, None
         assert g is not None, "called by the post-accumulate-grad hook"
         host = self._host_of[p]
-        self.counts.d2h_bytes += _nbytes(g)
+        self.counts.d2h_bytes += grad_nbytes(g)
         if g.is_sparse:
             g = g.cpu()
             if host.grad is not None:
@@ -270,7 +245,7 @@ class OffloadedOptimizers(UnitOptimizers):
         """Each unit's optimizer, readied in the calling thread (never in the workers)."""
         self.changes.bump(u.name for u in units)  # before a checkpoint could ask, step in flight or not
         # The weights each step sends back (_step_unit), counted here, in the step's own thread.
-        self.counts.h2d_bytes += sum(_nbytes(h) for u in units for p in u.params
+        self.counts.h2d_bytes += sum(grad_nbytes(h) for u in units for p in u.params
                                      if (h := self._host_of[p]).grad is not None)
         optimizers = [self.optimizer(u) for u in units]
         self._first_steps |= {u.name for u, opt in zip(units, optimizers) if not opt.state}

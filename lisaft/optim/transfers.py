@@ -7,6 +7,7 @@ import queue
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -132,3 +133,18 @@ class Transfers:
         torch.cuda.current_stream(self.device).wait_stream(self.weights_stream)
 
 
+@dataclass
+class TransferCounts:
+    """What a step moved over the link and added on the host, counted from the copies made."""
+
+    d2h_bytes: int = 0           # device -> host: gradients, and the layer-major backward's saved inputs
+    h2d_bytes: int = 0           # host -> device: stepped weights, and saved inputs fetched back
+    host_grad_additions: int = 0  # gradient elements added into a host accumulator
+
+    def take(self) -> dict[str, int]:
+        """The train record's fields, and a fresh count for the next step."""
+        out = {"offload_d2h_bytes": self.d2h_bytes, "offload_h2d_bytes": self.h2d_bytes,
+               "host_grad_additions": self.host_grad_additions}
+        for f in fields(self):
+            setattr(self, f.name, 0)
+        return out

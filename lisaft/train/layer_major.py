@@ -39,7 +39,8 @@ from lisaft.data.collate import to_device
 from lisaft.memory.layer_major import groups
 from lisaft.model.attention import model_inputs
 from lisaft.model.parts import ModelParts
-from lisaft.optim.cpu_offload import OffloadedOptimizers, TransferCounts
+from lisaft.optim.cpu_offload import OffloadedOptimizers
+from lisaft.optim.transfers import TransferCounts
 
 
 class _Stop(Exception):

@@ -82,6 +82,35 @@ def _measured_forward(model: torch.nn.Module, batch: dict, forward) -> tuple[tor
     return loss, meter.bytes
 
 
+def _forward_backward(session: Session, micro: list[dict], loss_tokens: torch.Tensor, forward, totals: StepTotals,
+                      measured: int | None, measure_norm: bool, phases: Phases) -> tuple[int | None, int]:
+    """Every micro-batch's forward and backward, the loss sums into `totals`; returns what the
+    measured micro-batch saved for backward and its width."""
+    controller = session.controller
+    activation_bytes, activation_seq_len = None, 0
+    layer_major = session.parallel.layer_major
+    if layer_major is not None:  # optimizer.offload_accumulation: device (train/layer_major.py)
+        with phases.phase("backward"):
+            for loss in layer_major.run(micro, session.device, loss_tokens, forward, lambda: (
+                    session.parallel.before_last_backward(controller, measure_norm))):
+                totals.add("loss", loss)
+        return activation_bytes, activation_seq_len  # every micro-batch ran above, layer by layer
+    for i, batch in enumerate(micro):
+        batch = to_device(batch, session.device)
+        with phases.phase("forward"):
+            if i == measured and session.parallel.measures_activations:
+                loss, activation_bytes = _measured_forward(session.model, batch, forward)
+                activation_seq_len = int(batch["input_ids"].shape[1])
+            else:
+                loss = forward(session.model, batch)
+        if i == len(micro) - 1:
+            session.parallel.before_last_backward(controller, measure_norm)
+        with phases.phase("backward"):
+            (loss / loss_tokens.to(loss.dtype)).backward()
+        totals.add("loss", loss)
+    return activation_bytes, activation_seq_len
+
+
 # The host reads the device once per step on the dense paths. Reads beyond that one, each where its
 # path runs (tests/unit/test_step_syncs.py counts the CPU ones): training.on_nonfinite: skip reads
 # the norm before the update; a sparse embedding gradient reads its chunk bounds (one `tolist`)
@@ -99,9 +128,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     objective = session.objective
     forward = forward or objective.loss_sum
     t = session.recipe.training
-    controller = session.controller
     with phases.phase("lisa"):
-        controller.activate_for_step(step)
+        session.controller.activate_for_step(step)
     with phases.phase("collate"):
         made, counts = _micro_batches(session, step)
     micro = made.batches
@@ -110,32 +138,13 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     # The learning rate is set before backward: with optimizer.in_backward the update runs there.
     lr = session.schedule.lr(step)
     session.optimizers.set_lr(lr, step)
-    activation_bytes, activation_seq_len = None, 0
     widths = [int(b["input_ids"].shape[1]) for b in micro]
     measured = widths.index(max(widths)) if measure_activations and max(widths) > longer_than else None
     totals = StepTotals(session.device)
     in_backward = session.in_backward.step(measure_norm) if session.in_backward else contextlib.nullcontext()
-    layer_major = session.parallel.layer_major
     with in_backward as norm:
-        if layer_major is not None:  # optimizer.offload_accumulation: device (train/layer_major.py)
-            with phases.phase("backward"):
-                for loss in layer_major.run(micro, session.device, loss_tokens, forward, lambda: (
-                        session.parallel.before_last_backward(controller, measure_norm))):
-                    totals.add("loss", loss)
-            micro = []  # every micro-batch ran above, layer by layer
-        for i, batch in enumerate(micro):
-            batch = to_device(batch, session.device)
-            with phases.phase("forward"):
-                if i == measured and session.parallel.measures_activations:
-                    loss, activation_bytes = _measured_forward(session.model, batch, forward)
-                    activation_seq_len = int(batch["input_ids"].shape[1])
-                else:
-                    loss = forward(session.model, batch)
-            if i == len(micro) - 1:
-                session.parallel.before_last_backward(controller, measure_norm)
-            with phases.phase("backward"):
-                (loss / loss_tokens.to(loss.dtype)).backward()
-            totals.add("loss", loss)
+        activation_bytes, activation_seq_len = _forward_backward(
+            session, micro, loss_tokens, forward, totals, measured, measure_norm, phases)
     for name, value in objective.step_sums().items():  # the objective's own sums, read with the rest
         totals.add(name, value)
     skipped = False

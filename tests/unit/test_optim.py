@@ -370,7 +370,8 @@ def test_paged_moments_are_prefetched_before_their_update(monkeypatch, in_backwa
     from lisaft import internals
 
     model = tiny()
-    opt = make(model, "adamw_8bit")
+    # A paged optimizer: an unpaged one makes no pass over its parameters for prefetching at all.
+    opt = make(model, "paged_adamw_8bit")
     params = [p for p in model.parameters()]
     x = batch(0)
     model(input_ids=x, labels=x).loss.backward()
