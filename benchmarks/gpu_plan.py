@@ -122,8 +122,9 @@ STEPS = (
     Step("apollo", 72, "benchmarks.gpu_8b_24gb", configs=("apollo-8b", "apollo-r32-8b", "full-in-backward")),
     Step("long", 65, "benchmarks.gpu_8b_24gb", configs=("long-16k",)),
     Step("equality", 74, "benchmarks.gpu_equality"),
-    Step("gpu-tests", 18, "pytest", args=("-q", "-p", "no:cacheprovider", "-m", "gpu", *gpu_test_files()),
-         writes_out=False),
+    # In one process (addopts without pyproject's `-n 2`): the box's wheels carry no pytest-xdist.
+    Step("gpu-tests", 18, "pytest", args=("-q", "-p", "no:cacheprovider", "-o", "addopts=--strict-markers", "-m", "gpu",
+                                          *gpu_test_files()), writes_out=False),
 )
 # What one 540 s plan cannot hold, least valuable per device second: a second lent session's plan.
 LEFT_OUT = {

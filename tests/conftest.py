@@ -3,9 +3,10 @@ import os
 import pytest
 import torch
 
-# Two cores: one intra-op thread per test process keeps timings stable and leaves room for
-# subprocess-based tests.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two cores: at most two intra-op threads per test process keeps timings stable and leaves room
+# for subprocess-based tests; under pytest-xdist (pyproject's addopts) each worker takes its share.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -2,6 +2,7 @@
 what lowers host memory, quotes each row's own RAM, and never calls CPU-stepped moments paged."""
 
 import json
+import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -88,6 +89,9 @@ def test_lisaft_train_without_a_gpu_quotes_the_figure_estimate_memory_gives(monk
     from lisaft.train.host_memory import check_host_memory
 
     monkeypatch.setattr(command, "host_ram_bytes", lambda: 32 * 2**30)
+    # `lisaft train` checks before it loads data, when `datasets` is not imported yet, which the
+    # estimate counts on a CPU; an earlier test in this process (tests/unit/test_data.py) imports it.
+    monkeypatch.delitem(sys.modules, "datasets", raising=False)
     with pytest.raises(LisaftError) as refused:
         check_host_memory(load_recipe(FULL), FULL, device="cpu")
     message = str(refused.value)
