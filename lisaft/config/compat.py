@@ -120,7 +120,32 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.preference is not None and r.data.packing, _fixed(
         "data.packing cannot be combined with a preference section: each pair's chosen and rejected "
         "sequences go through the forward as two rows of one batch; set data.packing false")),
+    # GRPO (config/grpo.py): prompts in, groups of sampled completions out.
+    Exclusion(lambda r: r.grpo is not None and r.data.format != "prompts", lambda r: (
+        f"a grpo section samples completions of prompts: set data.format: prompts (rows with a prompt), or "
+        f"remove the grpo section to train on data.format {r.data.format}")),
+    Exclusion(lambda r: r.grpo is None and r.data.format == "prompts", _fixed(
+        "data.format prompts needs a grpo section naming its reward functions (grpo.reward_funcs)")),
+    Exclusion(lambda r: r.grpo is not None and r.preference is not None, _fixed(
+        "a recipe trains one stage: remove the preference section or the grpo section")),
+    Exclusion(lambda r: r.grpo is not None and r.data.packing, _fixed(
+        "data.packing cannot be combined with a grpo section: each completion is one row scored against its "
+        "group; set data.packing false")),
+    Exclusion(lambda r: r.grpo is not None and _generation_refusal(r, 1) is not None,
+              lambda r: _generation_refusal(r, 1) or ""),
 )
+
+
+def _generation_refusal(recipe: Recipe, ranks: int) -> str | None:
+    """Why a GRPO recipe's generation batch is not whole groups on `ranks` ranks, or None."""
+    from lisaft.config.grpo import generation_shape
+
+    assert recipe.grpo is not None, "asked of GRPO recipes only"
+    try:
+        generation_shape(recipe.grpo, recipe.training.batch_size, recipe.training.grad_accum_steps, ranks)
+    except LisaftError as e:
+        return str(e)
+    return None
 
 
 def first_exclusion(recipe: Recipe) -> str | None:
@@ -143,6 +168,8 @@ def check_world(recipe: Recipe, world_size: int, launched: bool, device: str) ->
         # The bfloat16 moments' update is the host step's (optim/host_step.py).
         raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
                           "true or training.device cpu")
+    if recipe.grpo is not None and (refusal := _generation_refusal(recipe, world_size)) is not None:
+        raise LisaftError(refusal)
     if recipe.training.fsdp or world_size == 1:
         return
     if recipe.optimizer.in_backward:

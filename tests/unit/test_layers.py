@@ -21,6 +21,7 @@ LAYERS = [
     {"checkpoint"},
     {"run_folder"},
     {"metrics", "generate"},
+    {"objectives"},
     {"train"},
     {"cli", "__main__"},
 ]

@@ -1,0 +1,1 @@
+"""The training objectives: one object per stage that the trainer calls."""
