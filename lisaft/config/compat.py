@@ -107,6 +107,8 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         "optimizer state: set one of them false")),
     Exclusion(lambda r: r.training.fsdp and r.training.compile, _fixed(
         "training.compile is not supported with training.fsdp yet; set it false")),
+    Exclusion(lambda r: r.grpo is not None and r.preference is not None, _fixed(
+        "a recipe trains one stage: remove the preference section or the grpo section")),
     Exclusion(lambda r: r.preference is not None and r.data.format != "preference", lambda r: (
         f"preference.loss {_loss(r)} trains on pairs: set data.format: preference (rows of prompt, "
         f"chosen, rejected), or remove the preference section for SFT on data.format {r.data.format}")),
@@ -126,26 +128,12 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         f"remove the grpo section to train on data.format {r.data.format}")),
     Exclusion(lambda r: r.grpo is None and r.data.format == "prompts", _fixed(
         "data.format prompts needs a grpo section naming its reward functions (grpo.reward_funcs)")),
-    Exclusion(lambda r: r.grpo is not None and r.preference is not None, _fixed(
-        "a recipe trains one stage: remove the preference section or the grpo section")),
     Exclusion(lambda r: r.grpo is not None and r.data.packing, _fixed(
         "data.packing cannot be combined with a grpo section: each completion is one row scored against its "
         "group; set data.packing false")),
-    Exclusion(lambda r: r.grpo is not None and _generation_refusal(r, 1) is not None,
-              lambda r: _generation_refusal(r, 1) or ""),
 )
 
 
-def _generation_refusal(recipe: Recipe, ranks: int) -> str | None:
-    """Why a GRPO recipe's generation batch is not whole groups on `ranks` ranks, or None."""
-    from lisaft.config.grpo import generation_shape
-
-    assert recipe.grpo is not None, "asked of GRPO recipes only"
-    try:
-        generation_shape(recipe.grpo, recipe.training.batch_size, recipe.training.grad_accum_steps, ranks)
-    except LisaftError as e:
-        return str(e)
-    return None
 
 
 def first_exclusion(recipe: Recipe) -> str | None:
@@ -168,8 +156,10 @@ def check_world(recipe: Recipe, world_size: int, launched: bool, device: str) ->
         # The bfloat16 moments' update is the host step's (optim/host_step.py).
         raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
                           "true or training.device cpu")
-    if recipe.grpo is not None and (refusal := _generation_refusal(recipe, world_size)) is not None:
-        raise LisaftError(refusal)
+    if recipe.grpo is not None:  # whole groups over every rank's completions, as TRL counts them
+        from lisaft.config.grpo import generation_shape
+
+        generation_shape(recipe.grpo, recipe.training.batch_size, recipe.training.grad_accum_steps, world_size)
     if recipe.training.fsdp or world_size == 1:
         return
     if recipe.optimizer.in_backward:
