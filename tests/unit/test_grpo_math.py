@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from lisaft.objectives.grpo.advantages import advantages, nanstd
-from lisaft.objectives.grpo.loss import Clip, Normaliser, completion_mask, token_losses
+from lisaft.grpo.advantages import advantages, nanstd
+from lisaft.grpo.loss import Clip, Normaliser, completion_mask, token_losses
 
 NAN = math.nan
 

@@ -7,7 +7,7 @@ import pytest
 
 from lisaft.config.grpo import GrpoSection
 from lisaft.errors import LisaftError, RunFailed
-from lisaft.objectives.grpo.rewards import exact_match, load_rewards, normalise_answer, score
+from lisaft.grpo.rewards import exact_match, load_rewards, normalise_answer, score
 
 WHERE = ["data.train: t.jsonl: line 1", "data.train: t.jsonl: line 1", "data.train: t.jsonl: line 2"]
 
@@ -44,14 +44,14 @@ def test_weights_sum_the_functions_and_none_of_one_leaves_the_others(tmp_path):
 
 
 def test_a_module_function_loads_by_its_dotted_name():
-    (reward,) = _load(["lisaft.objectives.grpo.rewards:exact_match"])
+    (reward,) = _load(["lisaft.grpo.rewards:exact_match"])
     assert reward.func is exact_match and reward.name == "exact_match"
 
 
 @pytest.mark.parametrize("spec, words", [
     ("nowhere.py:f", "file not found"),
     ("no_such_package_xyz.mod:f", "cannot import no_such_package_xyz.mod: ModuleNotFoundError"),
-    ("lisaft.objectives.grpo.rewards:nothing", "has no function 'nothing'"),
+    ("lisaft.grpo.rewards:nothing", "has no function 'nothing'"),
     ("just_a_word", "is not FILE.py:FUNCTION"),
 ])
 def test_a_reward_that_cannot_load_is_one_line(spec, words):

@@ -21,7 +21,7 @@ LAYERS = [
     {"checkpoint"},
     {"run_folder"},
     {"metrics", "generate"},
-    {"objectives"},
+    {"grpo"},
     {"train"},
     {"cli", "__main__"},
 ]

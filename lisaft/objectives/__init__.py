@@ -1,1 +1,0 @@
-"""The training objectives: one object per stage that the trainer calls."""
