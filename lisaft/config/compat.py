@@ -131,9 +131,23 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.grpo is not None and r.data.packing, _fixed(
         "data.packing cannot be combined with a grpo section: each completion is one row scored against its "
         "group; set data.packing false")),
+    Exclusion(lambda r: r.grpo is not None and _generation_refusal(r) is not None,
+              lambda r: _generation_refusal(r) or ""),
 )
 
 
+
+
+def _generation_refusal(recipe: Recipe) -> str | None:
+    """Why a GRPO recipe's generation batch is not whole groups, or None (config/grpo.py)."""
+    from lisaft.config.grpo import generation_shape
+
+    assert recipe.grpo is not None, "asked of GRPO recipes only"
+    try:
+        generation_shape(recipe.grpo, recipe.training.batch_size, recipe.training.grad_accum_steps)
+    except LisaftError as e:
+        return str(e)
+    return None
 
 
 def first_exclusion(recipe: Recipe) -> str | None:
@@ -156,10 +170,6 @@ def check_world(recipe: Recipe, world_size: int, launched: bool, device: str) ->
         # The bfloat16 moments' update is the host step's (optim/host_step.py).
         raise LisaftError("optimizer.moments_dtype bfloat16 needs the step on the CPU: set optimizer.cpu_offload "
                           "true or training.device cpu")
-    if recipe.grpo is not None:  # whole groups over every rank's completions, as TRL counts them
-        from lisaft.config.grpo import generation_shape
-
-        generation_shape(recipe.grpo, recipe.training.batch_size, recipe.training.grad_accum_steps, world_size)
     if recipe.training.fsdp or world_size == 1:
         return
     if recipe.optimizer.in_backward:

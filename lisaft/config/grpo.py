@@ -100,43 +100,42 @@ class GrpoSection(Section):
 
 @dataclass(frozen=True)
 class GenerationShape:
-    """How many completions one generation samples and how it feeds the micro-batches."""
+    """How many completions one generation samples on each rank and how it feeds the micro-batches."""
 
     batch_size: int            # completions per micro-batch, per rank (training.batch_size)
-    ranks: int
     steps_per_generation: int  # micro-batches each generation batch feeds
     num_generations: int       # G
 
     @property
     def completions(self) -> int:
-        """Completions sampled at once, over every rank."""
-        return self.batch_size * self.ranks * self.steps_per_generation
+        """Completions sampled at once on each rank."""
+        return self.batch_size * self.steps_per_generation
 
     @property
     def prompts(self) -> int:
         return self.completions // self.num_generations
 
 
-def generation_shape(grpo: GrpoSection, batch_size: int, grad_accum_steps: int, ranks: int) -> GenerationShape:
-    """The generation batch of a GRPO run, or one line that shows why it is not whole groups and
-    the nearest training.batch_size values that are."""
+def generation_shape(grpo: GrpoSection, batch_size: int, grad_accum_steps: int) -> GenerationShape:
+    """The generation batch of each rank, or one line that shows why it is not whole groups and the
+    nearest training.batch_size values that are. Each rank samples whole groups, so no group waits
+    on another rank (TRL counts the groups over every rank's batch together)."""
     spg = grpo.steps_per_generation or grad_accum_steps
-    shape = GenerationShape(batch_size, ranks, spg, grpo.num_generations)
+    shape = GenerationShape(batch_size, spg, grpo.num_generations)
     g = grpo.num_generations
     if shape.completions % g == 0:
         return shape
-    per_batch = ranks * spg
-    lower = next((b for b in range(batch_size - 1, 0, -1) if b * per_batch % g == 0), None)
-    upper = next(b for b in range(batch_size + 1, batch_size + g + 1) if b * per_batch % g == 0)
+    lower = next((b for b in range(batch_size - 1, 0, -1) if b * spg % g == 0), None)
+    upper = next(b for b in range(batch_size + 1, batch_size + g + 1) if b * spg % g == 0)
     nearest = " or ".join(str(b) for b in (lower, upper) if b is not None)
     spg_source = "grpo.steps_per_generation" if grpo.steps_per_generation else \
         "steps_per_generation (= training.grad_accum_steps)"
     groups = [d for d in range(2, shape.completions + 1) if shape.completions % d == 0]
     other_g = f", or grpo.num_generations to {' or '.join(map(str, groups[:4]))}" if groups else ""
     raise LisaftError(
-        f"grpo: a generation batch must be whole groups of grpo.num_generations={g} completions, but "
-        f"training.batch_size {batch_size} x ranks {ranks} x {spg_source} {spg} = {shape.completions}, "
-        f"not a multiple of {g}; set training.batch_size to {nearest}{other_g}")
+        f"grpo: each rank's generation batch must be whole groups of grpo.num_generations={g} completions, but "
+        f"training.batch_size {batch_size} x {spg_source} {spg} = {shape.completions}, not a multiple of {g}; "
+        f"set training.batch_size to {nearest}{other_g}")
 
 
 def resolve_reward_paths(data: dict, base: Path) -> None:
