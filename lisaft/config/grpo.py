@@ -45,6 +45,10 @@ class GrpoSection(Section):
     beta: Float = Field(
         0.0, ge=0.0, description="β, the weight of the k3 KL estimate to the reference model; 0 (TRL's default): "
         "no reference is kept or computed.")
+    use_bias_correction_kl: Bool = Field(
+        True, description="With β > 0, multiply the KL term by the ratio, which makes its gradient the unbiased "
+        "reverse-KL gradient (TRL 1.16's default, from the DeepSeek-V3.2 paper); it changes the gradient even at "
+        "ratio 1.")
     epsilon: Float = Field(0.2, gt=0.0, description="ε_low: the ratio is clipped below at 1 − ε (TRL's 0.2).")
     epsilon_high: Float | None = Field(
         None, gt=0.0, description="ε_high: the ratio is clipped above at 1 + ε_high; null: epsilon (DAPO's "

@@ -87,9 +87,11 @@ class TokenLosses:
 
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, clip: Clip,
-                 beta: float = 0.0, ref_logps: torch.Tensor | None = None) -> TokenLosses:
+                 beta: float = 0.0, ref_logps: torch.Tensor | None = None,
+                 bias_correction: bool = True) -> TokenLosses:
     """The clipped surrogate per token (old_logps None: the current ones detached, ratio 1, as TRL
-    when the completions were sampled by these very weights), plus β times the k3 KL."""
+    when the completions were sampled by these very weights), plus β times the k3 KL, times the
+    ratio with `bias_correction` (TRL's use_bias_correction_kl)."""
     old = logps.detach() if old_logps is None else old_logps
     adv = advantages[:, None]
     ratio = torch.exp(logps - old)
@@ -101,5 +103,7 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages
         assert ref_logps is not None, "β > 0 needs the reference's log-probs"
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
+        if bias_correction:
+            kl = kl * ratio
         loss = loss + beta * kl
     return TokenLosses(loss, clipped, kl)

@@ -115,6 +115,11 @@ def test_the_k3_kl_is_added_with_beta_and_is_zero_at_the_reference():
     k3 = math.exp(0.5) - 0.5 - 1
     assert t.kl[0].tolist() == pytest.approx([0.0, k3])
     assert t.loss[0].tolist() == pytest.approx([0.0, 0.1 * k3])
+    # The bias correction multiplies by the ratio: its value where old = current, its gradient always.
+    old = logps - torch.tensor([[0.0, 0.2]])
+    corrected = token_losses(logps, old, torch.tensor([0.0]), Clip(0.2, 0.2), 0.1, ref)
+    plain = token_losses(logps, old, torch.tensor([0.0]), Clip(0.2, 0.2), 0.1, ref, bias_correction=False)
+    assert corrected.kl[0, 1].item() == pytest.approx(plain.kl[0, 1].item() * math.exp(0.2))
 
 
 def test_bf16_log_probs_clip_and_lose_as_float32_does_to_bf16_precision():

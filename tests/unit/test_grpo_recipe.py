@@ -33,7 +33,7 @@ def test_the_defaults_are_trls():
     ours = _recipe().grpo
     for name in ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon",
                  "epsilon_high", "num_iterations", "steps_per_generation", "loss_type", "scale_rewards",
-                 "mask_truncated_completions", "reward_weights"):
+                 "mask_truncated_completions", "reward_weights", "use_bias_correction_kl"):
         assert getattr(ours, name) == theirs[name], name
 
 

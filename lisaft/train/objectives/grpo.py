@@ -121,7 +121,7 @@ class Grpo(Objective):
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], mask.size(1), g.temperature,
                                  self.strategy.sharded_forward)
         losses = token_losses(logps, batch.get("old_logps"), batch["advantages"], Clip(g.epsilon, g.clip_high),
-                              g.beta, batch.get("ref_logps"))
+                              g.beta, batch.get("ref_logps"), g.use_bias_correction_kl)
         normaliser = Normaliser(g.loss_type, t.grad_accum_steps, dist.world_size(), self.spg,
                                 g.max_completion_length, int(batch["generation_tokens"]))
         self._add("clipped_tokens", (losses.clipped * mask).sum())
