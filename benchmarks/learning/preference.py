@@ -127,7 +127,7 @@ def pair_scores(model, pairs: list[dict], tokenizer, objective=None) -> dict:
     from benchmarks.learning.measure import exact_match
     from lisaft.data.order import eval_index_batches
     from lisaft.model.preference import collate_pairs, sequence_logps
-    from lisaft.train.preference import evaluate_pairs
+    from lisaft.train.objectives.pairs import evaluate_pairs
 
     was_training = model.training
     model.eval()
@@ -177,7 +177,7 @@ def run_job(job: dict) -> dict:
             resident, offloaded = session.optimizers.state_bytes()
             state = max(state, resident + offloaded)
         train_s = time.perf_counter() - t0 - ready_s
-        after = pair_scores(session.model, evals, tok, session.objective)
+        after = pair_scores(session.model, evals, tok, session.objective.loss)
     return {"loss": job["loss"], "arm": job["arm"], "lr": job["lr"], "seed": job["seed"], "steps": s["steps"],
             "train_loss_first": losses[0], "train_loss_last": losses[-1], "setup_s": ready_s, "train_s": train_s,
             "wall_s": time.perf_counter() - t0, "peak_optimizer_state_bytes": state,

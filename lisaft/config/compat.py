@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lisaft.config.optimizers import OptimizerKind, names_where, optimizer_kind
+from lisaft.config.preference_losses import losses_where, preference_loss
 from lisaft.errors import LisaftError
 
 if TYPE_CHECKING:
@@ -109,15 +110,17 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         "training.compile is not supported with training.fsdp yet; set it false")),
     Exclusion(lambda r: r.grpo is not None and r.preference is not None, _fixed(
         "a recipe trains one stage: remove the preference section or the grpo section")),
-    Exclusion(lambda r: r.preference is not None and r.data.format != "preference", lambda r: (
+    Exclusion(lambda r: r.preference is not None and r.data.format != preference_loss(r.preference.loss).data_format,
+              lambda r: (
         f"preference.loss {_loss(r)} trains on pairs: set data.format: preference (rows of prompt, "
         f"chosen, rejected), or remove the preference section for SFT on data.format {r.data.format}")),
     Exclusion(lambda r: r.preference is None and r.data.format == "preference", _fixed(
-        "data.format preference needs a preference section: preference.loss dpo, simpo or orpo")),
-    Exclusion(lambda r: _loss(r) not in (None, "dpo") and r.preference is not None
-              and r.preference.reference is not None, lambda r: (
-        f"preference.reference is DPO's reference model; {_loss(r)} uses none: set "
-        "preference.reference: null")),
+        "data.format preference needs a preference section: preference.loss "
+        + ", ".join(losses_where(lambda k: k.data_format == "preference")))),
+    Exclusion(lambda r: r.preference is not None and r.preference.reference is not None
+              and not preference_loss(r.preference.loss).reference, lambda r: (
+        f"preference.reference is the reference model of {', '.join(losses_where(lambda k: k.reference))}; "
+        f"{_loss(r)} uses none: set preference.reference: null")),
     # A pair's two sequences are scored against each other, so they stay two rows of one batch.
     Exclusion(lambda r: r.preference is not None and r.data.packing, _fixed(
         "data.packing cannot be combined with a preference section: each pair's chosen and rejected "
@@ -134,8 +137,6 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion(lambda r: r.grpo is not None and _generation_refusal(r) is not None,
               lambda r: _generation_refusal(r) or ""),
 )
-
-
 
 
 def _generation_refusal(recipe: Recipe) -> str | None:

@@ -33,6 +33,7 @@ from lisaft.config.hub import can_only_be_path
 from lisaft.config.lora import LoraSection
 from lisaft.config.optimizers import OptimizerName
 from lisaft.config.overrides import Override, apply_overrides, parsed_overrides
+from lisaft.config.preference_losses import PREFERENCE_LOSSES, PreferenceLoss, preference_loss
 from lisaft.console import first_line
 from lisaft.errors import LisaftError
 
@@ -347,12 +348,8 @@ class TrainingSection(Section):
         return v
 
 
-PreferenceLoss = Literal["dpo", "simpo", "orpo"]
-
-# Each loss's β when the recipe gives none: DPO's paper (Rafailov et al. 2023) and TRL's DPOConfig
-# 0.1; SimPO's paper (Meng et al. 2024) 2.0-2.5, torchtune's SimPOLoss 2.0; ORPO's paper (Hong et
-# al. 2024) and TRL's ORPOConfig λ = 0.1.
-PREFERENCE_BETA: dict[str, float] = {"dpo": 0.1, "simpo": 2.0, "orpo": 0.1}
+# Each loss's β when the recipe gives none, with its source: config/preference_losses.py.
+PREFERENCE_BETA: dict[str, float] = {n: preference_loss(n).beta for n in PREFERENCE_LOSSES}
 
 
 class PreferenceSection(Section):
@@ -360,22 +357,24 @@ class PreferenceSection(Section):
         ..., description="dpo: −log σ(β((logp_c − ref_c) − (logp_r − ref_r))), log-probs summed over "
         "each completion, the reference's computed once before step 1; simpo: −log σ(β(avg_c − avg_r) − γ), "
         "avg the mean log-prob per completion token, no reference; orpo: the chosen answers' NLL plus "
-        "β times the odds-ratio loss, no reference. docs/preference.md")
+        "β times the odds-ratio loss, no reference; ipo: (h − 1/(2β))², h the difference of the "
+        "per-token log-ratios to the reference. docs/preference.md")
     beta: Float = Field(
-        0.1, gt=0.0, description="DPO's β, SimPO's β, ORPO's λ (the odds-ratio term's weight). When unset, "
-        "the loss's own default: dpo 0.1 (the DPO paper, TRL's DPOConfig), simpo 2.0 (the SimPO paper, "
-        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig).")
+        0.1, gt=0.0, description="DPO's β, SimPO's β, ORPO's λ (the odds-ratio term's weight), IPO's τ. When "
+        "unset, the loss's own default: dpo 0.1 (the DPO paper, TRL's DPOConfig), simpo 2.0 (the SimPO paper, "
+        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig), ipo 0.1 (TRL's DPOConfig).")
     gamma: Float = Field(
         0.5, ge=0.0, description="SimPO's target reward margin γ (TRL's CPOConfig simpo_gamma and torchtune's "
         "SimPOLoss: 0.5). Read by simpo only.")
     reference: str | None = Field(
-        None, description="DPO's reference model (a local folder or hub id), loaded only for the one pass "
-        "that computes the reference log-probs before step 1. null: the initial policy itself.")
+        None, description="The reference model of a loss with one (dpo, ipo; a local folder or hub id), loaded "
+        "only for the one pass that computes the reference log-probs before step 1. null: the initial policy "
+        "itself.")
 
     @model_validator(mode="before")
     @classmethod
     def _beta_of_the_loss(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_BETA:
+        if isinstance(data, dict) and data.get("beta") is None and data.get("loss") in PREFERENCE_LOSSES:
             data = {**data, "beta": PREFERENCE_BETA[data["loss"]]}
         return data
 

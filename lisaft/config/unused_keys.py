@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from lisaft.config.optimizers import names_where, optimizer_kind
+from lisaft.config.preference_losses import preference_loss
 from lisaft.config.schema import Recipe
 
 
@@ -26,7 +27,7 @@ def unused_keys(recipe: Recipe) -> list[str]:
             notes.append(", ".join(f"optimizer.{k}" for k in keys) + f" {verb} ignored: only "
                          f"{' and '.join(names_where(lambda k: k.projected))} read them (optimizer.name is {o.name})")
     p = recipe.preference
-    if p is not None and p.loss != "simpo" and p.gamma != 0.5:
+    if p is not None and "gamma" not in preference_loss(p.loss).keys and p.gamma != 0.5:
         notes.append(f"preference.gamma ({p.gamma:g}) is ignored: it is SimPO's margin and preference.loss is "
                      f"{p.loss}")
     return notes

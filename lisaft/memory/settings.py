@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lisaft.config.overrides import Override, apply_overrides, flag_override, parsed_overrides
+from lisaft.config.preference_losses import preference_loss
 from lisaft.config.schema import Recipe, recipe_from_dict
 
 GiB = 1024**3
@@ -108,8 +109,8 @@ class Settings:
 
     @property
     def reference_pass(self) -> bool:
-        """DPO computes its reference's log-probs in one pass before step 1 (no other loss has one)."""
-        return self.recipe.preference is not None and self.recipe.preference.loss == "dpo"
+        """A loss with a reference computes its log-probs in one pass before step 1."""
+        return self.recipe.preference is not None and preference_loss(self.recipe.preference.loss).reference
 
     @property
     def clipping(self) -> bool:

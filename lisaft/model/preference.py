@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lisaft.config.preference_losses import preference_loss
 from lisaft.config.schema import PreferenceSection
 from lisaft.data.collate import IGNORE_INDEX, collate
 from lisaft.model.loss import token_nll
@@ -61,18 +62,25 @@ def _log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
 def pair_losses(section: PreferenceSection, logps: torch.Tensor, counts: torch.Tensor,
                 ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the rewards of chosen and rejected, from logps and counts [2, pairs]
-    (row 0 chosen, row 1 rejected) and the reference's [2, pairs] (DPO)."""
+    (row 0 chosen, row 1 rejected) and the reference's [2, pairs] (a loss with a reference), as
+    the loss's row in config/preference_losses.py says."""
+    kind = preference_loss(section.loss)
     beta = section.beta
-    if section.loss == "dpo":
-        assert ref is not None, "DPO's reference log-probs are computed before step 1"
-        rewards = beta * (logps - ref)
-        return -F.logsigmoid(rewards[0] - rewards[1]), rewards[0], rewards[1]
-    mean = logps / counts.clamp(min=1)
-    rewards = beta * mean
-    if section.loss == "simpo":
-        return -F.logsigmoid(rewards[0] - rewards[1] - section.gamma), rewards[0], rewards[1]
-    odds_ratio = F.logsigmoid(_log_odds(mean[0]) - _log_odds(mean[1]))
-    return -mean[0] - beta * odds_ratio, rewards[0], rewards[1]
+    scores = logps
+    if kind.reference:
+        assert ref is not None, "the reference log-probs are computed before step 1"
+        scores = logps - ref
+    if kind.per_token:
+        scores = scores / counts.clamp(min=1)
+    rewards = beta * scores
+    if kind.form == "odds_ratio":
+        odds_ratio = F.logsigmoid(_log_odds(scores[0]) - _log_odds(scores[1]))
+        return -scores[0] - beta * odds_ratio, rewards[0], rewards[1]
+    h = scores[0] - scores[1]
+    if kind.form == "squared":
+        return (h - 1 / (2 * beta)) ** 2, rewards[0], rewards[1]
+    margin = section.gamma if "gamma" in kind.keys else 0.0
+    return -F.logsigmoid(rewards[0] - rewards[1] - margin), rewards[0], rewards[1]
 
 
 class PairObjective:

@@ -12,7 +12,6 @@ from lisaft.distributed import dist
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
 from lisaft.metrics.measure import memory_counters
-from lisaft.model.preference import METRICS
 from lisaft.run_folder import clean_write_failures, remove_temporaries
 from lisaft.train import export, nonfinite, report
 from lisaft.train.evaluate import evaluate
@@ -41,8 +40,8 @@ def _train_record(session: Session, result: StepResult, window: dict, elapsed: f
         **memory_counters(session.device),
         **({"skipped_steps": session.progress.skipped_steps}
            if session.recipe.training.on_nonfinite == "skip" else {}),
-        # A preference run's rewards and log-probs, mean over the window's steps as the loss.
-        **{k: window[k] / window["steps"] for k in METRICS if k in window},
+        # The objective's own figures (rewards, ...), mean over the window's steps as the loss.
+        **{k: v / window["steps"] for k, v in window.items() if k not in _EMPTY_WINDOW},
     }
 
 
@@ -51,7 +50,7 @@ def _add(window: dict, result: StepResult) -> None:
     window["steps"] += 1
     window["tokens"] += result.tokens
     window["padding"] += result.padding
-    for k, v in (result.preference or {}).items():
+    for k, v in result.figures.items():
         window[k] = window.get(k, 0.0) + v
 
 

@@ -26,8 +26,8 @@ def announce(session: Session, display: Display) -> None:
         f"lisaft: {n_params / 1e6:.1f}M parameters on {session.device}, {r.model.dtype}, "
         f"{lisa}, {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
         f"{' on the CPU' if r.optimizer.cpu_offload else ''}; "
-        + (f"{r.preference.loss} β={r.preference.beta:g}; " if r.preference is not None else "")
-        + f"{len(session.train_examples)} train {'rows' if session.packing else _unit(r)}"
+        + session.objective.describe()
+        + f"{len(session.train_examples)} train {'rows' if session.packing else session.objective.unit}"
         + (f", {len(session.eval_examples)} eval" if session.eval_examples else "")
         + f"; steps {session.progress.step}->{r.training.max_steps}; run {session.run_dir}"
     )
@@ -39,10 +39,6 @@ def _adapters(r: Recipe) -> str:
     kind = "DoRA" if r.lora.dora else "LoRA"
     base = f" on a 4-bit {r.model.quantize} base (Q{kind})" if r.model.quantize else " on a frozen base"
     return f"{kind} rank {r.lora.rank}{base}"
-
-
-def _unit(recipe: Recipe) -> str:
-    return "pairs" if recipe.preference is not None else "examples"
 
 
 def memory_report(session: Session, metrics: RunLog) -> None:

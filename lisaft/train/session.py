@@ -26,13 +26,13 @@ from lisaft.distributed import dist
 from lisaft.lisa import LisaController
 from lisaft.memory.auto_layers import LayerChoice, resolve_for_run
 from lisaft.model.parts import ModelParts
-from lisaft.model.preference import PairObjective
 from lisaft.model.units import Unit
 from lisaft.optim.in_backward import StepInBackward
 from lisaft.optim.lr_schedule import Schedule
 from lisaft.optim.unit_optimizers import UnitOptimizers
+from lisaft.train import objectives
+from lisaft.train.objectives import Objective
 from lisaft.train.parallel import Strategy, choose
-from lisaft.train.preference import ReferenceLogps, compute_reference
 
 if TYPE_CHECKING:
     from lisaft.model.lora import Adapters
@@ -95,13 +95,12 @@ class Session:
     schedule: Schedule
     progress: Progress
     parallel: Strategy                    # one process, data parallel, CPU offload or FSDP (train/parallel.py)
+    objective: Objective                  # the stage: SFT's tokens, pairs, ... (train/objectives/)
     in_backward: StepInBackward | None = None
     peaks: MemoryPeaks = field(default_factory=MemoryPeaks)
     packing: Packing | None = None  # data.packing: train_examples are its rows
     auto_layers: LayerChoice | None = None  # what lisa.active_layers: auto chose, when it was asked
     adapters: Adapters | None = None      # lora.enabled (lisaft/model/lora.py): only they train
-    objective: PairObjective | None = None  # a preference section: the pairs' loss (model/preference.py)
-    reference: ReferenceLogps | None = None  # DPO: the reference log-probs, a checkpoint component
     _checkpointer: Checkpointer | None = field(default=None, repr=False)
 
     def checkpointer(self) -> Checkpointer:
@@ -128,8 +127,8 @@ def checkpoint_components(session: Session) -> dict[str, Any]:
         "schedule": session.schedule,
         # A resume over data that packs into other rows is refused.
         **({"packing": session.packing} if session.packing is not None else {}),
-        # DPO's reference log-probs, computed once before step 1; a resume reads them back.
-        **({"reference": session.reference} if session.reference is not None else {}),
+        # The objective's own: a reference's log-probs computed once before step 1, ...
+        **session.objective.checkpoint_components(session.train_examples, session.eval_examples),
         RECIPE: OwnFile(RecipeRecord(session.recipe)),
         "optimizer": OptimizerFiles(session.optimizers, session.controller,
                                     per_rank=parallel.optimizer_files_per_rank),
@@ -159,13 +158,10 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
     train_examples, eval_examples, packing = _data(recipe, tokenizer, train_examples, eval_examples)
-    pref = recipe.preference
-    dpo_pass = pref is not None and pref.loss == "dpo" and not resuming
-    if dpo_pass and pref is not None and pref.reference is not None:  # loaded, used and freed first
-        compute_reference(recipe, None, train_examples, eval_examples, tokenizer.pad_token_id, parallel, device)
+    objective = objectives.choose(recipe, parallel, tokenizer.pad_token_id, device)
+    objective.before_model(train_examples, eval_examples, resuming)
     model, parts, adapters = _model(recipe, parallel, device)
-    if dpo_pass and pref is not None and pref.reference is None:  # the initial policy
-        compute_reference(recipe, model, train_examples, eval_examples, tokenizer.pad_token_id, parallel, device)
+    objective.with_model(model, train_examples, eval_examples, resuming)
     units = model_units(parts) if adapters is None else adapters.trainable_units(model_units(parts))
     optimizers = parallel.optimizers(units, device, run_dir)
     parallel.hook_forward(model, parts)
@@ -180,10 +176,8 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     schedule = Schedule(recipe.optimizer.lr, recipe.scheduler, horizon=t.max_steps)
     return Session(recipe, run_dir, device, tokenizer, model, parts, units, optimizers, controller,
                    train_examples, eval_examples, order, schedule, Progress(world_size=dist.world_size()),
-                   parallel, in_backward=in_backward, packing=packing, auto_layers=auto_layers, adapters=adapters,
-                   objective=PairObjective(pref, parallel.sharded_forward) if pref is not None else None,
-                   reference=ReferenceLogps(train_examples, eval_examples) if pref is not None and pref.loss == "dpo"
-                   else None)
+                   parallel, objective, in_backward=in_backward, packing=packing, auto_layers=auto_layers,
+                   adapters=adapters)
 
 
 def _data(recipe: Recipe, tokenizer: Tokenizer, train_examples: list | None,

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
+from lisaft.data.collate import to_device
 from lisaft.distributed import dist
 from lisaft.metrics.phases import Phases
-from lisaft.model.attention import varlen_attention
-from lisaft.model.preference import METRICS, collate_pairs, pair_positions
+from lisaft.train.objectives import StepBatches
 from lisaft.train.session import Session
 
 
@@ -29,7 +28,7 @@ class StepResult:
     activation_bytes: int | None = None  # saved for backward by the longest micro-batch, when measured
     activation_seq_len: int = 0          # that micro-batch's padded length
     skipped: bool = False                # training.on_nonfinite: skip dropped a non-finite update
-    preference: dict[str, float] | None = None  # a preference run: the rewards, mean over the step's pairs
+    figures: dict[str, float] = field(default_factory=dict)  # the objective's own (rewards, ...): step_figures
 
 
 _NO_PHASES = Phases()
@@ -62,27 +61,15 @@ class StepTotals:
         return out
 
 
-def _micro_batches(session: Session) -> tuple[list[dict], torch.Tensor]:
-    """The step's micro-batches and this rank's counts: what the loss is normalised by (label
-    tokens, or a preference run's pairs), real positions, positions."""
-    micro, real = [], 0
-    pairs = session.objective is not None
-    # With a varlen attention kernel a micro-batch is one row of documents, no padding at all.
-    flatten = varlen_attention(session.model)
-    for _ in range(session.recipe.training.grad_accum_steps):
-        examples = [session.train_examples[i] for i in session.order.next_indices()]
-        if pairs:
-            micro.append(collate_pairs(examples, session.tokenizer.pad_token_id))
-            real += pair_positions(examples)
-        else:
-            micro.append(collate(examples, session.tokenizer.pad_token_id, flatten))
-            real += real_positions(examples)
-    # Summed as tensors, not read: the host reads nothing until the step ends.
-    normaliser = sum(b["labels"].shape[0] // 2 if pairs else (b["labels"][:, 1:] != IGNORE_INDEX).sum()
-                     for b in micro)
-    counts = [torch.as_tensor(x, dtype=torch.float64) for x in (normaliser, real, sum(b["input_ids"].numel()
-                                                                                        for b in micro))]
-    return micro, torch.stack(counts)
+def _micro_batches(session: Session, step: int) -> tuple[StepBatches, torch.Tensor]:
+    """The step's micro-batches, as the objective makes them from the data order's examples, and
+    this rank's counts: what the loss is normalised by, real positions, positions."""
+    examples = [[session.train_examples[i] for i in session.order.next_indices()]
+                for _ in range(session.recipe.training.grad_accum_steps)]
+    made = session.objective.step_batches(session.model, step, examples)
+    positions = sum(b["input_ids"].numel() for b in made.batches)
+    counts = [torch.as_tensor(x, dtype=torch.float64) for x in (made.normaliser, made.real_positions, positions)]
+    return made, torch.stack(counts)
 
 
 def _measured_forward(model: torch.nn.Module, batch: dict, forward) -> tuple[torch.Tensor, int]:
@@ -102,18 +89,17 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
     than `longer_than` positions (the hooks only observe); `forward`: a benchmark's own loss. The
     host reads the device once, at the end (with training.on_nonfinite: skip, the norm once more
     before the update)."""
-    forward = forward or session.parallel.token_loss
+    objective = session.objective
+    forward = forward or objective.loss_sum
     t = session.recipe.training
     controller = session.controller
     with phases.phase("lisa"):
         controller.activate_for_step(step)
     with phases.phase("collate"):
-        micro, counts = _micro_batches(session)
+        made, counts = _micro_batches(session, step)
+    micro = made.batches
     counts = dist.all_reduce_sum(counts.to(session.device, non_blocking=True))
     loss_tokens = counts[0].clamp(min=1.0)  # on the device: the loss is divided there
-    pairs = session.objective  # a preference run: pair losses, normalised by the global number of pairs
-    if pairs is not None:
-        forward = pairs.loss_sum
     # The learning rate is set before backward: with optimizer.in_backward the update runs there.
     lr = session.schedule.lr(step)
     session.optimizers.set_lr(lr, step)
@@ -136,9 +122,8 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             with phases.phase("backward"):
                 (loss / loss_tokens.to(loss.dtype)).backward()
             totals.add("loss", loss)
-    if pairs is not None:  # the objective's reward sums, read with the rest
-        for name, value in zip(METRICS, pairs.take_sums(session.device)):
-            totals.add(name, value)
+    for name, value in objective.step_sums().items():  # the objective's own sums, read with the rest
+        totals.add(name, value)
     skipped = False
     grad_norm: torch.Tensor | float | None
     if norm is not None:
@@ -148,9 +133,7 @@ def train_step(session: Session, step: int, measure_norm: bool = True, measure_a
             session.controller, session.optimizers, t.max_grad_norm, measure_norm, phases,
             skip_nonfinite=t.on_nonfinite == "skip")
     read = totals.read({"normaliser": counts[0], "tokens": counts[1], "positions": counts[2], "grad_norm": grad_norm})
-    normaliser = max(read["normaliser"], 1.0)
-    return StepResult(loss=read["loss"] / normaliser, tokens=int(read["tokens"]),
+    return StepResult(loss=read["loss"] / max(read["normaliser"], 1.0), tokens=int(read["tokens"]),
                       padding=int(read["positions"] - read["tokens"]), lr=lr, grad_norm=read.get("grad_norm"),
                       grad_bytes=grad_bytes, activation_bytes=activation_bytes,
-                      activation_seq_len=activation_seq_len, skipped=skipped,
-                      preference={m: read[m] / normaliser for m in METRICS} if pairs is not None else None)
+                      activation_seq_len=activation_seq_len, skipped=skipped, figures=objective.step_figures(read))
