@@ -22,6 +22,7 @@ from lisaft.grpo.advantages import advantages
 from lisaft.grpo.generation import sample
 from lisaft.grpo.loss import completion_logps, completion_mask
 from lisaft.grpo.rewards import Reward, score
+from lisaft.model.lora import adapters_off
 
 
 @dataclass
@@ -57,10 +58,11 @@ def _texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str],
 
 
 def generate(model, policy: Policy, prompts: list[dict], batch_size: int, seed: int, step: int,
-             scored_logps: tuple[bool, bool], sharded: bool) -> Rollout:
+             scored_logps: tuple[bool, bool], sharded: bool, reference=None) -> Rollout:
     """The rollout of `prompts` (each an example of data.format prompts), G completions each, cut
     into micro-batches of `batch_size`; `scored_logps`: whether to keep the old policy's log-probs
-    (the ratio moves away from 1 before the next generation) and the reference's (β > 0)."""
+    (the ratio moves away from 1 before the next generation) and the reference's (β > 0): of
+    `reference`, a frozen copy, or with None the policy with its LoRA adapters off."""
     g = policy.grpo
     t0 = time.perf_counter()
     repeated = [p for p in prompts for _ in range(g.num_generations)]
@@ -78,7 +80,7 @@ def generate(model, policy: Policy, prompts: list[dict], batch_size: int, seed: 
     adv = advantages(scored.total, g.num_generations, g.scale_rewards)
     input_ids = torch.cat([drawn.prompt_ids, drawn.completion_ids], dim=1)
     attention = torch.cat([drawn.prompt_mask, mask], dim=1)
-    extra = _scored_logps(model, policy, input_ids, attention, mask.size(1), scored_logps, sharded)
+    extra = _scored_logps(model, policy, input_ids, attention, mask.size(1), scored_logps, sharded, reference)
     tokens = dist.all_reduce_sum(mask.sum().double()).item()  # dapo's count, over every rank
     batches = []
     for i in range(0, len(repeated), batch_size):
@@ -99,21 +101,18 @@ def _floats(t: torch.Tensor) -> list[float | None]:
 
 @torch.no_grad()
 def _scored_logps(model, policy: Policy, input_ids, attention, width: int, which: tuple[bool, bool],
-                  sharded: bool) -> dict[str, torch.Tensor]:
+                  sharded: bool, reference) -> dict[str, torch.Tensor]:
     old, ref = which
+    t = policy.grpo.temperature
     out = {}
     if old:
-        out["old_logps"] = completion_logps(model, input_ids, attention, width, policy.grpo.temperature, sharded)
-    if ref:
-        with _reference(model):
-            out["ref_logps"] = completion_logps(model, input_ids, attention, width, policy.grpo.temperature,
-                                                sharded)
+        out["old_logps"] = completion_logps(model, input_ids, attention, width, t, sharded)
+    if ref and reference is not None:
+        out["ref_logps"] = completion_logps(reference, input_ids, attention, width, t)
+    elif ref:
+        with adapters_off(model):
+            out["ref_logps"] = completion_logps(model, input_ids, attention, width, t, sharded)
     return {k: v.float() for k, v in out.items()}
-
-
-def _reference(model):
-    """The reference policy: under LoRA the base with the adapters off (no second copy)."""
-    return model.disable_adapter()
 
 
 def _figures(policy: Policy, per_func: torch.Tensor, total: torch.Tensor, zero_std: torch.Tensor,

@@ -16,6 +16,7 @@ Normaliser), so the step's normaliser is 1: each rank gives 1 / ranks.
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -71,11 +72,19 @@ class Grpo(Objective):
         eos = tokenizer.eos_token_id
         self.policy = Policy(self.grpo, load_rewards(self.grpo), tokenizer, [eos] if isinstance(eos, int) else eos)
         self.buffer = RolloutBuffer()
+        self.reference: nn.Module | None = None  # β > 0 without LoRA: a frozen copy of the initial policy
         self._sums: dict[str, torch.Tensor] = {}
         self._generation: dict[str, float] = {}
 
     def describe(self) -> str:
         return f"GRPO G={self.grpo.num_generations} {self.grpo.loss_type} β={self.grpo.beta:g}; "
+
+    def with_model(self, model: nn.Module, train: list[dict], evals: list[dict] | None, resuming: bool) -> None:
+        if self.grpo.beta > 0 and not self.recipe.lora.enabled:
+            # Under LoRA the reference is the base with the adapters off; a full-weight method
+            # keeps the initial weights. A resume calls this before the checkpoint's weights are
+            # read, with the model as loaded: the same initial weights.
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
 
     def checkpoint_components(self, train: list[dict], evals: list[dict] | None) -> dict[str, Any]:
         if not self.outlives_step:
@@ -105,7 +114,8 @@ class Grpo(Objective):
     def _sample(self, model: nn.Module, generation: int, step: int, prompts: list[dict], batch_size: int) -> None:
         seed = sampling_seed(self.recipe.training.seed, generation, dist.rank())
         keep = (self.outlives_step, self.grpo.beta > 0)
-        rollout = generate(model, self.policy, prompts, batch_size, seed, step, keep, self.strategy.sharded_forward)
+        rollout = generate(model, self.policy, prompts, batch_size, seed, step, keep, self.strategy.sharded_forward,
+                           self.reference)
         self.buffer.rollout = rollout
         t = self.recipe.training
         if self.run_dir is not None and dist.is_main() and ((step + 1) % t.log_every == 0 or step + 1 == t.max_steps):
