@@ -147,9 +147,9 @@ def resolve_reward_paths(data: dict, base: Path) -> None:
     folder, or the current directory for --set), as the recipe's other paths are, so the run's
     own recipe.yaml still finds them on resume."""
     grpo = data.get("grpo")
-    funcs = grpo.get("reward_funcs") if isinstance(grpo, dict) else None
-    if not isinstance(funcs, list):
+    if not isinstance(grpo, dict) or not isinstance(grpo.get("reward_funcs"), list):
         return
+    funcs = grpo["reward_funcs"]
     out = []
     for spec in funcs:
         file, sep, name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")

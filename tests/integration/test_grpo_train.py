@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 from lisaft.cli import app
 from lisaft.metrics.log import read_metrics
 from lisaft.train import train
-from lisaft.train.commands import resume
 from tests.integration.test_resume import _spawn, _wait_for, assert_same_run
 
 runner = CliRunner()
@@ -94,7 +93,8 @@ def test_sigkill_then_resume_gives_the_same_completions_rewards_and_weights(grpo
     assert result.exit_code == 0 and f"from step-{resumed:06d}" in result.output, result.output
     assert_same_run(run, grpo_run.dir / "ref")
     ref = _train_records(grpo_run.dir / "ref")
-    assert [(r["reward"], r["clip_ratio"]) for r in _train_records(run)] == [(r["reward"], r["clip_ratio"]) for r in ref]
+    figures = [(r["reward"], r["clip_ratio"]) for r in ref]
+    assert [(r["reward"], r["clip_ratio"]) for r in _train_records(run)] == figures
     shown = sorted(p.name for p in (grpo_run.dir / "ref" / "completions").iterdir())  # each generation's
     assert sorted(p.name for p in (run / "completions").iterdir()) == shown
     for name in shown:

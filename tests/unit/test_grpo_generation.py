@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from lisaft.config.grpo import GrpoSection
-from lisaft.model import loss as model_loss
 from lisaft.grpo.generation import left_padded, sample, sampling_seed
 from lisaft.grpo.loss import completion_logps
+from lisaft.model import loss as model_loss
 from tests.unit._tiny import tiny
 
 GRPO = GrpoSection(reward_funcs=["exact_match"], num_generations=2, max_completion_length=6, temperature=0.9,
