@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import List, Optional, get_args
 
@@ -76,7 +78,22 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _exits(command: Callable[..., int | None]) -> Callable[..., None]:
+    """A command's one exit: its return code, or a LisaftError as one `error:` line and its code."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs) -> None:
+        try:
+            code = command(*args, **kwargs)
+        except LisaftError as e:
+            _fail(str(e), e.exit_code)
+        raise typer.Exit(code or 0)
+
+    return run
+
+
 @app.command()
+@_exits
 def train(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe YAML."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
@@ -84,18 +101,15 @@ def train(
                                    metavar=""),
     force: bool = typer.Option(False, "--force", help="With --overwrite: go on although output_dir "
                                "holds files lisaft did not write (they are left alone).", metavar=""),
-) -> None:
+) -> int:
     """Fine-tune as RECIPE says."""
     from lisaft.train import train as run_train
 
-    try:
-        code = run_train(recipe, overrides=set_ or [], overwrite=overwrite, force=force)
-    except LisaftError as e:
-        _fail(str(e), e.exit_code)
-    raise typer.Exit(code)
+    return run_train(recipe, overrides=set_ or [], overwrite=overwrite, force=force)
 
 
 @app.command()
+@_exits
 def resume(
     run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="Run directory of a stopped or crashed run."),
     max_steps: Optional[int] = typer.Option(
@@ -106,35 +120,29 @@ def resume(
         None, "--set", metavar="KEY=VALUE",
         help=f"Change a key a resume may change: {', '.join(CADENCE_KEYS)}. Others alter the run "
         "and are refused."),
-) -> None:
+) -> int:
     """Continue a run from its newest complete checkpoint, exactly."""
     from lisaft.train.commands import resume as run_resume
 
-    try:
-        code = run_resume(run_dir, max_steps=max_steps, overrides=set_ or [], reschedule=reschedule)
-    except LisaftError as e:
-        _fail(str(e), e.exit_code)
-    raise typer.Exit(code)
+    return run_resume(run_dir, max_steps=max_steps, overrides=set_ or [], reschedule=reschedule)
 
 
 @app.command()
+@_exits
 def data(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="Recipe YAML."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     examples: int = typer.Option(3, "--examples", metavar="N", help="Train examples to show."),
     json_out: bool = typer.Option(False, "--json", help="Print the audit as JSON.", metavar=""),
-) -> None:
+) -> int:
     """Audit RECIPE's data as it will train: examples, lengths, loss tokens."""
     from lisaft.metrics.data_report import data_command
 
-    try:
-        code = data_command(recipe, set_ or [], json_out=json_out, shown=examples)
-    except LisaftError as e:
-        _fail(str(e), e.exit_code)
-    raise typer.Exit(code)
+    return data_command(recipe, set_ or [], json_out=json_out, shown=examples)
 
 
 @app.command("estimate-memory")
+@_exits
 def estimate_memory(
     recipe: Optional[Path] = typer.Argument(None, metavar="RECIPE",
                                             help="Recipe YAML to start from (flags override it)."),
@@ -178,41 +186,35 @@ def estimate_memory(
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help=SET_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print the estimate as JSON.", metavar=""),
     explain: bool = typer.Option(False, "--explain", help="Explain paged optimizer memory.", metavar=""),
-) -> None:
+) -> int:
     """Will it fit, where does the memory go, what to change."""
     from lisaft.memory.command import EstimateFlags, estimate_memory_command
 
-    try:
-        code = estimate_memory_command(EstimateFlags(
-            recipe=recipe, model=model, optimizer=optimizer, lisa_layers=lisa_layers,
-            no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
-            gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
-            in_backward=in_backward, cpu_offload=cpu_offload, host_ram=host_ram,
-            budget=budget, gpu=gpu, device=device, overrides=tuple(set_ or ()),
-            json_out=json_out, explain=explain, fsdp=fsdp, ranks=ranks,
-        ))
-    except LisaftError as e:
-        _fail(str(e))
-    raise typer.Exit(code or 0)
+    return estimate_memory_command(EstimateFlags(
+        recipe=recipe, model=model, optimizer=optimizer, lisa_layers=lisa_layers,
+        no_lisa=no_lisa, batch_size=batch_size, seq_len=seq_len,
+        gradient_checkpointing=gradient_checkpointing, attention=attention, dtype=dtype,
+        in_backward=in_backward, cpu_offload=cpu_offload, host_ram=host_ram,
+        budget=budget, gpu=gpu, device=device, overrides=tuple(set_ or ()),
+        json_out=json_out, explain=explain, fsdp=fsdp, ranks=ranks,
+    ))
 
 
 @app.command()
+@_exits
 def plot(
     runs: List[Path] = typer.Argument(..., metavar="RUN...", help="Run directories (several are overlaid)."),
     out: Optional[Path] = typer.Option(None, "--out", metavar="FILE",
                                        help="PNG to write. Default: RUN/plot.png, or ./plot.png for several runs."),
-) -> None:
+) -> int:
     """Plot runs: loss, eval, lr, grad norm, speed, memory, LISA layers."""
     from lisaft.metrics.plot import plot_command
 
-    try:
-        code = plot_command(runs, out)
-    except LisaftError as e:
-        _fail(str(e), e.exit_code)
-    raise typer.Exit(code)
+    return plot_command(runs, out)
 
 
 @app.command()
+@_exits
 def generate(
     path: Path = typer.Argument(..., metavar="RUN_OR_MODEL_DIR",
                                 help="A run (uses RUN/final and RUN/recipe.yaml), one of its checkpoints "
@@ -233,17 +235,13 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", metavar="P", help="Nucleus sampling mass (with --temperature)."),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed for sampling."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per prompt.", metavar=""),
-) -> None:
+) -> int:
     """Try a model with the prompt format its run trained on."""
     from lisaft.generate.command import generate_command
 
-    try:
-        code = generate_command(path, prompt=prompt, input_text=input_text, input_file=input_file, fmt=fmt,
-                                limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=top_p, seed=seed, json_out=json_out)
-    except LisaftError as e:
-        _fail(str(e), e.exit_code)
-    raise typer.Exit(code)
+    return generate_command(path, prompt=prompt, input_text=input_text, input_file=input_file, fmt=fmt,
+                            limit=limit, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, seed=seed, json_out=json_out)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

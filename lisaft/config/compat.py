@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lisaft.config.optimizers import OptimizerKind, names_where, optimizer_kind
-from lisaft.config.preference_losses import losses_where, preference_loss
+from lisaft.config.preference_losses import DATA, losses_where, preference_loss
 from lisaft.errors import LisaftError
 
 if TYPE_CHECKING:
@@ -112,11 +112,11 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         "a recipe trains one stage: remove the preference section or the grpo section")),
     Exclusion(lambda r: r.preference is not None and r.data.format != preference_loss(r.preference.loss).data_format,
               lambda r: (
-        f"preference.loss {_loss(r)} trains on pairs: set data.format: preference (rows of prompt, "
-        f"chosen, rejected), or remove the preference section for SFT on data.format {r.data.format}")),
-    Exclusion(lambda r: r.preference is None and r.data.format == "preference", _fixed(
-        "data.format preference needs a preference section: preference.loss "
-        + ", ".join(losses_where(lambda k: k.data_format == "preference")))),
+        f"preference.loss {_loss(r)} trains on {DATA[preference_loss(str(_loss(r))).data_format]}, "
+        f"or remove the preference section for SFT on data.format {r.data.format}")),
+    Exclusion(lambda r: r.preference is None and r.data.format in DATA, lambda r: (
+        f"data.format {r.data.format} needs a preference section: preference.loss "
+        + ", ".join(losses_where(lambda k: k.data_format == r.data.format)))),
     Exclusion(lambda r: r.preference is not None and r.preference.reference is not None
               and not preference_loss(r.preference.loss).reference, lambda r: (
         f"preference.reference is the reference model of {', '.join(losses_where(lambda k: k.reference))}; "
@@ -124,7 +124,8 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
     # A pair's two sequences are scored against each other, so they stay two rows of one batch.
     Exclusion(lambda r: r.preference is not None and r.data.packing, _fixed(
         "data.packing cannot be combined with a preference section: each pair's chosen and rejected "
-        "sequences go through the forward as two rows of one batch; set data.packing false")),
+        "sequences (an answer and its KL sequence for kto) go through the forward as rows of one batch; set "
+        "data.packing false")),
     # GRPO (config/grpo.py): prompts in, groups of sampled completions out.
     Exclusion(lambda r: r.grpo is not None and r.data.format != "prompts", lambda r: (
         f"a grpo section samples completions of prompts: set data.format: prompts (rows with a prompt), or "

@@ -11,21 +11,35 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-PreferenceLoss = Literal["dpo", "simpo", "orpo", "ipo"]
+PreferenceLoss = Literal["dpo", "simpo", "orpo", "ipo", "kto"]
 PREFERENCE_LOSSES: tuple[PreferenceLoss, ...] = get_args(PreferenceLoss)
+
+
+# What each data.format a loss trains on holds, for messages.
+DATA: dict[str, str] = {
+    "preference": "pairs: set data.format: preference (rows of prompt, chosen, rejected)",
+    "feedback": "unpaired feedback: set data.format: feedback (rows of prompt, completion, label)",
+}
 
 
 @dataclass(frozen=True)
 class LossKind:
-    data_format: Literal["preference"]  # the data.format it trains on: pairs
-    # The loss of the score h (the log-ratio of chosen over rejected, model/preference.py):
+    data_format: Literal["preference", "feedback"]  # the data.format it trains on
+    # The loss of a pair's score h (the log-ratio of chosen over rejected, model/preference.py):
     # sigmoid −log σ(βh − γ); squared (h − 1/(2β))²; odds_ratio ORPO's NLL plus β times its term.
-    form: Literal["sigmoid", "squared", "odds_ratio"]
+    # prospect: KTO's value of each unpaired answer against the KL estimate (model/feedback.py).
+    form: Literal["sigmoid", "squared", "odds_ratio", "prospect"]
     reference: bool                     # scores the policy against reference log-probs (computed once)
     beta: float                         # β when the recipe gives none ...
     beta_source: str                    # ... and where that default comes from
     per_token: bool                     # the answer's log-prob averaged over its tokens (else summed)
     keys: tuple[str, ...] = ()          # preference.* keys it reads besides loss, beta and reference
+
+    @property
+    def sequences(self) -> int:
+        """Sequences one example puts through the training forward: a pair's two, an unpaired
+        answer's one (KTO's KL sequence goes through a forward without gradients)."""
+        return 2 if self.data_format == "preference" else 1
 
 
 _KINDS: dict[str, LossKind] = {
@@ -39,6 +53,9 @@ _KINDS: dict[str, LossKind] = {
     # says it confirmed with the IPO authors; the paper writes sequence log-probs).
     "ipo": LossKind("preference", "squared", reference=True, beta=0.1, per_token=True,
                     beta_source="TRL's DPOConfig β, IPO's τ (the IPO paper, Azar et al. 2023)"),
+    "kto": LossKind("feedback", "prospect", reference=True, beta=0.1, per_token=False,
+                    keys=("desirable_weight", "undesirable_weight"),
+                    beta_source="the KTO paper (Ethayarajh et al. 2024) and TRL's KTOConfig"),
 }
 assert set(_KINDS) == set(PREFERENCE_LOSSES), "every preference loss has one row"
 

@@ -136,13 +136,14 @@ class DataSection(Section):
     eval_fraction: Float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
     )
-    format: Literal["text", "instruction", "chat", "preference", "prompts"] = Field(
+    format: Literal["text", "instruction", "chat", "preference", "feedback", "prompts"] = Field(
         "text",
         description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
         "chat: `messages` [{role, content}]; preference: `prompt`, `chosen`, `rejected` (strings or "
-        "messages; needs a `preference` section, docs/preference.md); prompts: `prompt` (a string, or "
-        "messages rendered with the chat template and its generation prompt), every other field passed "
-        "to the rewards (needs a `grpo` section, docs/grpo.md).",
+        "messages; needs a `preference` section, docs/preference.md); feedback: `prompt`, `completion` "
+        "(strings or messages) and a boolean `label` (preference.loss kto, docs/preference.md); prompts: "
+        "`prompt` (a string, or messages rendered with the chat template and its generation prompt), every "
+        "other field passed to the rewards (needs a `grpo` section, docs/grpo.md).",
     )
     max_seq_len: Int = Field(
         1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
@@ -358,16 +359,26 @@ class PreferenceSection(Section):
         "each completion, the reference's computed once before step 1; simpo: −log σ(β(avg_c − avg_r) − γ), "
         "avg the mean log-prob per completion token, no reference; orpo: the chosen answers' NLL plus "
         "β times the odds-ratio loss, no reference; ipo: (h − 1/(2β))², h the difference of the "
-        "per-token log-ratios to the reference. docs/preference.md")
+        "per-token log-ratios to the reference; kto (data.format feedback): 1 − σ(β(r − z)) for a desirable answer, "
+        "1 − σ(β(z − r)) for an undesirable one, r its log-ratio to the reference, z the batch's KL estimate. "
+        "docs/preference.md")
     beta: Float = Field(
         0.1, gt=0.0, description="DPO's β, SimPO's β, ORPO's λ (the odds-ratio term's weight), IPO's τ. When "
         "unset, the loss's own default: dpo 0.1 (the DPO paper, TRL's DPOConfig), simpo 2.0 (the SimPO paper, "
-        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig), ipo 0.1 (TRL's DPOConfig).")
+        "torchtune's SimPOLoss), orpo 0.1 (the ORPO paper, TRL's ORPOConfig), ipo 0.1 (TRL's DPOConfig), "
+        "kto 0.1 (the KTO paper, TRL's KTOConfig).")
     gamma: Float = Field(
         0.5, ge=0.0, description="SimPO's target reward margin γ (TRL's CPOConfig simpo_gamma and torchtune's "
         "SimPOLoss: 0.5). Read by simpo only.")
+    desirable_weight: Float = Field(
+        1.0, gt=0.0, description="KTO's weight of a desirable answer's loss (TRL's KTOConfig: 1.0); with fewer "
+        "desirable than undesirable rows the paper keeps desirable_weight × desirable rows over undesirable_weight "
+        "× undesirable rows between 1 and 4/3. Read by kto only.")
+    undesirable_weight: Float = Field(
+        1.0, gt=0.0, description="KTO's weight of an undesirable answer's loss (TRL's KTOConfig: 1.0). Read by "
+        "kto only.")
     reference: str | None = Field(
-        None, description="The reference model of a loss with one (dpo, ipo; a local folder or hub id), loaded "
+        None, description="The reference model of a loss with one (dpo, ipo, kto; a local folder or hub id), loaded "
         "only for the one pass that computes the reference log-probs before step 1. null: the initial policy "
         "itself.")
 
@@ -405,7 +416,8 @@ class Recipe(Section):
     training: TrainingSection
     logging: LoggingSection = LoggingSection()
     preference: PreferenceSection | None = Field(
-        None, description="Preference tuning (DPO, SimPO, ORPO) on data.format preference; null: SFT.")
+        None, description="Preference tuning: DPO, SimPO, ORPO, IPO on data.format preference, KTO on data.format "
+        "feedback; null: SFT.")
     grpo: GrpoSection | None = Field(
         None, description="GRPO: online RL on verifiable rewards, on data.format prompts (TRL 1.16's names "
         "and defaults, docs/grpo.md); null: no online stage.")

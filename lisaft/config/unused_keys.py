@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from lisaft.config.optimizers import names_where, optimizer_kind
-from lisaft.config.preference_losses import preference_loss
+from lisaft.config.preference_losses import PREFERENCE_LOSSES, preference_loss
 from lisaft.config.schema import Recipe
 
 
@@ -27,7 +27,11 @@ def unused_keys(recipe: Recipe) -> list[str]:
             notes.append(", ".join(f"optimizer.{k}" for k in keys) + f" {verb} ignored: only "
                          f"{' and '.join(names_where(lambda k: k.projected))} read them (optimizer.name is {o.name})")
     p = recipe.preference
-    if p is not None and "gamma" not in preference_loss(p.loss).keys and p.gamma != 0.5:
-        notes.append(f"preference.gamma ({p.gamma:g}) is ignored: it is SimPO's margin and preference.loss is "
-                     f"{p.loss}")
+    if p is not None:
+        for key in ("gamma", "desirable_weight", "undesirable_weight"):
+            value, default = getattr(p, key), type(p).model_fields[key].default
+            if key not in preference_loss(p.loss).keys and value != default:
+                readers = " and ".join(n for n in PREFERENCE_LOSSES if key in preference_loss(n).keys)
+                notes.append(f"preference.{key} ({value:g}) is ignored: only {readers} reads it and "
+                             f"preference.loss is {p.loss}")
     return notes

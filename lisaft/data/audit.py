@@ -71,12 +71,13 @@ class SplitAudit:
     dropped: list[int]             # indices of rows dropped for having no loss token left
     same_answers: list[int]        # pairs whose two answers are the same tokens once cut: no signal
     numbers: list[int]             # each row's line (or row) number in its file
+    desirable: int | None = None   # unpaired feedback: rows labelled desirable (None: rows carry no label)
 
     def as_json(self) -> dict:
         return {"key": self.key, "source": self.source, "rows": self.rows, "truncated": self.truncated,
                 "truncated_share": _share(self.truncated, self.rows), "dropped": len(self.dropped),
                 "dropped_rows": [self.numbers[i] for i in self.dropped],
-                "same_answers": len(self.same_answers),
+                "same_answers": len(self.same_answers), "desirable": self.desirable,
                 "sequences": {k: s.as_json() for k, s in self.sequences.items()}}
 
 
@@ -130,8 +131,9 @@ def audit_split(fmt: DataFormat, rows: Rows, examples: list[Example], fit: Fit, 
         sequences = {k: _sequences([p[k] for p in examples], [p[k] for p in fit.cut], dropped, stops, unk)
                      for k in ("chosen", "rejected")}
         same = [i for i, p in enumerate(fit.cut) if p["chosen"]["input_ids"] == p["rejected"]["input_ids"]]
+    labelled = [ex["desirable"] for ex in fit.kept if "desirable" in ex]
     return SplitAudit(rows.key, str(rows.source), len(examples), sequences, len(fit.truncated),
-                      list(fit.dropped), same, list(rows.numbers))
+                      list(fit.dropped), same, list(rows.numbers), sum(labelled) if labelled else None)
 
 
 def check_split(audit: SplitAudit, rows: Rows, tokenizer) -> None:

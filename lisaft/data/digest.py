@@ -31,6 +31,8 @@ def examples_digest(examples: list[dict]) -> str:
         h.update(len(ids).to_bytes(8, "little"))
         h.update(array("q", ids).tobytes())
         h.update(array("q", labels).tobytes())
+        if "desirable" in ex:  # unpaired feedback: its label is data too
+            h.update(b"+" if ex["desirable"] else b"-")
     return h.hexdigest()
 
 

@@ -18,12 +18,12 @@ see what one process with an N times larger batch sees.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from lisaft.config.schema import DataSection
+from lisaft.console import warn
 from lisaft.data.audit import SplitAudit, audit_split, check_split
 from lisaft.data.formats import data_format
 from lisaft.data.formats.base import DataWarning, Example, Fit
@@ -81,7 +81,7 @@ def read_splits(section: DataSection, seed: int) -> tuple[Rows, Rows | None]:
     eval_rows: Rows | None = None
     if section.eval is not None:
         if section.eval_fraction > 0:
-            warnings.warn("data.eval is set, so data.eval_fraction is ignored", DataWarning, stacklevel=3)
+            warn("data.eval is set, so data.eval_fraction is ignored", DataWarning, stacklevel=3)
         eval_rows = rename_columns(read_rows(section.eval, "data.eval", section.subset, section.eval_split),
                                    section.columns)
     elif section.eval_fraction > 0:

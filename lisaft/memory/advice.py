@@ -15,6 +15,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from lisaft.config.compat import first_exclusion
 from lisaft.config.optimizers import OPTIMIZERS, optimizer_kind
 from lisaft.memory.apollo_state import is_apollo
 from lisaft.memory.estimate import Estimate, compute
@@ -150,11 +151,17 @@ def _combine(s: Settings, options: tuple[Option, ...]) -> Change:
     return Change(overrides, why, est, sum(o.cost for o in options), len(options))
 
 
+def allowed(s: Settings, overrides: dict) -> bool:
+    """Whether the recipe with `overrides` is one config/compat.py accepts: advice never offers a
+    combination `lisaft train` would refuse (the options are estimated without validation)."""
+    return first_exclusion(s.with_keys(overrides).recipe) is None
+
+
 def combinations(s: Settings, layer_count: int) -> list[Change]:
-    """Every non-empty combination of the options, one per group at most, estimated."""
+    """Every non-empty combination of the options, one per group at most, that compat accepts, estimated."""
     groups = [[None, *g] for g in _groups(s, layer_count)]
-    return [_combine(s, tuple(o for o in pick if o is not None))
-            for pick in itertools.product(*groups) if any(pick)]
+    made = (_combine(s, tuple(o for o in pick if o is not None)) for pick in itertools.product(*groups) if any(pick))
+    return [c for c in made if allowed(s, c.overrides)]
 
 
 def _smallest(changes: list[Change]) -> Change:
@@ -200,7 +207,7 @@ def advice(est: Estimate, layer_count: int) -> list[Change]:
     if not est.fits and seq and seq < s.recipe.data.max_seq_len and not host_is_the_limit(est):
         changes.append(Change({"data.max_seq_len": seq}, "largest sequence length that fits",
                               compute(s.with_keys({"data.max_seq_len": seq}))))
-    return changes
+    return [c for c in changes if allowed(s, c.overrides)]
 
 
 def _every_weight(s: Settings) -> Change | None:

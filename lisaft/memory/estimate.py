@@ -11,7 +11,7 @@ docs/memory.md gives every formula.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.memory.activations import Shape, offloaded_host_bytes, shape_from_config
@@ -210,7 +210,12 @@ def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward)
     if "root_backward" in extra:  # the embeddings' backward ends it: every other slice's gradient is kept
         phases["root_backward"] = moment(r.grads_full, 0, 0, 0, "root_backward")
     if s.reference_pass:
-        phases["reference_pass"] = _reference_pass(moment(0, 0, b.loss_peak, 0, "loss_backward"), r, b)
+        phases["reference_pass"] = _reference_pass(moment(0, 0, b.loss_peak, 0, "loss_backward"), s, counts, r,
+                                                   b, dt)
+    if s.kl_pass:
+        # KTO's KL sequences of a micro-batch, forward only, before the step's first micro-batch: no
+        # gradient yet, nothing saved; the optimizer state resident.
+        phases["kl_pass"] = moment(0, 0, b.loss_peak, b.act.one_layer_full + b.act.mlp_chunk, "loss_backward")
     if s.fsdp and s.recipe.model.config is not None:
         # Set-up: a random init is whole on the device before fully_shard splits it.
         phases["model_load"] = {**moment(0, 0, 0, 0, "model_load"), "optimizer_states": 0,
@@ -218,13 +223,21 @@ def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward)
     return phases
 
 
-def _reference_pass(m: dict[str, int], r: Resident, b: Backward) -> dict[str, int]:
-    """DPO's reference log-probs, one pass over the pairs before step 1 (lisaft/train/preference.py):
+def _reference_pass(m: dict[str, int], s: Settings, counts: ParamCounts, r: Resident, b: Backward,
+                    dt: int) -> dict[str, int]:
+    """The reference log-probs, one pass over the examples before step 1 (lisaft/train/preference.py):
     under no_grad nothing is saved for backward and no gradient exists; the optimizer is built
     after it, so no state; a layer's forward at a time (at most what its recompute holds, the
-    dequantized weight of a 4-bit linear included) and the loss's chunk of log-probs. Under FSDP
-    the units gathered as in the forward, nothing reduced. The weights are the policy's, or a
-    preference.reference of the same architecture, loaded for the pass and freed before it."""
+    dequantized weight of a 4-bit linear included) and the loss's chunk of log-probs, for the
+    pass's sequences (a pair's two; KTO's answer and KL sequence, twice a training micro-batch's).
+    Under FSDP the units gathered as in the forward, nothing reduced. The weights are the policy's,
+    or a preference.reference of the same architecture, loaded for the pass and freed before it."""
+    if s.reference_sequences != s.sequences:  # the pass's batch of sequences, as a step's would be
+        rec = s.recipe
+        more = replace(s, recipe=rec.model_copy(update={"training": rec.training.model_copy(
+            update={"batch_size": rec.training.batch_size * s.reference_sequences // s.sequences})}))
+        b = backward(more, counts, shape_from_config(s.config), dt, r)
+        m = {**m, "logits_loss": b.loss_peak}
     forward = b.act.one_layer_full + b.act.mlp_chunk + (r.lora.transient if r.lora is not None else 0)
     out = {**m, "optimizer_states": 0, "transient": forward}
     if "gradient_reduce" in out:

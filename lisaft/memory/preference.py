@@ -1,17 +1,22 @@
 """The estimator's preference terms (a recipe with a `preference` section), said for people and
-scripts: the pairs, the log-probs chunked over the vocabulary, DPO's reference pass and its cache.
+scripts: the pairs or rows, the log-probs chunked over the vocabulary, the reference pass and its
+cache, KTO's KL pass.
 
 - Pairs: the chosen and the rejected answer of each pair go through one forward as two rows
-  (lisaft/train/preference.py), so a micro-batch of training.batch_size pairs holds twice as many
+  (train/objectives/pairs.py), so a micro-batch of training.batch_size pairs holds twice as many
   sequences: activations, the loss's buffers, offloaded inputs and the embedding's sparse rows
   are counted for Settings.sequences. Pairs are never packed, so rows are padded to the longest.
+- Unpaired feedback (KTO): a micro-batch of training.batch_size rows is as many sequences with
+  gradients; before the first micro-batch each step runs its KL sequences (a row's prompt with
+  another row's completion) through a forward without gradients: the `kl_pass` moment.
 - Log-probs: lisaft/model/loss.py token_nll, the per-token form of the chunked token loss, holds
   one chunk's float32 log-probs (and their gradient) at a time above 2^24 logits, never the
   [2·B·T·V] float32 logits of every position at once.
-- The reference pass (DPO only): the reference's log-probs of every pair, one pass before step 1,
+- The reference pass (a loss with a reference: dpo, ipo, kto): the reference's log-probs of every
+  pair (KTO: of every row's completion and KL sequence, twice a micro-batch's sequences), one pass before step 1,
   under no_grad and before the optimizer is built: the estimate's `reference_pass` moment
   (lisaft/memory/estimate.py), counted in the peak like every other moment.
-- The reference cache: two float64 sums a pair, kept with each pair as a list of two Python
+- The reference cache: two float64 sums a pair or row, kept with each as a list of two Python
   floats and written into each checkpoint's state.json; host memory, never the GPU's.
 """
 
@@ -46,6 +51,7 @@ def preference_summary(est: Estimate) -> dict | None:
         "loss_chunk_positions": chunk,  # null: unchunked, every position's logits at once
         "unchunked_logits_bytes": tokens * shape.vocab * FP32,  # what chunking avoids
         "reference_pass_bytes": est.phases.get("reference_pass"),  # null without a reference pass
+        "kl_pass_bytes": est.phases.get("kl_pass"),  # KTO's forward over the KL sequences; null for pairs
         "step_peak_bytes": max(v for k, v in est.phases.items() if k not in SETUP_PHASES),
         "reference_cache_bytes_per_pair": CACHE_BYTES_PER_PAIR if s.reference_pass else 0,
         "reference_checkpoint_bytes_per_pair": CHECKPOINT_BYTES_PER_PAIR if s.reference_pass else 0,
@@ -68,9 +74,15 @@ def preference_lines(est: Estimate) -> list[str]:
              f"{_gib(p['unchunked_logits_bytes'])} of [2·B·T·V] float32 logits never exist"
              if p["loss_chunk_positions"] else f"unchunked: {_gib(p['unchunked_logits_bytes'])} of float32 logits, "
              "under the 2^24 elements where lisaft chunks them")
-    out = [f"Pairs (preference.loss {p['loss']}): a micro-batch of {pairs} pair{'s' * (pairs > 1)} is {rows} "
-           f"sequences of up to {seq} tokens, chosen and rejected in one forward; activations and the loss's "
-           f"buffers above count {rows} sequences. Log-probs are {chunk}."]
+    if p["kl_pass_bytes"] is None:
+        out = [f"Pairs (preference.loss {p['loss']}): a micro-batch of {pairs} pair{'s' * (pairs > 1)} is {rows} "
+               f"sequences of up to {seq} tokens, chosen and rejected in one forward; activations and the loss's "
+               f"buffers above count {rows} sequences. Log-probs are {chunk}."]
+    else:
+        out = [f"Unpaired feedback (preference.loss {p['loss']}): a micro-batch of {pairs} row{'s' * (pairs > 1)} "
+               f"is {rows} sequences of up to {seq} tokens with gradients; each step first runs its rows' KL "
+               f"sequences through a forward without gradients ({_gib(p['kl_pass_bytes'])}, the kl_pass moment). "
+               f"Log-probs are {chunk}."]
     if p["reference_pass_bytes"] is None:
         out.append(f"No reference pass: {p['loss']} compares the policy's own log-probs, nothing runs before "
                    "step 1 and nothing is cached.")
@@ -79,10 +91,12 @@ def preference_lines(est: Estimate) -> list[str]:
     where = (f"below the training step's {_gib(step)}" if ref <= step else
              f"above the training step's {_gib(step)}: the pass is this run's peak")
     cache = PAIRS_QUOTED * (p["reference_cache_bytes_per_pair"] + p["reference_checkpoint_bytes_per_pair"])
-    out.append(f"Reference pass (DPO's reference log-probs of every pair, once, before step 1): {_gib(ref)}, "
+    each = "row and its KL sequence" if p["kl_pass_bytes"] else "pair"
+    out.append(f"Reference pass ({p['loss'].upper()}'s reference log-probs of every {each}, once, before step 1): "
+               f"{_gib(ref)}, "
                f"{where}; no gradients and no optimizer state yet, one layer's forward and the loss's chunk "
                "(the reference_pass moment).")
-    out.append(f"Reference cache: two float64 sums a pair, {p['reference_cache_bytes_per_pair']} B in host memory "
-               f"and up to {p['reference_checkpoint_bytes_per_pair']} B in each checkpoint's state.json: "
-               f"{cache / 1024**2:.1f} MiB for {PAIRS_QUOTED:,} pairs, none on the GPU.")
+    out.append(f"Reference cache: two float64 sums a pair or row, {p['reference_cache_bytes_per_pair']} B in host "
+               f"memory and up to {p['reference_checkpoint_bytes_per_pair']} B in each checkpoint's state.json: "
+               f"{cache / 1024**2:.1f} MiB for {PAIRS_QUOTED:,}, none on the GPU.")
     return out

@@ -103,9 +103,22 @@ class Settings:
 
     @property
     def sequences(self) -> int:
-        """Sequences per micro-batch: training.batch_size, twice over for pairs (the chosen and the
-        rejected answer of each go through one forward, lisaft/train/preference.py)."""
-        return self.recipe.training.batch_size * (2 if self.recipe.preference is not None else 1)
+        """Sequences per micro-batch with gradients: training.batch_size, twice over for pairs (the
+        chosen and the rejected answer of each go through one forward, train/objectives/pairs.py)."""
+        p = self.recipe.preference
+        return self.recipe.training.batch_size * (preference_loss(p.loss).sequences if p is not None else 1)
+
+    @property
+    def reference_sequences(self) -> int:
+        """Sequences per batch of the reference pass: a pair's two, an unpaired answer and its KL
+        sequence (train/objectives/feedback.py)."""
+        return self.recipe.training.batch_size * 2
+
+    @property
+    def kl_pass(self) -> bool:
+        """KTO's forward without gradients over the step's KL sequences before the first micro-batch."""
+        p = self.recipe.preference
+        return p is not None and preference_loss(p.loss).data_format == "feedback"
 
     @property
     def reference_pass(self) -> bool:

@@ -58,6 +58,8 @@ def _sequence(example: dict, raw: dict, tokenizer, start: int = 0) -> dict:
 def _example(split: Split, i: int, tokenizer) -> dict:
     rows, cut, raw = split.rows, split.fit.cut[i], split.examples[i]
     head = {"split": rows.key, "row": f"{rows.unit} {rows.numbers[i]}", "dropped": i in split.fit.dropped}
+    if "desirable" in cut:
+        head["desirable"] = cut["desirable"]
     if "chosen" not in cut:
         return {**head, **_sequence(cut, raw, tokenizer)}
     p = prompt_length(cut["chosen"])
@@ -80,6 +82,9 @@ def render(report: dict) -> str:
         if len(split["sequences"]) > 1:  # pairs: a pair is cut when either answer is
             line += (f", {split['truncated']:,} pairs cut ({split['truncated_share']:.1%}), "
                      f"{split['same_answers']:,} with the same chosen and rejected tokens once cut")
+        if split["desirable"] is not None:  # unpaired feedback: how the labels split the rows that train
+            trains = split["rows"] - split["dropped"]
+            line += f"; {split['desirable']:,} desirable, {trains - split['desirable']:,} undesirable"
         lines.append(line)
         for name, seq in split["sequences"].items():
             lines += [f"  {'' if name == 'examples' else name + ' '}{line}" for line in _counts(seq, report)]
@@ -100,7 +105,9 @@ def render(report: dict) -> str:
                 lines.append(f"--- {k}: {_about(ex[k])}")
                 lines.append(_text(ex[k]))
         else:
-            lines.append(f"--- {ex['row']}: {_about(ex)}" + (", dropped: no loss token" if ex["dropped"] else ""))
+            label = {True: ", desirable", False: ", undesirable"}.get(ex.get("desirable"), "")
+            dropped = ", dropped: no loss token" if ex["dropped"] else ""
+            lines.append(f"--- {ex['row']}: {_about(ex)}{label}{dropped}")
             lines.append(_text(ex))
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lisaft.config.optimizers import optimizer_kind
 from lisaft.config.schema import Recipe
+from lisaft.console import first_line, warn
 from lisaft.errors import LisaftError, RunFailed
 from lisaft.metrics.display import Display
 from lisaft.metrics.log import RunLog
@@ -58,7 +59,7 @@ def memory_report(session: Session, metrics: RunLog) -> None:
     try:
         estimate = estimate_for_recipe(recipe, device=session.device.type)
     except LisaftError as e:  # e.g. an architecture the estimator does not model
-        print(f"memory estimate unavailable: {e}")
+        warn(f"memory estimate unavailable: {first_line(e)}")
         return
     dev_state, off_state = session.optimizers.state_bytes()
     if session.device.type == "cpu" and session.recipe.lisa.state_policy == "offload_cpu":

@@ -97,12 +97,14 @@ def test_the_nonfinite_stop_reads_as_sentences_with_or_without_a_checkpoint(tmp_
 
 
 def _announced(recipe, auto_layers=None) -> list[str]:
+    from lisaft.train.objectives import choose
     from lisaft.train.report import announce
 
     lines: list[str] = []
     session = SimpleNamespace(recipe=recipe, model=torch.nn.Linear(2, 2), parts=SimpleNamespace(layers=[0] * 4),
                               auto_layers=auto_layers, device=torch.device("cpu"), train_examples=[{}] * 3,
-                              eval_examples=[], packing=None, progress=SimpleNamespace(step=0), run_dir="RUN")
+                              eval_examples=[], packing=None, progress=SimpleNamespace(step=0), run_dir="RUN",
+                              objective=choose(recipe, None, 0, torch.device("cpu")))
     announce(session, SimpleNamespace(print=lines.append))
     return lines
 

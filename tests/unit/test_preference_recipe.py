@@ -43,7 +43,11 @@ def test_a_set_preference_section_gets_its_loss_default(tmp_path):
     (lambda: _recipe({"loss": "simpo", "reference": "ref"}), "simpo uses none"),
     (lambda: _recipe({"loss": "orpo", "reference": "ref"}), "orpo uses none"),
     (lambda: _recipe({"loss": "dpo"}, packing=True), "data.packing cannot be combined"),
-    (lambda: _recipe({"loss": "kto"}), "'kto' is not one of dpo, simpo, orpo"),
+    # KTO exists since issue 47: an unknown loss is refused with the names, KTO on pairs with its data.
+    (lambda: _recipe({"loss": "cpo"}), "'cpo' is not one of dpo, simpo, orpo, ipo, kto"),
+    (lambda: _recipe({"loss": "kto"}), "kto trains on unpaired feedback: set data.format: feedback"),
+    (lambda: recipe_from_dict({**BASE, "data": {"train": "t.jsonl", "format": "feedback"}}),
+     "data.format feedback needs a preference section: preference.loss kto"),
     (lambda: _recipe({"loss": "dpo", "beta": 0}), "preference.beta"),
 ])
 def test_impossible_combinations_are_refused_in_one_line(recipe, words):

@@ -10,10 +10,9 @@ An example is a plain dict {"input_ids": [...], "labels": [...]}: labels aligned
 
 from __future__ import annotations
 
-import warnings
 from typing import ClassVar, Literal, overload
 
-from lisaft.console import LisaftWarning
+from lisaft.console import LisaftWarning, warn
 from lisaft.data.read import Rows
 from lisaft.errors import LisaftError
 
@@ -188,12 +187,12 @@ def truncate_and_filter(examples: list[Example], max_seq_len: int, rows: Rows) -
     if len(dropped) == len(examples):
         raise LisaftError(f"{where}: nothing to train on: {_lost(examples, dropped, max_seq_len)}")
     if truncated:
-        warnings.warn(
+        warn(
             f"{where}: {len(truncated)} of {len(examples)} examples were longer than data.max_seq_len="
             f"{max_seq_len} and were cut at the end ({numbers(rows, truncated)})", DataWarning, stacklevel=4,
         )
     if dropped:
-        warnings.warn(
+        warn(
             f"{where}: dropped {len(dropped)} of {len(examples)} examples with no response tokens left "
             f"to learn from (prompt fills data.max_seq_len={max_seq_len}, or no assistant turn): "
             f"{numbers(rows, dropped)}", DataWarning, stacklevel=4,

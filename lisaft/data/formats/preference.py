@@ -18,8 +18,7 @@ its prompt; the cut pairs are counted in one warning.
 
 from __future__ import annotations
 
-import warnings
-
+from lisaft.console import warn
 from lisaft.data.formats.base import (
     IGNORE_INDEX,
     DataFormat,
@@ -139,7 +138,7 @@ class Preference(DataFormat):
                 pair = {k: {f: v[:max_seq_len] for f, v in pair[k].items()} for k in ANSWERS}
             out.append(pair)
         if cut:
-            warnings.warn(
+            warn(
                 f"{rows.key}: {rows.source}: {len(cut)} of {len(examples)} pairs were longer than data.max_seq_len="
                 f"{max_seq_len}; their answers were cut at the end, their prompts kept ({numbers(rows, cut)})",
                 DataWarning, stacklevel=4)

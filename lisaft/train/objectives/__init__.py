@@ -3,7 +3,8 @@
 
     base.py     Objective (the interface and its defaults), StepBatches
     tokens.py   Tokens: SFT, the token loss over label tokens
-    pairs.py    Pairs: DPO, SimPO, ORPO on preference pairs (a reference pass where the loss has one)
+    pairs.py    Pairs: DPO, SimPO, ORPO, IPO on preference pairs (a reference pass where the loss has one)
+    feedback.py Feedback: KTO on unpaired feedback (the reference pass, the KL estimate)
     grpo.py     Grpo: online RL on verifiable rewards (its parts below the trainer: lisaft/grpo/)
 """
 
@@ -29,6 +30,8 @@ def choose(recipe: Recipe, strategy: Strategy, tokenizer, device: torch.device,
     """The stage the recipe asks for: a new stage is one line here and one module beside it.
     `tokenizer`: anything with pad_token_id (GRPO's decodes its completions with it); `run_dir`:
     where GRPO writes its completions."""
+    from lisaft.config.preference_losses import preference_loss
+    from lisaft.train.objectives.feedback import Feedback
     from lisaft.train.objectives.grpo import Grpo
     from lisaft.train.objectives.pairs import Pairs
     from lisaft.train.objectives.tokens import Tokens
@@ -37,5 +40,6 @@ def choose(recipe: Recipe, strategy: Strategy, tokenizer, device: torch.device,
     if recipe.grpo is not None:
         return Grpo(recipe, strategy, tokenizer, device, run_dir)
     if recipe.preference is not None:
-        return Pairs(recipe, strategy, pad_id, device)
+        unpaired = preference_loss(recipe.preference.loss).data_format == "feedback"
+        return (Feedback if unpaired else Pairs)(recipe, strategy, pad_id, device)
     return Tokens(strategy, pad_id, device)
