@@ -104,7 +104,7 @@ def _announced(recipe, auto_layers=None) -> list[str]:
     session = SimpleNamespace(recipe=recipe, model=torch.nn.Linear(2, 2), parts=SimpleNamespace(layers=[0] * 4),
                               auto_layers=auto_layers, device=torch.device("cpu"), train_examples=[{}] * 3,
                               eval_examples=[], packing=None, progress=SimpleNamespace(step=0), run_dir="RUN",
-                              objective=choose(recipe, None, 0, torch.device("cpu")))
+                              objective=choose(recipe, None, SimpleNamespace(pad_token_id=0), torch.device("cpu")))
     announce(session, SimpleNamespace(print=lines.append))
     return lines
 
