@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from lisaft.cli import app
 from lisaft.metrics.log import read_metrics
+from lisaft.metrics.plot import RunData, plot_command
 from lisaft.train import train
 from tests.integration.test_resume import _spawn, _wait_for, assert_same_run
 
@@ -58,12 +59,27 @@ def test_the_reward_rises(grpo_run, method):
     assert {"prompt", "completion", "reward", "advantage"} <= set(json.loads(shown[0]))
 
 
-def test_lora_trains_with_the_reference_as_the_base_and_reports_the_kl(grpo_run):
-    recipe = grpo_run(lora={"enabled": True}, grpo={"beta": 0.04}, training={"max_steps": 4})
+def test_lora_trains_with_the_reference_as_the_base_and_reports_the_kl_and_eval_rewards(grpo_run):
+    recipe = grpo_run(lora={"enabled": True}, grpo={"beta": 0.04}, data={"eval": "prompts.jsonl"},
+                      training={"max_steps": 4, "eval_every": 2, "eval_batches": 1})
     assert train(recipe, show=False) == 0
-    records = _train_records(grpo_run.dir / "run")
+    rows = read_metrics(grpo_run.dir / "run" / "metrics.jsonl")
+    records = [r for r in rows if "loss" in r]
     assert records[0]["kl"] == 0.0  # the adapters start at zero: the policy is the base
     assert any(r["kl"] > 0 for r in records[1:]) and any(r["grad_norm"] > 0 for r in records)
+    evals = [r for r in rows if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(0 <= r["eval_reward"] <= 1 for r in evals)
+    run = grpo_run.dir / "run"
+    assert RunData(run, "grpo").grpo and plot_command([run]) == 0 and (run / "plot.png").is_file()
+
+
+def test_a_step_whose_groups_all_scored_the_same_is_warned_once(grpo_run):
+    flat = "def flat(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    (grpo_run.dir / "rewards.py").write_text(flat)
+    with pytest.warns(UserWarning, match="every group's completions scored the same") as seen:
+        assert train(grpo_run(grpo={"reward_funcs": ["rewards.py:flat"]}, training={"max_steps": 2}), show=False) == 0
+    assert sum("scored the same" in str(w.message) for w in seen) == 1
+    assert [r["frac_reward_zero_std"] for r in _train_records(grpo_run.dir / "run")] == [1.0, 1.0]
 
 
 def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it_and_the_row(grpo_run):

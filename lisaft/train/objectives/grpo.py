@@ -25,6 +25,7 @@ import torch
 from lisaft.checkpoint.components import OptionalComponent, PerRank
 from lisaft.config.grpo import generation_shape
 from lisaft.config.schema import Recipe
+from lisaft.console import warn
 from lisaft.distributed import dist
 from lisaft.grpo.generation import sampling_seed
 from lisaft.grpo.loss import Clip, Normaliser, completion_logps, token_losses
@@ -75,6 +76,8 @@ class Grpo(Objective):
         self.reference: nn.Module | None = None  # β > 0 without LoRA: a frozen copy of the initial policy
         self._sums: dict[str, torch.Tensor] = {}
         self._generation: dict[str, float] = {}
+        self._step = 0
+        self._warned_flat = False
 
     def describe(self) -> str:
         return f"GRPO G={self.grpo.num_generations} {self.grpo.loss_type} β={self.grpo.beta:g}; "
@@ -95,6 +98,7 @@ class Grpo(Objective):
 
     def step_batches(self, model: nn.Module, step: int, examples: list[list[dict]]) -> StepBatches:
         accum, batch_size = len(examples), len(examples[0])
+        self._step = step
         flat = [ex for micro in examples for ex in micro]
         prompts_per_generation = batch_size * self.spg // self.grpo.num_generations
         batches = []
@@ -152,7 +156,14 @@ class Grpo(Objective):
         return sums
 
     def step_figures(self, read: dict[str, float]) -> dict[str, float]:
-        return figures(read, self.policy.rewards, self.grpo.beta)
+        out = figures(read, self.policy.rewards, self.grpo.beta)
+        if out["frac_reward_zero_std"] == 1.0 and not self._warned_flat and dist.is_main():
+            self._warned_flat = True
+            warn(f"grpo: at step {self._step + 1} every group's completions scored the same (frac_reward_zero_std "
+                 "1), so the advantages are all 0 and the step taught nothing; if it lasts, the task is too hard "
+                 "or too easy for the model as it is: raise grpo.num_generations or grpo.temperature, or start "
+                 "from a short SFT (said once a run; docs/grpo.md)")
+        return out
 
     # -- evaluation -----------------------------------------------------------------------------
 
