@@ -90,6 +90,10 @@ def test_a_reward_that_fails_stops_the_run_in_one_line_naming_it_and_the_row(grp
     out = runner.invoke(app, ["train", str(missing)])
     assert out.exit_code == 2 and "has no function 'nothing'" in out.output, out.output
     assert not (grpo_run.dir / "m").exists()  # refused before the model loaded, nothing left behind
+    long = grpo_run("l.yaml", grpo={"max_completion_length": 31}, training={"output_dir": "l"})
+    out = runner.invoke(app, ["train", str(long)])
+    assert out.exit_code == 2 and "a prompt of 3 tokens plus grpo.max_completion_length 31 is over data.max_seq_len " \
+        "32; raise data.max_seq_len to at least 34" in out.output, out.output
     assert not (grpo_run.dir / "run" / "final").exists()
 
 

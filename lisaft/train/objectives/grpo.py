@@ -27,6 +27,7 @@ from lisaft.config.grpo import generation_shape
 from lisaft.config.schema import Recipe
 from lisaft.console import warn
 from lisaft.distributed import dist
+from lisaft.errors import LisaftError
 from lisaft.grpo.generation import sampling_seed
 from lisaft.grpo.loss import Clip, Normaliser, completion_logps, token_losses
 from lisaft.grpo.rewards import load_rewards
@@ -81,6 +82,22 @@ class Grpo(Objective):
 
     def describe(self) -> str:
         return f"GRPO G={self.grpo.num_generations} {self.grpo.loss_type} β={self.grpo.beta:g}; "
+
+    def before_model(self, train: list[dict], evals: list[dict] | None, resuming: bool) -> None:
+        """Prompts that leave no room for a whole completion, and shipped rewards without the
+        column they read, said before the model loads."""
+        limit = self.recipe.data.max_seq_len - self.grpo.max_completion_length
+        for examples in (train, evals or []):
+            longest = max(examples, key=lambda ex: len(ex["input_ids"]), default=None)
+            if longest is not None and len(longest["input_ids"]) > limit:
+                raise LisaftError(
+                    f"{longest['where']}: a prompt of {len(longest['input_ids'])} tokens plus "
+                    f"grpo.max_completion_length {self.grpo.max_completion_length} is over data.max_seq_len "
+                    f"{self.recipe.data.max_seq_len}; raise data.max_seq_len to at least "
+                    f"{len(longest['input_ids']) + self.grpo.max_completion_length}, or shorten the prompt")
+        if "exact_match" in self.grpo.reward_funcs and not any("answer" in ex["columns"] for ex in train):
+            warn("grpo.reward_funcs: exact_match compares with each row's `answer`, and no train row has one: it "
+                 "scores nothing (data.columns renames a column to answer)")
 
     def with_model(self, model: nn.Module, train: list[dict], evals: list[dict] | None, resuming: bool) -> None:
         if self.grpo.beta > 0 and not self.recipe.lora.enabled:
