@@ -59,6 +59,20 @@ def test_the_reward_rises(grpo_run, method):
     assert {"prompt", "completion", "reward", "advantage"} <= set(json.loads(shown[0]))
 
 
+@pytest.mark.parametrize("method", [{"optimizer": {"name": "apollo_mini"}},
+                                    {"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}},
+                                    {"model": {"dtype": "bfloat16"}, "grpo": {"beta": 0.04}}],
+                         ids=["apollo_mini", "in_backward", "bf16-frozen-reference"])
+def test_other_ways_to_train_run_and_move_the_policy(grpo_run, method):
+    sections = {**method, "training": {"max_steps": 3, **method.get("training", {})}}
+    grpo = sections.pop("grpo", None)
+    assert train(grpo_run(grpo=grpo, **sections), show=False) == 0
+    records = _train_records(grpo_run.dir / "run")
+    assert len(records) == 3 and any(r["grad_norm"] is None or r["grad_norm"] > 0 for r in records)
+    if grpo:  # the frozen copy of the initial weights: the KL is 0 at step 1 and then grows
+        assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0
+
+
 def test_lora_trains_with_the_reference_as_the_base_and_reports_the_kl_and_eval_rewards(grpo_run):
     recipe = grpo_run(lora={"enabled": True}, grpo={"beta": 0.04}, data={"eval": "prompts.jsonl"},
                       training={"max_steps": 4, "eval_every": 2, "eval_batches": 1})
