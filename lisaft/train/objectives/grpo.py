@@ -74,6 +74,9 @@ class Grpo(Objective):
         eos = tokenizer.eos_token_id
         self.policy = Policy(self.grpo, load_rewards(self.grpo), tokenizer, [eos] if isinstance(eos, int) else eos)
         self.buffer = RolloutBuffer()
+        # Kept only where a generation outlives its step; the same object every call.
+        self._kept = OptionalComponent(PerRank(self.buffer), warning="no GRPO rollout in the checkpoint: sampling "
+                                       "anew") if self.outlives_step else None
         self.reference: nn.Module | None = None  # β > 0 without LoRA: a frozen copy of the initial policy
         self._sums: dict[str, torch.Tensor] = {}
         self._generation: dict[str, float] = {}
@@ -107,9 +110,7 @@ class Grpo(Objective):
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
 
     def checkpoint_components(self, train: list[dict], evals: list[dict] | None) -> dict[str, Any]:
-        if not self.outlives_step:
-            return {}
-        return {"grpo_rollout": OptionalComponent(PerRank(self.buffer), warning="no GRPO rollout: generating anew")}
+        return {"grpo_rollout": self._kept} if self._kept is not None else {}
 
     # -- the step -------------------------------------------------------------------------------
 
