@@ -272,6 +272,9 @@ def parse_args() -> argparse.Namespace:
                     "QLoRA arms at LISA γ=2's memory, depth 6, one seed and lr, a short pre-training")
     ap.add_argument("--preference", action="store_true", help="protocol 2 only: the preference protocol, DPO, "
                     "SimPO and ORPO with full, LISA, LoRA and APOLLO-Mini (benchmarks/learning/preference.py)")
+    ap.add_argument("--onpolicy", action="store_true", help="protocol 2 only: the on-policy preference protocol, "
+                    "DPO and KTO on the pre-trained model's own wrong answers, every method at equal memory, an lr "
+                    "sweep, 3 seeds (benchmarks/learning/onpolicy.py)")
     ap.add_argument("--lr-scale", type=float, default=1.0, help="--preference only: every arm's lr times this "
                     "(its protocol 2 pick is an SFT lr)")
     ap.add_argument("--out", type=Path, help="results folder")
@@ -336,11 +339,32 @@ def main_preference(args: argparse.Namespace) -> None:
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
 
 
+def main_onpolicy(args: argparse.Namespace) -> None:
+    from benchmarks.learning import onpolicy
+
+    mode = "quick" if args.quick else "run"
+    out = args.out or REPO / "benchmarks" / "results" / ("learning-onpolicy-quick" if args.quick else
+                                                         "learning-onpolicy")
+    workers = args.workers or (1 if args.quick else 2)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    onpolicy.main(mode, out, workers, args.resume, environment(1, workers), REPO)
+    shutil.rmtree(out / "work" / "data", ignore_errors=True)
+    if args.quick:
+        shutil.rmtree(out / "work", ignore_errors=True)
+    print((out / "learning-onpolicy.md").read_text())
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+
+
 def main_protocol2(args: argparse.Namespace) -> None:
     from benchmarks.learning import run2
 
     if args.preference:
         main_preference(args)
+        return
+    if args.onpolicy:
+        main_onpolicy(args)
         return
 
     mode = ("quick" if args.quick else "reduced" if args.reduced else "apollo" if args.apollo

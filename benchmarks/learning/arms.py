@@ -75,6 +75,7 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
                   preference: dict | None = None):
     """The recipe a lisaft arm (or the pre-training) runs; model_ref names the model source; with
     `preference` (the recipe section) it trains on pairs (benchmarks/learning/preference.py)."""
+    from lisaft.config.preference_losses import preference_loss
     from lisaft.config.schema import recipe_from_dict
 
     s = job["settings"]
@@ -91,7 +92,8 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
         "model": {**model_ref, "tokenizer": job["tokenizer"], "attention": "sdpa", "quantize": quantize,
                   # a 4-bit base computes in bf16, the dtype QLoRA's adapters train in
                   "dtype": "bfloat16" if quantize else spec.get("dtype", "float32")},
-        "data": {"train": "given", "format": "preference" if preference else "instruction",
+        "data": {"train": "given", "format": preference_loss(preference["loss"]).data_format if preference
+                 else "instruction",
                  "max_seq_len": s["max_seq_len"]},
         **({"preference": preference} if preference else {}),
         "optimizer": optimizer,

@@ -33,12 +33,12 @@ ARMS = ("full", "lisa_g2_uniform", "lora_eq_g2", "apollo_mini")
 # Each arm's lr: protocol 2's pick at depth 6 (its smallest swept depth) on the new skill, APOLLO mode.
 LR_SOURCE = ("benchmarks/results/learning2-apollo/learning2.json", "results", "new_skill", "6")
 # Protocol 2's settings (the pre-training's batch, lr and warm-up among them), fewer steps and pairs.
-_BASE = dict({k: v for k, v in p2.SETTINGS["reduced"].items() if k not in ("stages", "extend_edges")},
+BASE_SETTINGS = dict({k: v for k, v in p2.SETTINGS["reduced"].items() if k not in ("stages", "extend_edges")},
              pretrain_steps=200, batch_size=8, max_seq_len=64, warmup_steps=3, interval_steps=10)
 SETTINGS = {
-    "run": dict(_BASE, depth=4, steps=20, train_pairs=160, eval_pairs=100, seeds=[0, 1, 2],
+    "run": dict(BASE_SETTINGS, depth=4, steps=20, train_pairs=160, eval_pairs=100, seeds=[0, 1, 2],
                 grid=[(loss, arm) for loss in LOSSES for arm in ARMS]),
-    "quick": dict(_BASE, depth=4, pretrain_steps=60, pretrain_warmup_steps=6, steps=4, batch_size=8,
+    "quick": dict(BASE_SETTINGS, depth=4, pretrain_steps=60, pretrain_warmup_steps=6, steps=4, batch_size=8,
                   interval_steps=2, warmup_steps=1, train_pairs=32, eval_pairs=16, seeds=[0],
                   grid=[(loss, arm) for loss in LOSSES for arm in ARMS]),
 }

@@ -61,10 +61,6 @@ def read_adapters(ckpt: Path, model: nn.Module, adapters: Adapters) -> None:
             params[name].copy_(t)
 
 
-def is_adapter_checkpoint(ckpt: Path) -> bool:
-    return (Path(ckpt) / FOLDER / BASE).is_file()
-
-
 def adapter_component(model: nn.Module, adapters: Adapters) -> dict[str, AdapterWeights]:
     """The checkpoint's weights component of a LoRA run, as the parallel strategy hands it out."""
     return {FOLDER: AdapterWeights(model, adapters)}

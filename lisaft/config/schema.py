@@ -591,13 +591,6 @@ def load_recipe(path: str | Path, overrides: Sequence[str | Override] | None = N
     return recipe_from_dict(data, str(path), parsed)
 
 
-def get_key(recipe: Recipe, dotted: str) -> Any:
-    node: Any = recipe
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node.model_dump(mode="json") if isinstance(node, BaseModel) else node
-
-
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():

@@ -46,12 +46,7 @@ PEFT_IMPORT_BYTES = 9 * MiB
 
 # training.fsdp only (lisaft/memory/sharded.py).
 FSDP_COMPONENTS = ("gathered_units", "gradient_reduce", "unsharded_load")
-COMPONENTS = (
-    "weights", "gradients", "optimizer_states", "activations", "logits_loss", "transient", *FSDP_COMPONENTS,
-    "cublas_workspace", "allocator_overhead", "cuda_context", "cuda_kernels", "process_baseline",
-    "host_weight_copies",
-)
-# Moments before the first step: a random init whole on each rank (training.fsdp), DPO's reference pass.
+# Moments before the first step: a random init whole on each rank (training.fsdp), the reference pass.
 SETUP_PHASES = ("model_load", "reference_pass")
 # Outside PyTorch's allocator counters (torch.cuda.max_memory_reserved), inside NVML-used.
 OUTSIDE_ALLOCATOR = ("cuda_context", "cuda_kernels")
@@ -231,7 +226,8 @@ def _reference_pass(m: dict[str, int], s: Settings, counts: ParamCounts, r: Resi
     dequantized weight of a 4-bit linear included) and the loss's chunk of log-probs, for the
     pass's sequences (a pair's two; KTO's answer and KL sequence, twice a training micro-batch's).
     Under FSDP the units gathered as in the forward, nothing reduced. The weights are the policy's,
-    or a preference.reference of the same architecture, loaded for the pass and freed before it."""
+    or a preference.reference of the same architecture, loaded as the policy's base (4-bit under
+    QLoRA: train/preference.py reference_section) for the pass and freed before it."""
     if s.reference_sequences != s.sequences:  # the pass's batch of sequences, as a step's would be
         rec = s.recipe
         more = replace(s, recipe=rec.model_copy(update={"training": rec.training.model_copy(

@@ -33,8 +33,6 @@ from lisaft.optim.adamw import (
 )
 from lisaft.optim.adamw import QUANTIZATION_MAP_BYTES as QMAP_BYTES
 
-BF16_UPDATES = ("stochastic", "nearest")
-
 
 @dataclass(frozen=True)
 class StateBytes:

@@ -240,10 +240,6 @@ def _name_base(folder: Path, base: str) -> None:
     cfg.write_text(json.dumps(data, indent=2))
 
 
-def is_adapter_folder(folder: Path) -> bool:
-    return (Path(folder) / "adapter_config.json").is_file()
-
-
 def load_adapter_folder(folder: Path):
     """peft's adapter folder on its base (the base in its saved dtype, not quantized)."""
     import json

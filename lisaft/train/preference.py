@@ -3,7 +3,8 @@ before step 1 and kept in every checkpoint.
 
 The pass runs before the optimizer exists and without gradients: over the initial policy (the
 model as loaded, before any update; with LoRA the adapters are still zero, so that is the base),
-or over preference.reference, loaded for the pass and freed before the policy loads. What an
+or over preference.reference, loaded for the pass (quantized as the policy's base under QLoRA)
+and freed before the policy loads. What an
 example's reference is (a pair's two sums, a feedback row's completion and KL sums) is the
 objective's `score`; the pass stores it in each example (example["ref"]) and `ReferenceLogps`
 saves it, tied to the data's digest: `lisaft resume` reads it back and never runs the pass again.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lisaft.config.schema import Recipe
+from lisaft.config.schema import ModelSection, Recipe
 from lisaft.data.digest import ACCEPT_KEY, DataChanged, examples_digest
 from lisaft.data.order import eval_index_batches
 from lisaft.distributed import dist
@@ -54,13 +55,18 @@ class ReferenceLogps:
                 p["ref"] = [float(x) for x in ref]
 
 
+def reference_section(recipe: Recipe, reference: str) -> ModelSection:
+    """How the reference model loads: as the policy's model section says (its dtype, attention and,
+    under QLoRA, its 4-bit quantization: an 8B reference is about 5 GiB in NF4, not 15 in bf16),
+    from `reference`, with nothing a forward without gradients needs switched off."""
+    return recipe.model.model_copy(update={
+        "name_or_path": reference, "config": None, "gradient_checkpointing": False, "offload_activations": False})
+
+
 def _reference_model(recipe: Recipe, reference: str, device: torch.device):
     from lisaft.model.load import load_model
 
-    section = recipe.model.model_copy(update={
-        "name_or_path": reference, "config": None, "gradient_checkpointing": False,
-        "offload_activations": False, "quantize": None})
-    return load_model(section, device, seed=recipe.training.seed)
+    return load_model(reference_section(recipe, reference), device, seed=recipe.training.seed)
 
 
 @torch.no_grad()

@@ -55,8 +55,11 @@ def kto_run(tiny_run, monkeypatch):
     return make
 
 
-@pytest.mark.parametrize("method", [{}, {"lora": {"enabled": True}}, {"optimizer": {"cpu_offload": True}}],
-                         ids=["full", "lora", "cpu_offload"])
+@pytest.mark.parametrize("method", [
+    {}, {"lora": {"enabled": True}}, {"optimizer": {"cpu_offload": True}}, {"lisa": {"enabled": True}},
+    {"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None},
+     "model": {"gradient_checkpointing": True}},
+], ids=["full", "lora", "cpu_offload", "lisa", "in_backward_checkpointed"])
 def test_kto_trains_with_every_way_and_starts_at_one_half(kto_run, method):
     assert train(kto_run(method=method), show=False) == 0
     train_recs, eval_recs = _records(kto_run.dir / "run")

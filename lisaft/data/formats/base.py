@@ -153,12 +153,6 @@ class Tokens:
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def prompt_prefix(tokenizer) -> list[int]:
-    """What every text and instruction example starts with (typically BOS): a prompt for
-    generation must start the same way."""
-    return Tokens(tokenizer).prefix
-
-
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
