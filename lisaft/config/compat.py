@@ -139,6 +139,8 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         "optimizer state: set one of them false")),
     Exclusion(lambda r: r.training.fsdp and r.training.compile, _fixed(
         "training.compile is not supported with training.fsdp yet; set it false")),
+    Exclusion(lambda r: r.grpo is not None and r.preference is not None, _fixed(
+        "a recipe trains one stage: remove the preference section or the grpo section")),
     Exclusion(lambda r: r.preference is not None and r.data.format != preference_loss(r.preference.loss).data_format,
               lambda r: (
         f"preference.loss {_loss(r)} trains on {DATA[preference_loss(str(_loss(r))).data_format]}, "
@@ -155,7 +157,30 @@ EXCLUSIONS: tuple[Exclusion, ...] = (
         "data.packing cannot be combined with a preference section: each pair's chosen and rejected "
         "sequences (an answer and its KL sequence for kto) go through the forward as rows of one batch; set "
         "data.packing false")),
+    # GRPO (config/grpo.py): prompts in, groups of sampled completions out.
+    Exclusion(lambda r: r.grpo is not None and r.data.format != "prompts", lambda r: (
+        f"a grpo section samples completions of prompts: set data.format: prompts (rows with a prompt), or "
+        f"remove the grpo section to train on data.format {r.data.format}")),
+    Exclusion(lambda r: r.grpo is None and r.data.format == "prompts", _fixed(
+        "data.format prompts needs a grpo section naming its reward functions (grpo.reward_funcs)")),
+    Exclusion(lambda r: r.grpo is not None and r.data.packing, _fixed(
+        "data.packing cannot be combined with a grpo section: each completion is one row scored against its "
+        "group; set data.packing false")),
+    Exclusion(lambda r: r.grpo is not None and _generation_refusal(r) is not None,
+              lambda r: _generation_refusal(r) or ""),
 )
+
+
+def _generation_refusal(recipe: Recipe) -> str | None:
+    """Why a GRPO recipe's generation batch is not whole groups, or None (config/grpo.py)."""
+    from lisaft.config.grpo import generation_shape
+
+    assert recipe.grpo is not None, "asked of GRPO recipes only"
+    try:
+        generation_shape(recipe.grpo, recipe.training.batch_size, recipe.training.grad_accum_steps)
+    except LisaftError as e:
+        return str(e)
+    return None
 
 
 def first_exclusion(recipe: Recipe) -> str | None:

@@ -28,6 +28,7 @@ from pydantic_core import ErrorDetails
 
 from lisaft.config.compat import first_exclusion
 from lisaft.config.fields import Bool, Float, Int, Section, whole_number
+from lisaft.config.grpo import GrpoSection, resolve_reward_paths
 from lisaft.config.hub import can_only_be_path
 from lisaft.config.lora import LoraSection
 from lisaft.config.optimizers import OptimizerName
@@ -135,12 +136,14 @@ class DataSection(Section):
     eval_fraction: Float = Field(
         0.0, ge=0.0, lt=1.0, description="Hold out this fraction of train for eval when eval is unset."
     )
-    format: Literal["text", "instruction", "chat", "preference", "feedback"] = Field(
+    format: Literal["text", "instruction", "chat", "preference", "feedback", "prompts"] = Field(
         "text",
         description="text: field `text`; instruction: `instruction`, optional `input`, `output`; "
         "chat: `messages` [{role, content}]; preference: `prompt`, `chosen`, `rejected` (strings or "
         "messages; needs a `preference` section, docs/preference.md); feedback: `prompt`, `completion` "
-        "(strings or messages) and a boolean `label` (preference.loss kto, docs/preference.md).",
+        "(strings or messages) and a boolean `label` (preference.loss kto, docs/preference.md); prompts: "
+        "`prompt` (a string, or messages rendered with the chat template and its generation prompt), every "
+        "other field passed to the rewards (needs a `grpo` section, docs/grpo.md).",
     )
     max_seq_len: Int = Field(
         1024, gt=0, description="Examples are truncated to this many tokens. Above the model's "
@@ -430,6 +433,9 @@ class Recipe(Section):
     preference: PreferenceSection | None = Field(
         None, description="Preference tuning: DPO, SimPO, ORPO, IPO on data.format preference, KTO on data.format "
         "feedback; null: SFT.")
+    grpo: GrpoSection | None = Field(
+        None, description="GRPO: online RL on verifiable rewards, on data.format prompts (TRL 1.16's names "
+        "and defaults, docs/grpo.md); null: no online stage.")
 
     @model_validator(mode="after")
     def _combinations(self) -> Recipe:
@@ -591,9 +597,12 @@ def load_recipe(path: str | Path, overrides: Sequence[str | Override] | None = N
     parsed = parsed_overrides(overrides or [])
     if resolve_paths:  # the file's paths mean its folder, the command line's the current directory
         _resolve_paths(data, path.resolve().parent)
+        resolve_reward_paths(data, path.resolve().parent)
     data = apply_overrides(data, parsed)
     if resolve_paths and parsed:
         _resolve_paths(data, Path.cwd(), only=list(parsed))
+        if any(o.covers(("grpo", "reward_funcs")) for o in parsed):
+            resolve_reward_paths(data, Path.cwd())
     return recipe_from_dict(data, str(path), parsed)
 
 

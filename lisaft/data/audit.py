@@ -147,6 +147,8 @@ def check_split(audit: SplitAudit, rows: Rows, tokenizer) -> None:
              f"once cut to data.max_seq_len and teach nothing ({numbers(rows, audit.same_answers)})", DataWarning)
     seqs = list(audit.sequences.values())
     loss = sum(s.loss_tokens for s in seqs)
+    if not loss:  # data.format prompts: what trains are the completions sampled from them
+        return
     unk = sum(s.unk_tokens or 0 for s in seqs)
     if unk and unk == loss - sum(s.stop_tokens for s in seqs):
         raise LisaftError(f"{where}: nothing to train on: every loss token but EOS and turn ends is the "

@@ -34,6 +34,8 @@ def train_line(rec: dict, total: int, width: int = 80) -> str:
     rewards = []
     if "reward_accuracy" in rec:  # a preference run: how often chosen outscores rejected, and by how much
         rewards = [f"acc {_reward_accuracy(rec, 'reward', '.0%')}", f"margin {rec['reward_margin']:.3g}"]
+    elif "reward_std" in rec:  # GRPO: the reward is what to watch, its loss sits near 0 (docs/grpo.md)
+        rewards = [f"reward {rec['reward']:.3g}", f"±{rec['reward_std']:.2g}"]
     layers = "all" if rec.get("active_layers") is None else ",".join(map(str, rec["active_layers"]))
     # Spacing is chosen for the widest step counter, so it does not change as the run goes on.
     widest = len(str(total)) - len(str(rec["step"]))
@@ -61,6 +63,8 @@ def _reward_accuracy(rec: dict, prefix: str, spec: str) -> str:
 
 
 def eval_line(rec: dict) -> str:
+    if "eval_reward_std" in rec:
+        return f"eval step {rec['step']}  reward {rec['eval_reward']:.4g}  ±{rec['eval_reward_std']:.2g}"
     if "eval_reward_accuracy" in rec:
         return (f"eval step {rec['step']}  loss {rec['eval_loss']:.4f}  "
                 f"reward accuracy {_reward_accuracy(rec, 'eval_reward', '.1%')}  "

@@ -45,7 +45,7 @@ def read_records(run_dir: Path) -> list[dict]:
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise LisaftError(f"{path}: line {number} is not a metrics record (a corrupt file?)")
         records.append(record)
-    if not any("loss" in r or "eval_loss" in r for r in records):
+    if not any("loss" in r or "eval_loss" in r or "eval_reward" in r for r in records):
         raise LisaftError(f"{path}: no train or eval records yet: nothing to plot")
     return records
 
@@ -65,8 +65,9 @@ class RunData:
         self.label = label
         records = read_records(self.dir)
         self.train = [r for r in records if "loss" in r]
-        self.eval = [r for r in records if "eval_loss" in r]
+        self.eval = [r for r in records if "eval_loss" in r or "eval_reward" in r]
         self.pairs = any("reward_accuracy" in r or "eval_reward_accuracy" in r for r in records)
+        self.grpo = any("reward_std" in r for r in self.train)  # GRPO: the reward is the curve to read
         self.estimate_bytes, self.estimate_note, self.layer_count = _estimate(self.dir)
 
     def series(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
@@ -139,7 +140,9 @@ def _figure(plt, runs: list[RunData]):
         loss.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
         loss.plot(steps, smooth(values), color=color, label=f"{run.label} train (smoothed)")
         loss.plot(*run.series("eval_loss", run.eval), "o--", color=color, markersize=3, label=f"{run.label} eval")
-        if run.pairs:  # a preference run: how often chosen outscores rejected
+        if run.grpo:  # GRPO: the reward (its loss sits near 0) and how long the completions grow
+            _reward(acc, run, color)
+        elif run.pairs:  # a preference run: how often chosen outscores rejected
             acc.plot(*run.untied("reward_accuracy"), color=color, alpha=0.3, linewidth=0.8)
             acc.plot(*run.untied("eval_reward_accuracy", run.eval), "o-", color=color, markersize=3,
                      label=f"{run.label} eval reward accuracy")
@@ -158,6 +161,8 @@ def _figure(plt, runs: list[RunData]):
             mem.text(0.02, 0.9 - 0.1 * i, run.estimate_note, transform=mem.transAxes, fontsize=7)
     accuracy = "eval reward accuracy" if all(r.pairs for r in runs) else \
         "eval token accuracy" if not any(r.pairs for r in runs) else "eval token / reward accuracy"
+    if all(r.grpo for r in runs):
+        accuracy = "reward (completion length dotted, right axis)"
     for ax, title in ((loss, "loss"), (acc, accuracy), (lr, "learning rate"),
                       (gnorm, "grad norm (before clipping)"), (speed, "tokens/s"), (mem, "device memory (MiB)")):
         ax.set_title(title, fontsize=10)
@@ -171,6 +176,17 @@ def _figure(plt, runs: list[RunData]):
     for j, run in enumerate(rasters):
         _raster(fig.add_subplot(grid[3 + j, :]), run)
     return fig
+
+
+def _reward(ax, run: RunData, color: str) -> None:
+    steps, values = run.series("reward")
+    ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+    ax.plot(steps, smooth(values), color=color, label=f"{run.label} reward (smoothed)")
+    ax.plot(*run.series("eval_reward", [r for r in run.eval if "eval_reward" in r]), "o-", color=color,
+            markersize=3, label=f"{run.label} eval reward")
+    length = ax.twinx()
+    length.plot(*run.series("completion_length"), ":", color=color)
+    length.tick_params(labelsize=7)
 
 
 def _samples_layers(run: RunData) -> bool:

@@ -12,6 +12,7 @@ against another base is refused rather than silently adding adapters to the wron
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,22 @@ def attach_adapters(model: nn.Module, recipe: Recipe) -> Adapters:
 
     frozen_inputs(model)  # peft's wrapping of a checkpointed model made the input require grad again
     return Adapters(peft_model, base_fingerprint(recipe))
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The base model inside the block: every LoRA layer's adapters off, back on after (GRPO's
+    reference under LoRA, with no second copy of the weights)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def _unfreeze_ends(model: nn.Module, recipe: Recipe) -> None:

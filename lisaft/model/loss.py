@@ -201,29 +201,35 @@ def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:
     return total
 
 
-def token_nll(model, batch: dict, sharded: bool = False) -> torch.Tensor:
+def token_nll(model, batch: dict, sharded: bool = False, temperature: float = 1.0) -> torch.Tensor:
     """Next-token cross entropy (float32) of every predicting position, [rows, width - 1], 0 where
     the label is -100: the per-token form of token_loss_sum, chunked over the vocabulary the same
-    way, so preference log-probs never hold [sequences x positions x vocab] float32 logits
-    (`sharded`: as token_loss_sum's)."""
+    way, so preference and GRPO log-probs never hold [sequences x positions x vocab] float32 logits
+    (`sharded`: as token_loss_sum's). `temperature`: of the logits divided by it (GRPO scores
+    completions at the temperature they were sampled at)."""
     input_ids = batch["input_ids"]
     rows, width = input_ids.shape
     if not chunked(model, input_ids.numel()):
         logits = model(**model_inputs(batch)).logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
         return _ce_rows(logits.reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1)).view(rows, -1)
     hidden, targets = _positions(model, batch, sharded)
     head, cap = model.get_output_embeddings(), _softcap(model)
     step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
-    if head.bias is None and not sharded:
-        return _ChunkedHeadLoss.apply(hidden, targets, head.weight, step, cap, True).view(rows, -1)
-    fn = functools.partial(_chunk_rows, head=head, softcap=cap)
+    if head.bias is None and not sharded and (cap is None or temperature == 1.0):
+        # Without a bias or a cap the logits are linear in the hidden state: divide it instead.
+        scaled = hidden / temperature if temperature != 1.0 else hidden
+        return _ChunkedHeadLoss.apply(scaled, targets, head.weight, step, cap, True).view(rows, -1)
+    fn = functools.partial(_chunk_rows, head=head, softcap=cap, temperature=temperature)
     parts = [checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
              for i in range(0, hidden.size(0), step)]
     return torch.cat(parts).view(rows, width - 1)
 
 
-def _chunk_rows(hidden, targets, head, softcap):
-    return _ce_rows(_head_logits(hidden, head, softcap), targets)
+def _chunk_rows(hidden, targets, head, softcap, temperature: float = 1.0):
+    logits = _head_logits(hidden, head, softcap)
+    return _ce_rows(logits / temperature if temperature != 1.0 else logits, targets)
 
 
 def logits_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -158,7 +158,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     if tokenizer is None:
         tokenizer = load_tokenizer(recipe.model)
     train_examples, eval_examples, packing = _data(recipe, tokenizer, train_examples, eval_examples)
-    objective = objectives.choose(recipe, parallel, tokenizer.pad_token_id, device)
+    objective = objectives.choose(recipe, parallel, tokenizer, device, run_dir)
     objective.before_model(train_examples, eval_examples, resuming)
     model, parts, adapters = _model(recipe, parallel, device)
     objective.with_model(model, train_examples, eval_examples, resuming)

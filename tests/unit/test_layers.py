@@ -21,6 +21,7 @@ LAYERS = [
     {"checkpoint"},
     {"run_folder"},
     {"metrics", "generate"},
+    {"grpo"},
     {"train"},
     {"cli", "__main__"},
 ]

@@ -105,7 +105,7 @@ def _announced(recipe, auto_layers=None) -> list[str]:
                               auto_layers=auto_layers, device=torch.device("cpu"), train_examples=[{}] * 3,
                               eval_examples=[], packing=None, progress=SimpleNamespace(step=0), run_dir="RUN",
                               parallel=SimpleNamespace(layer_major=None),
-                              objective=choose(recipe, None, 0, torch.device("cpu")))
+                              objective=choose(recipe, None, SimpleNamespace(pad_token_id=0), torch.device("cpu")))
     announce(session, SimpleNamespace(print=lines.append))
     return lines
 
