@@ -10,7 +10,7 @@ trainable parameters (so its moments take the same bytes), APOLLO's rank gives i
 optimizer-state bytes. After training it is scored on:
 
 - new skill: greedy exact accuracy on held-out additions (the answer up to end of turn is the sum,
-  nothing else), with 12 new tokens of room; `lenient` counts an answer whose last number is the sum.
+  nothing else), with 48 new tokens of room; `lenient` counts an answer whose last number is the sum.
   The validation split picks the lr, the test split is reported.
 - forgetting (a): mean NLL per token of the base model's own greedy answers to a fixed set of 202
   varied instructions (computed once, base.json), against the base model's own NLL on them.
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "benchmarks" / "results" / "learning3-real"
 SETTINGS = dict(steps=30, batch_size=8, max_seq_len=64, warmup_steps=3, interval_steps=10, threads=2,
-                n_val=48, n_test=96, answer_tokens=12, instruction_tokens=48, fact_tokens=24)
+                n_val=48, n_test=96, answer_tokens=48, instruction_tokens=48, fact_tokens=24)
 SPLITS = {"train": 400, "eval": 48, "val": SETTINGS["n_val"], "test": SETTINGS["n_test"]}
 ADAMW_LRS, ADAPTER_LRS = [3e-5, 1e-4, 3e-4], [3e-4, 1e-3, 3e-3]
 # name -> (spec for benchmarks.learning.arms.lisaft_recipe, lr grid). "equal_state_lisa_g2" ranks
