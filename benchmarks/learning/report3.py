@@ -54,7 +54,23 @@ def table(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def offload_check(out: Path) -> str:
+    """Whether optimizer.cpu_offload's run gave full fine-tuning's scores at the same lr and seed."""
+    from benchmarks.learning.protocol3 import load_done, run_name
+
+    done = load_done(out)
+    pairs = [(r, done.get(run_name("full", r["lr"], r["seed"]))) for r in done.values()
+             if r["arm"] == "full_cpu_offload"]
+    keys = ("test", "instructions_nll", "facts", "train_loss_last")
+    lines = [f"full_cpu_offload at lr {r['lr']:g}, seed {r['seed']}: "
+             + ("full's run not yet done" if f is None else
+                "the same scores and last loss as full's" if all(r[k] == f[k] for k in keys) else
+                f"differs from full's (last loss {r['train_loss_last']:.6f} against {f['train_loss_last']:.6f})")
+             for r, f in pairs]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def write(out: Path) -> None:
     if (out / "base.json").is_file():
         (out / "learning3.md").write_text("# Protocol 3: SmolLM2-135M-Instruct learns two-digit addition\n\n"
-                                          + table(out))
+                                          + table(out) + "\n" + offload_check(out))

@@ -106,3 +106,15 @@ def test_report_reads_the_run_files(tmp_path):
     report3.write(tmp_path)
     md = (tmp_path / "learning3.md").read_text()
     assert "| full | 3e-05 (1e-05, 3e-05) | 2 | 70.0 ± 14.1 |" in md
+
+
+def test_the_offload_check_compares_with_full_at_the_same_lr_and_seed(tmp_path):
+    (tmp_path / "runs").mkdir()
+    a, b = _run("full", 3e-5, 0), _run("full_cpu_offload", 3e-5, 0)
+    for r in (a, b):
+        r["train_loss_last"] = 0.25
+        (tmp_path / "runs" / f"{p3.run_name(r['arm'], r['lr'], r['seed'])}.json").write_text(json.dumps(r))
+    assert "the same scores and last loss as full's" in report3.offload_check(tmp_path)
+    b["facts"] = 0.5
+    (tmp_path / "runs" / f"{p3.run_name(b['arm'], b['lr'], b['seed'])}.json").write_text(json.dumps(b))
+    assert "differs from full's" in report3.offload_check(tmp_path)
