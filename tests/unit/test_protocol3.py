@@ -118,3 +118,21 @@ def test_the_offload_check_compares_with_full_at_the_same_lr_and_seed(tmp_path):
     b["facts"] = 0.5
     (tmp_path / "runs" / f"{p3.run_name(b['arm'], b['lr'], b['seed'])}.json").write_text(json.dumps(b))
     assert "differs from full's" in report3.offload_check(tmp_path)
+
+
+def test_greedy_answers_batched_are_the_one_by_one_answers():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.learning.run3 import greedy_answers
+    from lisaft.config.schema import ModelSection
+    from lisaft.model.load import load_tokenizer
+
+    tok = load_tokenizer(ModelSection(config="unused", tokenizer=str(p3.REPO / "recipes" / "quickstart" / "tokenizer")))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128))
+    prompts = ["abc", "abd", "hello there", "x"]
+    together = greedy_answers(model, tok, prompts, 6)
+    assert together == [greedy_answers(model, tok, [p], 6)[0] for p in prompts]
+    assert any(together) and all(tok.eos_token not in a for a in together)
