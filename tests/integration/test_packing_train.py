@@ -2,7 +2,6 @@
 exact resume over the same rows, and a resume over data that packs differently refused."""
 
 import json
-import sys
 
 import torch
 from safetensors.torch import load_file
@@ -103,8 +102,8 @@ def test_the_step_flattens_micro_batches_for_a_varlen_kernel(tiny_run, monkeypat
     AttentionInterface.register("lisaft_varlen_reference", _varlen_reference(seen))
     flat.model.set_attn_implementation("lisaft_varlen_reference")
     a = train_step(padded, 0)
-    monkeypatch.setattr("lisaft.train.step.varlen_attention", lambda model: True)
-    monkeypatch.setattr(sys.modules["lisaft.train.evaluate"], "varlen_attention", lambda model: True)
+    # The token objective makes the step's and the eval's batches (train/objectives/tokens.py).
+    monkeypatch.setattr("lisaft.train.objectives.tokens.varlen_attention", lambda model: True)
     b = train_step(flat, 0)
     assert seen and all(call["cu_seq_lens_q"] is not None for call in seen)
     assert b.padding == 0 < a.padding and b.tokens == a.tokens
