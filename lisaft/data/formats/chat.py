@@ -129,6 +129,16 @@ def _turn_has_special(ids: list[int], labels: list[int], special: set[int]) -> b
     return False
 
 
+def split_conversations(rows, tokenizer, fmt: str, is_conversation) -> tuple[list[int], list[int]]:
+    """The row indices of a format that takes both shapes: (standard, conversational). Conversations
+    need the tokenizer's chat template, refused naming the first such row when it has none."""
+    talk = [i for i, row in enumerate(rows.rows) if is_conversation(row)]
+    if talk:
+        need_chat_template(tokenizer, rows.key, f"{fmt} with conversations ({rows.where(talk[0])})")
+    spoken = set(talk)
+    return [i for i in range(len(rows.rows)) if i not in spoken], talk
+
+
 def need_chat_template(tokenizer, key: str, fmt: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise LisaftError(f"{key}: data.format is {fmt} but the tokenizer has no chat template; point "

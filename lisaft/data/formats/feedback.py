@@ -29,7 +29,7 @@ from lisaft.data.formats.base import (
     row_field,
     truncate_and_filter,
 )
-from lisaft.data.formats.chat import chat_messages, chat_prompt_ids, conversation_example, need_chat_template
+from lisaft.data.formats.chat import chat_messages, chat_prompt_ids, conversation_example, split_conversations
 from lisaft.data.read import Rows
 from lisaft.errors import LisaftError
 
@@ -76,12 +76,10 @@ class Feedback(DataFormat):
 
     def examples(self, rows: Rows, tokenizer, template: str | None, roles: dict[str, str]) -> list[Example]:
         tokens = Tokens(tokenizer)
-        talk = [i for i, row in enumerate(rows.rows) if isinstance(row.get("prompt"), list)]
-        if talk:
-            need_chat_template(tokenizer, rows.key, f"{self.name} with conversations ({rows.where(talk[0])})")
+        standard, talk = split_conversations(rows, tokenizer, self.name,
+                                             lambda row: isinstance(row.get("prompt"), list))
         special = set(tokenizer.all_special_ids)
-        spoken = set(talk)
-        out = _standard(rows, tokens, [i for i in range(len(rows.rows)) if i not in spoken])
+        out = _standard(rows, tokens, standard)
         for i in talk:
             out[i] = _conversational(rows, i, tokenizer, tokens, special, roles)
         return [{**out[i], "desirable": _label(rows, i)} for i in range(len(rows.rows))]

@@ -34,7 +34,7 @@ from lisaft.data.formats.base import (
     numbers,
     row_field,
 )
-from lisaft.data.formats.chat import chat_messages, chat_prompt_ids, conversation_example, need_chat_template
+from lisaft.data.formats.chat import chat_messages, chat_prompt_ids, conversation_example, split_conversations
 from lisaft.data.read import Rows
 from lisaft.errors import LisaftError
 
@@ -143,12 +143,10 @@ class Preference(DataFormat):
 
     def examples(self, rows: Rows, tokenizer, template: str | None, roles: dict[str, str]) -> list[Example]:
         tokens = Tokens(tokenizer)
-        talk = [i for i, row in enumerate(rows.rows) if any(isinstance(row.get(k), list) for k in ANSWERS)]
-        if talk:
-            need_chat_template(tokenizer, rows.key, f"{self.name} with conversations ({rows.where(talk[0])})")
+        standard, talk = split_conversations(rows, tokenizer, self.name,
+                                             lambda row: any(isinstance(row.get(k), list) for k in ANSWERS))
         special = set(tokenizer.all_special_ids)
-        spoken = set(talk)
-        pairs = _standard_pairs(rows, tokens, [i for i in range(len(rows.rows)) if i not in spoken])
+        pairs = _standard_pairs(rows, tokens, standard)
         for i in talk:
             pairs[i] = _conversational_pair(rows, i, tokenizer, tokens, special, roles)
         return [pairs[i] for i in range(len(rows.rows))]
