@@ -59,3 +59,40 @@ def timed_on_this_machine(cfg: dict, measure: Callable[[], dict]) -> dict:
     return {"config": cfg, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__, **measured,
             "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+
+
+def hf_in_order(ordered: list[list[int]]):
+    """HF Trainer's side of a lisaft comparison: a dataset of `ordered` token rows (each its own
+    labels, no padding) and a Trainer subclass that reads it in that order, so that its batches
+    are lisaft's, step for step. Returns (dataset, trainer class)."""
+    import torch
+    from torch.utils.data import Dataset, SequentialSampler
+    from transformers import Trainer
+
+    class Rows(Dataset):
+        def __len__(self):
+            return len(ordered)
+
+        def __getitem__(self, i):
+            ids = torch.tensor(ordered[i])
+            return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    return Rows(), InOrderTrainer
+
+
+def lmflow_style_switch(layers, gamma: int) -> None:
+    """Reference LISA as LMFlow and axolotl ship it, written here from its described behaviour:
+    freeze every decoder layer, then unfreeze `gamma` of them drawn with NumPy's global RNG (which
+    the Trainer seeds). Embeddings and head are never touched, so they always train; the Trainer
+    built its optimizer over every parameter, and AdamW skips only parameters whose grad is None,
+    so a deactivated layer's moments stay where they are."""
+    import numpy as np
+
+    for layer in layers:
+        layer.requires_grad_(False)
+    for i in np.random.choice(len(layers), gamma, replace=False):
+        layers[int(i)].requires_grad_(True)

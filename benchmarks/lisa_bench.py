@@ -65,7 +65,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import PadOnly, synthetic_rows
+from benchmarks.common import PadOnly, hf_in_order, lmflow_style_switch, synthetic_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -211,10 +211,8 @@ class HFRunner:
     def __init__(self, name: str, lmflow: bool, cfg_path: Path, rows: list, s: dict, workdir: Path):
         import threading
 
-        import numpy as np
         import torch
-        from torch.utils.data import Dataset, SequentialSampler
-        from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+        from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
         from lisaft.data.order import DataOrder
@@ -224,17 +222,7 @@ class HFRunner:
         order = DataOrder(len(rows), s["batch_size"], SEED)
         ordered = [rows[i] for _ in range(steps) for i in order.next_indices()]
 
-        class Rows(Dataset):
-            def __len__(self):
-                return len(ordered)
-
-            def __getitem__(self, i):
-                ids = torch.tensor(ordered[i])
-                return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
-        class InOrderTrainer(Trainer):
-            def _get_train_sampler(self, *args, **kwargs):
-                return SequentialSampler(self.train_dataset)
+        rows_in_order, InOrderTrainer = hf_in_order(ordered)
 
         config = AutoConfig.from_pretrained(str(cfg_path))
         torch.manual_seed(SEED)  # lisaft's models.load_model draws the initial weights from this seed
@@ -276,23 +264,13 @@ class HFRunner:
                     })
 
         class LMFlowStyleLisa(TrainerCallback):
-            """Reference LISA as LMFlow and axolotl ship it, written here from its described
-            behaviour: every K steps, freeze all decoder layers and unfreeze γ of them drawn with
-            the global NumPy RNG (seeded by the Trainer). Embeddings and head are never touched,
-            so they always train. The Trainer built its optimizer over every parameter before
-            the first step, and AdamW only skips parameters whose grad is None: a deactivated
-            layer's moments stay where they are."""
+            """The reference switch (benchmarks/common.py) every K steps, timed."""
 
             def on_step_begin(self, args, state, control, **kwargs):
                 if state.global_step % K:
                     return
                 t0 = time.perf_counter()
-                for layer in layers:
-                    for p in layer.parameters():
-                        p.requires_grad_(False)
-                for i in np.random.choice(len(layers), GAMMA, replace=False):
-                    for p in layers[int(i)].parameters():
-                        p.requires_grad_(True)
+                lmflow_style_switch(layers, GAMMA)
                 run["switch_s"].append(time.perf_counter() - t0)
 
         args = TrainingArguments(
@@ -304,7 +282,7 @@ class HFRunner:
         )
         # Lockstep first: the LMFlow switch then runs inside the timed step.
         callbacks = [Lockstep(), LMFlowStyleLisa()] if lmflow else [Lockstep()]
-        self.trainer = InOrderTrainer(model=model, args=args, train_dataset=Rows(), callbacks=callbacks)
+        self.trainer = InOrderTrainer(model=model, args=args, train_dataset=rows_in_order, callbacks=callbacks)
         self.trainer.remove_callback(PrinterCallback)  # it would print the final metrics
         self.model = model
         self.thread = threading.Thread(target=self._train, name=name, daemon=True)

@@ -15,7 +15,7 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.common import PadOnly, synthetic_examples
+from benchmarks.common import PadOnly, hf_in_order, lmflow_style_switch, synthetic_examples
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "recipes" / "quickstart" / "tokenizer"
@@ -170,7 +170,6 @@ def _model(s: dict, work: Path):
 
 
 def _callbacks(stamps: Stamps, lmflow: bool, layers, interval: int) -> list:
-    import numpy as np
     from transformers import TrainerCallback
 
     class Stamp(TrainerCallback):
@@ -178,16 +177,11 @@ def _callbacks(stamps: Stamps, lmflow: bool, layers, interval: int) -> list:
             stamps.step_ended()
 
     class LMFlowStyleLisa(TrainerCallback):
-        """Every `interval` steps: every decoder layer frozen, γ drawn with NumPy's global RNG
-        unfrozen; the optimizer was built over every parameter (benchmarks/lisa_bench.py)."""
+        """Every `interval` steps the reference switch (benchmarks/common.py)."""
 
         def on_step_begin(self, args, state, control, **kw):
-            if state.global_step % interval:
-                return
-            for layer in layers:
-                layer.requires_grad_(False)
-            for i in np.random.choice(len(layers), GAMMA, replace=False):
-                layers[int(i)].requires_grad_(True)
+            if state.global_step % interval == 0:
+                lmflow_style_switch(layers, GAMMA)
 
     return [Stamp(), LMFlowStyleLisa()] if lmflow else [Stamp()]
 
@@ -200,9 +194,7 @@ def _args(s: dict, work: Path) -> dict:
 
 
 def hf_side(name: str, s: dict, work: Path, stamps: Stamps) -> dict:
-    import torch
-    from torch.utils.data import Dataset, SequentialSampler
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     from lisaft.data.order import DataOrder
 
@@ -212,21 +204,10 @@ def hf_side(name: str, s: dict, work: Path, stamps: Stamps) -> dict:
     order = DataOrder(len(rows), s["batch_size"], SEED)  # lisaft's batches, step for step
     ordered = [rows[i]["input_ids"] for _ in range(s["steps"]) for i in order.next_indices()]
 
-    class Rows(Dataset):
-        def __len__(self):
-            return len(ordered)
-
-        def __getitem__(self, i):
-            ids = torch.tensor(ordered[i])
-            return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-
-    class InOrder(Trainer):
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
+    rows_in_order, InOrder = hf_in_order(ordered)
     callbacks = _callbacks(stamps, name == "hf_lmflow", model.model.layers, s["interval"])
     args = TrainingArguments(**_args(s, work), remove_unused_columns=False)
-    InOrder(model=model, args=args, train_dataset=Rows(), callbacks=callbacks).train()
+    InOrder(model=model, args=args, train_dataset=rows_in_order, callbacks=callbacks).train()
     return stamps.result()
 
 
