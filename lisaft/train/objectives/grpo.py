@@ -3,8 +3,10 @@
 The schedule is TRL 1.16's, counted in micro-batches m = step x grad_accum_steps + i: a generation
 batch is sampled when m is a multiple of steps_per_generation x num_iterations and feeds
 micro-batch m its slice m mod steps_per_generation. Its prompts are the examples the data order
-hands that micro-batch, then the ones after it (batch_size x steps_per_generation / G of them).
-Sampling is seeded by the generation's index (lisaft/grpo/generation.py), so a run that
+hands that micro-batch over every rank, then the ones after it; rank r samples the r-th share
+(batch_size x steps_per_generation / G of them), as one process at the global batch would give it.
+Sampling is seeded by the generation's index and each group's index over every rank
+(lisaft/grpo/generation.py), so two ranks equal one process at twice the batch, and a run that
 generates at every step resumes with no sampling state; where a generation outlives its step
 (num_iterations > 1, or steps_per_generation beyond grad_accum_steps) the rollout is kept in each
 rank's checkpoint (`grpo_rollout`) and the generation-time log-probs are kept with it, as TRL
@@ -60,6 +62,7 @@ class Grpo(Objective):
     """Groups of sampled completions scored by the reward functions, TRL's clipped surrogate."""
 
     unit = "prompts"
+    sees_global_batch = True
 
     def __init__(self, recipe: Recipe, strategy: Strategy, tokenizer, device: torch.device,
                  run_dir: Path | None = None) -> None:
@@ -115,28 +118,33 @@ class Grpo(Objective):
     # -- the step -------------------------------------------------------------------------------
 
     def step_batches(self, model: nn.Module, step: int, examples: list[list[dict]]) -> StepBatches:
-        accum, batch_size = len(examples), len(examples[0])
+        # Every rank is handed the global micro-batches (sees_global_batch) and takes its share of
+        # the prompts one process at the global batch would sample: ranks equal that process.
+        accum, ranks = len(examples), dist.world_size()
+        batch_size = len(examples[0]) // ranks
         self._step = step
         flat = [ex for micro in examples for ex in micro]
-        prompts_per_generation = batch_size * self.spg // self.grpo.num_generations
+        prompts_per_generation = batch_size * self.spg // self.grpo.num_generations  # this rank's groups
         batches = []
         for i in range(accum):
             m = step * accum + i
             if m % self.every == 0 or self.buffer.rollout is None:
-                prompts = [flat[(i * batch_size + j) % len(flat)] for j in range(prompts_per_generation)]
-                self._sample(model, m // self.every, step, prompts, batch_size)
+                first = i * batch_size * ranks + dist.rank() * prompts_per_generation
+                prompts = [flat[(first + j) % len(flat)] for j in range(prompts_per_generation)]
+                self._sample(model, m // self.every, step, prompts, batch_size, dist.rank() * prompts_per_generation)
             rollout = self.buffer.rollout
             assert rollout is not None  # sampled just above when missing
             if i == 0:
                 self._generation = dict(rollout.sums)
             batches.append(rollout.batches[m % self.spg])
         real = sum(int(b["attention_mask"].sum()) for b in batches)
-        return StepBatches(batches, torch.tensor(1.0 / dist.world_size(), dtype=torch.float64), real)
+        return StepBatches(batches, torch.tensor(1.0 / ranks, dtype=torch.float64), real)
 
-    def _sample(self, model: nn.Module, generation: int, step: int, prompts: list[dict], batch_size: int) -> None:
-        seed = sampling_seed(self.recipe.training.seed, generation, dist.rank())
+    def _sample(self, model: nn.Module, generation: int, step: int, prompts: list[dict], batch_size: int,
+                first_group: int) -> None:
+        seeds = [sampling_seed(self.recipe.training.seed, generation, first_group + k) for k in range(len(prompts))]
         keep = (self.outlives_step, self.grpo.beta > 0)
-        rollout = generate(model, self.policy, prompts, batch_size, seed, step, keep, self.strategy.sharded_forward,
+        rollout = generate(model, self.policy, prompts, batch_size, seeds, step, keep, self.strategy.sharded_forward,
                            self.reference)
         self.buffer.rollout = rollout
         t = self.recipe.training
@@ -192,8 +200,8 @@ class Grpo(Objective):
         totals = torch.zeros(3, dtype=torch.float64)
         for n, idx in enumerate(batches):
             prompts = [examples[i] for i in idx]
-            seed = sampling_seed(self.recipe.training.seed, -1 - n, dist.rank())
-            rollout = generate(model, self.policy, prompts, len(prompts) * self.grpo.num_generations, seed,
+            seeds = [sampling_seed(self.recipe.training.seed, -1, i) for i in idx]  # whoever evaluates it
+            rollout = generate(model, self.policy, prompts, len(prompts) * self.grpo.num_generations, seeds,
                                -1, (False, False), self.strategy.sharded_forward)
             if n < counted:
                 s = rollout.sums
