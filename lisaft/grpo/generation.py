@@ -69,22 +69,26 @@ def _uniforms(seeds: list[int], rows: int, width: int) -> torch.Tensor:
 def _seeded_draw(grpo: GrpoSection, uniforms: torch.Tensor, prompt_width: int):
     """A logits processor that warps as the recipe says (transformers' own warpers), draws each
     row's token by inverse CDF from its next uniform, and leaves only that token possible."""
-    from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, \
-        TopPLogitsWarper
+    import transformers as tf
 
-    warpers = ([TemperatureLogitsWarper(grpo.temperature)] if grpo.temperature != 1.0 else []) + \
-        ([TopKLogitsWarper(grpo.top_k)] if grpo.top_k else []) + ([TopPLogitsWarper(grpo.top_p)] if grpo.top_p < 1.0 else [])
+    warpers: list = []  # in generate's order, on generate's conditions
+    if grpo.temperature != 1.0:
+        warpers.append(tf.TemperatureLogitsWarper(grpo.temperature))
+    if grpo.top_k > 0:
+        warpers.append(tf.TopKLogitsWarper(grpo.top_k))
+    if grpo.top_p < 1.0:
+        warpers.append(tf.TopPLogitsWarper(grpo.top_p))
 
-    class SeededDraw(LogitsProcessor):
-        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    class SeededDraw(tf.LogitsProcessor):
+        def __call__(self, input_ids, scores):
             for warp in warpers:
                 scores = warp(input_ids, scores)
             cdf = scores.double().softmax(-1).cumsum(-1)
-            u = uniforms[:, input_ids.size(1) - prompt_width].to(cdf.device) * cdf[:, -1]
+            u = uniforms[:, input_ids.size(1) - prompt_width] * cdf[:, -1]
             token = torch.searchsorted(cdf, u[:, None], right=True).clamp_max(scores.size(-1) - 1)
             return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
-    return LogitsProcessorList([SeededDraw()])
+    return tf.LogitsProcessorList([SeededDraw()])
 
 
 @contextlib.contextmanager
@@ -103,7 +107,7 @@ def sample(model, prompts: list[list[int]], grpo: GrpoSection, pad_id: int, eos_
     from seeds[k]."""
     device = model.get_input_embeddings().weight.device
     ids, mask = left_padded(prompts, pad_id, device)
-    draw = _seeded_draw(grpo, _uniforms(seeds, len(prompts), grpo.max_completion_length), ids.size(1))
+    draw = _seeded_draw(grpo, _uniforms(seeds, len(prompts), grpo.max_completion_length).to(device), ids.size(1))
     devices = [device] if device.type == "cuda" else []
     # generate's own multinomial still advances the global RNG: the fork leaves the run's as it was.
     with torch.random.fork_rng(devices=devices), _eval_mode(model), torch.no_grad():

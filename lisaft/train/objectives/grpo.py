@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,6 +84,8 @@ class Grpo(Objective):
         self.reference: nn.Module | None = None  # β > 0 without LoRA: a frozen copy of the initial policy
         self._sums: dict[str, torch.Tensor] = {}
         self._generation: dict[str, float] = {}
+        self._step_began = 0.0  # perf_counter when the step's batches began: generation_share's divisor
+        self._sampling_s = 0.0  # this step's seconds sampling (0 where it trains on an earlier generation)
         self._step = 0
         self._warned_flat = False
 
@@ -122,7 +125,7 @@ class Grpo(Objective):
         # the prompts one process at the global batch would sample: ranks equal that process.
         accum, ranks = len(examples), dist.world_size()
         batch_size = len(examples[0]) // ranks
-        self._step = step
+        self._step, self._step_began, self._sampling_s = step, time.perf_counter(), 0.0
         flat = [ex for micro in examples for ex in micro]
         prompts_per_generation = batch_size * self.spg // self.grpo.num_generations  # this rank's groups
         batches = []
@@ -137,6 +140,7 @@ class Grpo(Objective):
             if i == 0:
                 self._generation = dict(rollout.sums)
             batches.append(rollout.batches[m % self.spg])
+        self._generation["generation_s"] = self._sampling_s
         real = sum(int(b["attention_mask"].sum()) for b in batches)
         return StepBatches(batches, torch.tensor(1.0 / ranks, dtype=torch.float64), real)
 
@@ -147,6 +151,7 @@ class Grpo(Objective):
         rollout = generate(model, self.policy, prompts, batch_size, seeds, step, keep, self.strategy.sharded_forward,
                            self.reference)
         self.buffer.rollout = rollout
+        self._sampling_s += rollout.sums["generation_s"]
         t = self.recipe.training
         if self.run_dir is not None and dist.is_main() and ((step + 1) % t.log_every == 0 or step + 1 == t.max_steps):
             folder = self.run_dir / "completions"
@@ -183,6 +188,8 @@ class Grpo(Objective):
 
     def step_figures(self, read: dict[str, float]) -> dict[str, float]:
         out = figures(read, self.policy.rewards, self.grpo.beta)
+        # Read after the step's global sums: every rank has finished its update.
+        out["generation_share"] = out["generation_s"] / max(time.perf_counter() - self._step_began, 1e-9)
         if out["frac_reward_zero_std"] == 1.0 and not self._warned_flat and dist.is_main():
             self._warned_flat = True
             warn(f"grpo: at step {self._step + 1} every group's completions scored the same (frac_reward_zero_std "
