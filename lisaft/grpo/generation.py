@@ -50,7 +50,7 @@ class Sampled:
 def _config(grpo: GrpoSection, pad_id: int, eos_ids: list[int]):
     """generate's settings, whole: a model's own generation_config.json (a repetition penalty, a
     default top_k) must not change what is sampled. Temperature, top_k and top_p are neutral here:
-    _SeededDraw applies the recipe's."""
+    _seeded_draw applies the recipe's."""
     from transformers import GenerationConfig
 
     return GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,

@@ -1,9 +1,9 @@
 """`lisaft train` with a grpo section on a tiny model: the reward (the share of `a` in each
 completion, a dense character reward) rises with full fine-tuning and LISA; every other way to
-train (cpu_offload, APOLLO-Mini, in_backward, bf16, LoRA, DoRA, QLoRA) trains; two gloo ranks
-(data parallel, FSDP2) equal one process at twice the batch; the records and RUN/completions say
-what happened; a run killed with SIGKILL resumes to the same completions, rewards and weights bit
-for bit."""
+train (cpu_offload, APOLLO, APOLLO-Mini, in_backward, bf16, LoRA, DoRA, QLoRA) trains; two gloo
+ranks (data parallel, FSDP2) equal one process at twice the batch; the records and RUN/completions
+say what happened; a run killed with SIGKILL resumes to the same completions, rewards and weights
+bit for bit."""
 
 import json
 
@@ -66,12 +66,14 @@ def test_the_reward_rises(grpo_run, method):
 
 
 # cpu_offload is full fine-tuning's run bit for bit (docs/grpo.md), so two steps say enough.
-@pytest.mark.parametrize("method", [{"optimizer": {"cpu_offload": True}}, {"optimizer": {"name": "apollo_mini"}},
+@pytest.mark.parametrize("method", [{"optimizer": {"cpu_offload": True}}, {"optimizer": {"name": "apollo"}},
+                                    {"optimizer": {"name": "apollo_mini"}},
                                     {"optimizer": {"in_backward": True}, "training": {"max_grad_norm": None}},
                                     {"model": {"dtype": "bfloat16"}, "grpo": {"beta": 0.04}},
                                     {"lora": {"enabled": True, "dora": True}},
                                     {"lora": {"enabled": True}, "model": {"quantize": "nf4"}}],
-                         ids=["cpu_offload", "apollo_mini", "in_backward", "bf16-frozen-reference", "dora", "qlora"])
+                         ids=["cpu_offload", "apollo", "apollo_mini", "in_backward", "bf16-frozen-reference", "dora",
+                              "qlora"])
 def test_other_ways_to_train_run_and_move_the_policy(grpo_run, method):
     sections = {**method, "training": {"max_steps": 2, **method.get("training", {})}}
     grpo = sections.pop("grpo", None)
