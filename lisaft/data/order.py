@@ -32,13 +32,15 @@ class DataOrder:
     """
 
     def __init__(self, n_examples: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 unit: str = "examples", digest: str | None = None, accept_change: bool = False):
+                 unit: str = "examples", digest: str | None = None, accept_change: bool = False,
+                 whole: bool = False):
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad batch_size={batch_size}, rank={rank}, world_size={world_size}")
         self.n = n_examples
         self.unit = unit  # what an index stands for in messages: examples, or packed rows
         self.digest = digest  # data/digest.py: the examples' token ids and labels, in order
         self.accept_change = accept_change  # training.accept_data_change: continue over new data
+        self.whole = whole  # every rank takes the whole global micro-batch (GRPO picks its share itself)
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
@@ -66,8 +68,8 @@ class DataOrder:
         if self.position + self.global_batch > self.n:
             self.epoch += 1
             self.position = 0
-        lo = self.position + self.rank * self.batch_size
-        batch = self._permutation()[lo:lo + self.batch_size]
+        lo = self.position + (0 if self.whole else self.rank * self.batch_size)
+        batch = self._permutation()[lo:lo + (self.global_batch if self.whole else self.batch_size)]
         self.position += self.global_batch
         return [int(i) for i in batch]
 

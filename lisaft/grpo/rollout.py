@@ -57,17 +57,18 @@ def _texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str],
     return tokenizer.batch_decode(kept, skip_special_tokens=True), kept
 
 
-def generate(model, policy: Policy, prompts: list[dict], batch_size: int, seed: int, step: int,
+def generate(model, policy: Policy, prompts: list[dict], batch_size: int, seeds: list[int], step: int,
              scored_logps: tuple[bool, bool], sharded: bool, reference=None) -> Rollout:
-    """The rollout of `prompts` (each an example of data.format prompts), G completions each, cut
-    into micro-batches of `batch_size`; `scored_logps`: whether to keep the old policy's log-probs
-    (the ratio moves away from 1 before the next generation) and the reference's (β > 0): of
-    `reference`, a frozen copy, or with None the policy with its LoRA adapters off."""
+    """The rollout of `prompts` (each an example of data.format prompts), G completions each drawn
+    from the prompt's seed in `seeds`, cut into micro-batches of `batch_size`; `scored_logps`:
+    whether to keep the old policy's log-probs (the ratio moves away from 1 before the next
+    generation) and the reference's (β > 0): of `reference`, a frozen copy, or with None the policy
+    with its LoRA adapters off."""
     g = policy.grpo
     t0 = time.perf_counter()
     repeated = [p for p in prompts for _ in range(g.num_generations)]
     pad = policy.tokenizer.pad_token_id  # type: ignore[attr-defined]
-    drawn = sample(model, [p["input_ids"] for p in repeated], g, pad, policy.eos_ids, seed)
+    drawn = sample(model, [p["input_ids"] for p in repeated], g, pad, policy.eos_ids, seeds)
     ended = completion_mask(drawn.completion_ids, policy.eos_ids, False)
     truncated = ~torch.isin(drawn.completion_ids, torch.tensor(policy.eos_ids, device=ended.device)).any(dim=1)
     mask = completion_mask(drawn.completion_ids, policy.eos_ids, g.mask_truncated_completions)

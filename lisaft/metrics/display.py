@@ -36,6 +36,8 @@ def train_line(rec: dict, total: int, width: int = 80) -> str:
         rewards = [f"acc {_reward_accuracy(rec, 'reward', '.0%')}", f"margin {rec['reward_margin']:.3g}"]
     elif "reward_std" in rec:  # GRPO: the reward is what to watch, its loss sits near 0 (docs/grpo.md)
         rewards = [f"reward {rec['reward']:.3g}", f"±{rec['reward_std']:.2g}"]
+        if "generation_share" in rec:  # the share of the step spent sampling: what a faster step would cut
+            rewards.append(f"gen {rec['generation_share']:.0%}")
     layers = "all" if rec.get("active_layers") is None else ",".join(map(str, rec["active_layers"]))
     # Spacing is chosen for the widest step counter, so it does not change as the run goes on.
     widest = len(str(total)) - len(str(rec["step"]))

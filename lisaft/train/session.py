@@ -173,7 +173,7 @@ def build_session(recipe: Recipe, run_dir: Path, tokenizer: Tokenizer | None = N
     in_backward = StepInBackward(units, optimizers) if recipe.optimizer.in_backward else None
     order = DataOrder(len(train_examples), t.batch_size, t.seed, dist.rank(), dist.world_size(),
                       unit="packed rows" if packing else "examples", digest=examples_digest(train_examples),
-                      accept_change=t.accept_data_change)
+                      accept_change=t.accept_data_change, whole=objective.sees_global_batch)
     if packing is not None:
         packing.accept_change = t.accept_data_change
     assert t.max_steps is not None  # training.epochs was resolved into it above

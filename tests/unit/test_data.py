@@ -354,6 +354,9 @@ def test_two_ranks_see_what_one_process_with_double_batch_sees():
     r0 = drain(DataOrder(23, 3, seed=5, rank=0, world_size=2), 10)
     r1 = drain(DataOrder(23, 3, seed=5, rank=1, world_size=2), 10)
     assert [a + b for a, b in zip(r0, r1)] == single
+    # GRPO's ranks take the whole global batch (and their share of it themselves), in the same state.
+    whole, shard = (DataOrder(23, 3, seed=5, rank=1, world_size=2, whole=w) for w in (True, False))
+    assert drain(whole, 10) == single and drain(shard, 10) == r1 and whole.state_dict() == shard.state_dict()
 
 
 def test_dataset_smaller_than_one_batch():

@@ -72,7 +72,7 @@ def test_the_example_lines_in_docs_logging_are_what_the_code_prints():
 
 
 def test_a_grpo_run_shows_its_reward_and_spread_within_80_columns():
-    rec = {**RECORD, "loss": 0.0, "reward": 0.4375, "reward_std": 0.31}
-    assert "lr 1.0e-05  reward 0.438  ±0.31  gn 0.5" in train_line(rec, 400, width=120)
+    rec = {**RECORD, "loss": 0.0, "reward": 0.4375, "reward_std": 0.31, "generation_share": 0.623}
+    assert "lr 1.0e-05  reward 0.438  ±0.31  gen 62%  gn 0.5" in train_line(rec, 400, width=120)
     assert all(len(train_line(rec, total)) <= 80 for total in (400, 100000))
     assert eval_line({"step": 6, "eval_reward": 0.5, "eval_reward_std": 0.25}) == "eval step 6  reward 0.5  ±0.25"

@@ -20,19 +20,49 @@ def test_prompts_are_padded_on_the_left():
     assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
-def test_a_generation_is_a_pure_function_of_its_seed_and_leaves_the_run_as_it_was():
+def test_a_generation_is_a_pure_function_of_its_seeds_and_leaves_the_run_as_it_was():
     model = tiny()
     model.train()
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    a = sample(model, PROMPTS, GRPO, 0, [2], sampling_seed(0, 5, 0))
+    seeds = [sampling_seed(0, 5, 0), sampling_seed(0, 5, 1)]
+    a = sample(model, PROMPTS, GRPO, 0, [2], seeds)
     assert torch.equal(torch.get_rng_state(), before) and model.training
-    b = sample(model, PROMPTS, GRPO, 0, [2], sampling_seed(0, 5, 0))
-    other_rank = sample(model, PROMPTS, GRPO, 0, [2], sampling_seed(0, 5, 1))
+    b = sample(model, PROMPTS, GRPO, 0, [2], seeds)
+    other_groups = sample(model, PROMPTS, GRPO, 0, [2], [sampling_seed(0, 5, 2), sampling_seed(0, 5, 3)])
     assert torch.equal(a.completion_ids, b.completion_ids)
-    assert not torch.equal(a.completion_ids, other_rank.completion_ids)
+    assert not torch.equal(a.completion_ids, other_groups.completion_ids)
     assert a.completion_ids.shape == (4, 6) and a.prompt_mask.tolist()[2] == [0, 1, 1]
     assert sampling_seed(0, 5, 0) != sampling_seed(0, 6, 0) != sampling_seed(1, 5, 0)
+
+
+def test_a_group_draws_the_same_completions_whichever_batch_it_is_sampled_in():
+    """Two ranks equal one process at twice the batch: the second group alone, sampled as the other
+    rank would, gives the rows it gave in the whole batch."""
+    model = tiny()
+    seeds = [sampling_seed(0, 5, 0), sampling_seed(0, 5, 1)]
+    whole = sample(model, PROMPTS, GRPO, 0, [2], seeds)
+    alone = sample(model, PROMPTS[2:], GRPO, 0, [2], seeds[1:])
+    assert torch.equal(alone.completion_ids, whole.completion_ids[2:])
+
+
+def test_the_seeded_draw_follows_the_warped_distribution():
+    """Thousands of one-token draws from one prompt: each token's share is its probability after
+    temperature, top_k and top_p (transformers' warpers), and tokens they remove are never drawn."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    model = tiny()
+    one_token = GRPO.model_copy(update={"max_completion_length": 1})
+    n = 4000
+    drawn = sample(model, [[1, 5, 6]] * n, one_token, 0, [2], [sampling_seed(0, 0, 0)]).completion_ids[:, 0]
+    with torch.no_grad():
+        scores = model(input_ids=torch.tensor([[1, 5, 6]])).logits[:, -1].float()
+    for warp in (TemperatureLogitsWarper(0.9), TopKLogitsWarper(20), TopPLogitsWarper(0.95)):
+        scores = warp(None, scores)
+    want = scores.softmax(-1)[0]
+    seen = torch.bincount(drawn, minlength=want.numel()).double() / n
+    assert seen[want == 0].sum() == 0
+    assert (seen - want).abs().max() < 0.03  # about 4 standard errors of a share near 1/20
 
 
 def _reference_logps(model, ids, mask, c, temperature):

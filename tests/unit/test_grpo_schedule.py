@@ -18,11 +18,12 @@ BASE = {"model": {"config": "c", "tokenizer": "t"}, "data": {"train": "p.jsonl",
 def _grpo(monkeypatch, accum, **grpo):
     calls = []
 
-    def fake_generate(model, policy, prompts, batch_size, seed, step, keep, sharded, reference=None):
+    def fake_generate(model, policy, prompts, batch_size, seeds, step, keep, sharded, reference=None):
         n = len(calls)
-        calls.append((step, [p["id"] for p in prompts], keep))
+        calls.append((step, [p["id"] for p in prompts], keep, seeds))
         spg = len(prompts) * 2 // batch_size
-        return Rollout([{"slice": (n, j), "attention_mask": torch.ones(1)} for j in range(spg)], {"reward_sum": 0.0})
+        return Rollout([{"slice": (n, j), "attention_mask": torch.ones(1)} for j in range(spg)],
+                       {"reward_sum": 0.0, "generation_s": 0.5})
 
     monkeypatch.setattr(objective, "generate", fake_generate)
     recipe = recipe_from_dict({**BASE, "grpo": {**BASE["grpo"], **grpo},
@@ -41,7 +42,7 @@ def test_one_generation_per_step_feeds_its_micro_batches_in_order(monkeypatch):
     grpo, calls = _grpo(monkeypatch, accum=2)
     assert _step(grpo, 0, 2) == [(0, 0), (0, 1)] and _step(grpo, 1, 2) == [(1, 0), (1, 1)]
     # 2 x 2 completions a generation: 2 prompts, the first micro-batch's.
-    assert calls[0] == (0, [(0, 0, 0), (0, 0, 1)], (False, False))
+    assert calls[0][:3] == (0, [(0, 0, 0), (0, 0, 1)], (False, False))
     assert grpo.checkpoint_components([], None) == {}  # nothing outlives a step
 
 
@@ -60,3 +61,28 @@ def test_steps_per_generation_apart_from_the_accumulation(monkeypatch, spg, expe
     if spg == 1:  # each micro-batch samples its own prompt
         assert [c[1] for c in calls[:2]] == [[(0, 0, 0)], [(0, 1, 0)]]
     assert grpo.outlives_step == (spg == 4)
+
+
+def test_each_rank_samples_its_share_of_the_global_batch_from_its_groups_seeds(monkeypatch):
+    """Two ranks of batch 2 are handed the global micro-batches (4 examples each) and take what one
+    process at batch 4 gives each half: its prompts and its groups' seeds."""
+    one, one_calls = _grpo(monkeypatch, accum=2)
+    examples = [[{"id": (0, i, j)} for j in range(4)] for i in range(2)]
+    one.step_batches(None, 0, examples)
+    for rank in (0, 1):
+        monkeypatch.setattr(objective.dist, "rank", lambda r=rank: r)
+        monkeypatch.setattr(objective.dist, "world_size", lambda: 2)
+        two, calls = _grpo(monkeypatch, accum=2)
+        two.step_batches(None, 0, examples)
+        assert calls[0][1] == one_calls[0][1][2 * rank:2 * rank + 2]  # its half of the prompts...
+        assert calls[0][3] == one_calls[0][3][2 * rank:2 * rank + 2]  # ...drawn from the same seeds
+
+
+def test_a_step_that_trains_on_an_earlier_generation_spent_no_time_sampling(monkeypatch):
+    grpo, _ = _grpo(monkeypatch, accum=2, num_iterations=2)
+    shares = []
+    for s in range(2):
+        _step(grpo, s, 2)
+        sums = {k: v.item() for k, v in grpo.step_sums().items()}
+        shares.append(sums["generation_s"])
+    assert shares == [0.5, 0.0]

@@ -37,6 +37,7 @@ class Objective:
     here and one line in `objectives/__init__.py` `choose`."""
 
     unit = "examples"                # what one training example is called in the banner
+    sees_global_batch = False        # step_batches gets every rank's examples, not this rank's
 
     def __init__(self, strategy: Strategy, pad_id: int, device: torch.device) -> None:
         self.strategy = strategy     # the loss runs through it (sharded forward, eval batches)

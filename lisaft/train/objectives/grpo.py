@@ -3,8 +3,10 @@
 The schedule is TRL 1.16's, counted in micro-batches m = step x grad_accum_steps + i: a generation
 batch is sampled when m is a multiple of steps_per_generation x num_iterations and feeds
 micro-batch m its slice m mod steps_per_generation. Its prompts are the examples the data order
-hands that micro-batch, then the ones after it (batch_size x steps_per_generation / G of them).
-Sampling is seeded by the generation's index (lisaft/grpo/generation.py), so a run that
+hands that micro-batch over every rank, then the ones after it; rank r samples the r-th share
+(batch_size x steps_per_generation / G of them), as one process at the global batch would give it.
+Sampling is seeded by the generation's index and each group's index over every rank
+(lisaft/grpo/generation.py), so two ranks equal one process at twice the batch, and a run that
 generates at every step resumes with no sampling state; where a generation outlives its step
 (num_iterations > 1, or steps_per_generation beyond grad_accum_steps) the rollout is kept in each
 rank's checkpoint (`grpo_rollout`) and the generation-time log-probs are kept with it, as TRL
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +63,7 @@ class Grpo(Objective):
     """Groups of sampled completions scored by the reward functions, TRL's clipped surrogate."""
 
     unit = "prompts"
+    sees_global_batch = True
 
     def __init__(self, recipe: Recipe, strategy: Strategy, tokenizer, device: torch.device,
                  run_dir: Path | None = None) -> None:
@@ -80,6 +84,8 @@ class Grpo(Objective):
         self.reference: nn.Module | None = None  # β > 0 without LoRA: a frozen copy of the initial policy
         self._sums: dict[str, torch.Tensor] = {}
         self._generation: dict[str, float] = {}
+        self._step_began = 0.0  # perf_counter when the step's batches began: generation_share's divisor
+        self._sampling_s = 0.0  # this step's seconds sampling (0 where it trains on an earlier generation)
         self._step = 0
         self._warned_flat = False
 
@@ -115,30 +121,37 @@ class Grpo(Objective):
     # -- the step -------------------------------------------------------------------------------
 
     def step_batches(self, model: nn.Module, step: int, examples: list[list[dict]]) -> StepBatches:
-        accum, batch_size = len(examples), len(examples[0])
-        self._step = step
+        # Every rank is handed the global micro-batches (sees_global_batch) and takes its share of
+        # the prompts one process at the global batch would sample: ranks equal that process.
+        accum, ranks = len(examples), dist.world_size()
+        batch_size = len(examples[0]) // ranks
+        self._step, self._step_began, self._sampling_s = step, time.perf_counter(), 0.0
         flat = [ex for micro in examples for ex in micro]
-        prompts_per_generation = batch_size * self.spg // self.grpo.num_generations
+        prompts_per_generation = batch_size * self.spg // self.grpo.num_generations  # this rank's groups
         batches = []
         for i in range(accum):
             m = step * accum + i
             if m % self.every == 0 or self.buffer.rollout is None:
-                prompts = [flat[(i * batch_size + j) % len(flat)] for j in range(prompts_per_generation)]
-                self._sample(model, m // self.every, step, prompts, batch_size)
+                first = i * batch_size * ranks + dist.rank() * prompts_per_generation
+                prompts = [flat[(first + j) % len(flat)] for j in range(prompts_per_generation)]
+                self._sample(model, m // self.every, step, prompts, batch_size, dist.rank() * prompts_per_generation)
             rollout = self.buffer.rollout
             assert rollout is not None  # sampled just above when missing
             if i == 0:
                 self._generation = dict(rollout.sums)
             batches.append(rollout.batches[m % self.spg])
+        self._generation["generation_s"] = self._sampling_s
         real = sum(int(b["attention_mask"].sum()) for b in batches)
-        return StepBatches(batches, torch.tensor(1.0 / dist.world_size(), dtype=torch.float64), real)
+        return StepBatches(batches, torch.tensor(1.0 / ranks, dtype=torch.float64), real)
 
-    def _sample(self, model: nn.Module, generation: int, step: int, prompts: list[dict], batch_size: int) -> None:
-        seed = sampling_seed(self.recipe.training.seed, generation, dist.rank())
+    def _sample(self, model: nn.Module, generation: int, step: int, prompts: list[dict], batch_size: int,
+                first_group: int) -> None:
+        seeds = [sampling_seed(self.recipe.training.seed, generation, first_group + k) for k in range(len(prompts))]
         keep = (self.outlives_step, self.grpo.beta > 0)
-        rollout = generate(model, self.policy, prompts, batch_size, seed, step, keep, self.strategy.sharded_forward,
+        rollout = generate(model, self.policy, prompts, batch_size, seeds, step, keep, self.strategy.sharded_forward,
                            self.reference)
         self.buffer.rollout = rollout
+        self._sampling_s += rollout.sums["generation_s"]
         t = self.recipe.training
         if self.run_dir is not None and dist.is_main() and ((step + 1) % t.log_every == 0 or step + 1 == t.max_steps):
             folder = self.run_dir / "completions"
@@ -175,6 +188,8 @@ class Grpo(Objective):
 
     def step_figures(self, read: dict[str, float]) -> dict[str, float]:
         out = figures(read, self.policy.rewards, self.grpo.beta)
+        # Read after the step's global sums: every rank has finished its update.
+        out["generation_share"] = out["generation_s"] / max(time.perf_counter() - self._step_began, 1e-9)
         if out["frac_reward_zero_std"] == 1.0 and not self._warned_flat and dist.is_main():
             self._warned_flat = True
             warn(f"grpo: at step {self._step + 1} every group's completions scored the same (frac_reward_zero_std "
@@ -192,8 +207,8 @@ class Grpo(Objective):
         totals = torch.zeros(3, dtype=torch.float64)
         for n, idx in enumerate(batches):
             prompts = [examples[i] for i in idx]
-            seed = sampling_seed(self.recipe.training.seed, -1 - n, dist.rank())
-            rollout = generate(model, self.policy, prompts, len(prompts) * self.grpo.num_generations, seed,
+            seeds = [sampling_seed(self.recipe.training.seed, -1, i) for i in idx]  # whoever evaluates it
+            rollout = generate(model, self.policy, prompts, len(prompts) * self.grpo.num_generations, seeds,
                                -1, (False, False), self.strategy.sharded_forward)
             if n < counted:
                 s = rollout.sums
