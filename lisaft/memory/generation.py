@@ -123,9 +123,9 @@ def scoring_why(s: Settings) -> str:
     g, t = s.recipe.grpo, s.recipe.training
     assert g is not None, "asked of GRPO recipes only"
     outlives = t.grad_accum_steps % (steps_per_generation(s) * g.num_iterations) != 0
-    who = ["the old policy's (the generation outlives its step)"] if outlives else []
+    who = ["the old policy's log-probs, the generation outliving its step"] if outlives else []
     if g.beta > 0:
-        who.append("the reference's (β > 0" + (": the base with the adapters off)" if s.lora else ")"))
+        who.append("the reference's, for β > 0" + (", the base with the adapters off" if s.lora else ""))
     return " and ".join(who)
 
 

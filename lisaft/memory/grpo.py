@@ -56,8 +56,9 @@ def grpo_lines(est: Estimate, explain: bool = False) -> list[str]:
     out = [f"GRPO: two peaks, one after the other. Generation {human(gen)} ({gen_phase}: {g.sequences} sequences "
            f"of {g.prompt_tokens} + {g.completion_tokens} tokens sampled at once on the "
            f"policy's weights, KV cache {human(g.kv_cache)}); training {human(train)} "
-           f"({train_phase}: {s.recipe.training.batch_size} completions a micro-batch). "
-           f"The {p['higher']} is higher; the fit verdict uses it."]
+           f"({train_phase}: {s.recipe.training.batch_size} completions a micro-batch)"
+           + (f"; between them the scoring pass, {human(p['scoring_pass_bytes'])}" if g.scoring is not None else "")
+           + f". The {p['higher']} is higher; the fit verdict uses it."]
     if g.reference_weights:
         out.append(f"Reference (β {s.recipe.grpo.beta:g} without adapters): a frozen copy of the initial weights, "  # type: ignore[union-attr]
                    f"{human(g.reference_weights)}, resident at every moment (reference_weights).")
