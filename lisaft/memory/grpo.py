@@ -62,6 +62,9 @@ def grpo_lines(est: Estimate, explain: bool = False) -> list[str]:
     if g.reference_weights:
         out.append(f"Reference (β {s.recipe.grpo.beta:g} without adapters): a frozen copy of the initial weights, "  # type: ignore[union-attr]
                    f"{human(g.reference_weights)}, resident at every moment (reference_weights).")
+    if s.fsdp:
+        out.append("Under training.fsdp each decoding step gathers every layer's weights in turn; the generation's "
+                   "gathered units are not modelled.")
     if explain:
         out += _arithmetic(est)
     return out
