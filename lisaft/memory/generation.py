@@ -7,7 +7,8 @@ generation of a step before its first micro-batch trains):
   policy's own weights, no second copy (cpu_offload: the device's bf16 weights). Weights and
   optimizer state are resident, no gradient exists, nothing is saved for backward. On top: the
   KV cache of every sequence of the generation batch (training.batch_size x steps_per_generation)
-  at its full length, prompt + max_completion_length; the sampling logits of the last position of
+  at its full length, prompt + max_completion_length less the last token (sampled, never fed
+  back); the sampling logits of the last position of
   each sequence; and the larger of the prefill (one layer's forward over every prompt token) and
   the last token (one layer's keys or values copied as the cache grows by concatenation).
 - scoring: where the generation's log-probs are kept (it outlives its step: the old policy's) or
@@ -68,8 +69,10 @@ class GenerationTerms:
 
     @property
     def kv_cache(self) -> int:
-        """The KV cache at the last token: every sequence at its full length."""
-        return self.sequences * self.full_length * self.kv_per_token
+        """The KV cache at the last token: every sequence at its full length but the last token,
+        which is sampled and never fed back (transformers' DynamicCache, checked in
+        tests/unit/test_memory_grpo.py)."""
+        return self.sequences * (self.full_length - 1) * self.kv_per_token
 
     @property
     def prefill_cache(self) -> int:

@@ -84,8 +84,9 @@ def _arithmetic(est: Estimate) -> list[str]:
     lines = [
         f"KV cache: {shape.layers} layers x 2 (K, V) x {shape.kv_heads} kv heads x {shape.head_dim} x {dt} bytes = "
         f"{g.kv_per_token:,} bytes a token; x {g.sequences} sequences (training.batch_size x steps_per_generation) "
-        f"x ({g.prompt_tokens} + {g.completion_tokens}) tokens (data.max_seq_len - max_completion_length, the "
-        f"longest prompt, + max_completion_length) = {human(g.kv_cache)}.",
+        f"x ({g.prompt_tokens} + {g.completion_tokens} - 1) tokens (data.max_seq_len - max_completion_length, the "
+        f"longest prompt, + max_completion_length, less the last token, sampled and never fed back) = "
+        f"{human(g.kv_cache)}.",
         f"Sampling logits: {g.sequences} sequences x {g.vocab:,} logits x {g.sampling_per_logit} bytes (the head's "
         f"output, its float32 copy and the probabilities, plus the filters' buffers) = {human(g.sampling_logits)}.",
         f"The generation's larger moment is {moment}.",

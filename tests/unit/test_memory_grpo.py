@@ -34,7 +34,8 @@ def test_the_kv_cache_is_layers_times_k_and_v_times_kv_heads_times_head_dim_time
     g = compute(full).generation
     # 2 completions a micro-batch x 4 micro-batches a generation, each 512 prompt + 1024 completion tokens.
     assert (g.sequences, g.prompt_tokens, g.completion_tokens) == (8, 512, 1024)
-    assert g.kv_cache == 8 * (512 + 1024) * per_token == int(1.5 * GiB)
+    # The last token is sampled and never fed back: the cache holds one fewer.
+    assert g.kv_cache == 8 * (512 + 1024 - 1) * per_token
     assert compute(full.with_keys({"grpo.steps_per_generation": 8})).generation.kv_cache == 2 * g.kv_cache
 
 
@@ -87,9 +88,37 @@ def test_the_text_says_both_peaks_and_explain_shows_the_arithmetic(full):
     assert "KV cache 1.50 GiB" in short and "32 layers" not in short
     explained = " ".join(grpo_lines(est, explain=True))
     assert "32 layers x 2 (K, V) x 8 kv heads x 128 x 2 bytes = 131,072 bytes a token; x 8 sequences" in explained
-    assert "x (512 + 1024) tokens" in explained and "= 1.50 GiB" in explained
+    assert "x (512 + 1024 - 1) tokens" in explained and "= 1.50 GiB" in explained
     assert "No scoring pass" in explained
     # Without a grpo section nothing is said and --json's `grpo` is null.
     sft = compute(replace(full, recipe=full.recipe.model_copy(update={"grpo": None})))
     assert grpo_lines(sft, explain=True) == [] and grpo_summary(sft) is None and sft.generation is None
     assert "kv_cache" not in sft.components
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kv_cache_is_what_transformers_generate_holds(dtype):
+    """A tiny Llama's DynamicCache after `generate` (every completion run to its end): the
+    estimator's kv_cache, byte for byte."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from lisaft.memory.settings import settings_for_config
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    prompt, completion, sequences = 7, 5, 3
+    s = settings_for_config(config, {
+        "data.format": "prompts", "data.max_seq_len": prompt + completion, "model.dtype": dtype,
+        "grpo.reward_funcs": ["exact_match"], "grpo.num_generations": sequences,
+        "grpo.max_completion_length": completion, "training.batch_size": sequences}, device="cpu")
+    g = compute(s).generation
+    assert (g.sequences, g.prompt_tokens) == (sequences, prompt)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    ids = torch.randint(3, 64, (sequences, prompt))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
+        do_sample=True, max_new_tokens=completion, min_new_tokens=completion, pad_token_id=0, eos_token_id=2,
+        return_dict_in_generate=True))
+    assert out.sequences.shape == (sequences, prompt + completion)
+    assert sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers) == g.kv_cache
