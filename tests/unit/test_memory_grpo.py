@@ -122,3 +122,18 @@ def test_the_kv_cache_is_what_transformers_generate_holds(dtype):
         return_dict_in_generate=True))
     assert out.sequences.shape == (sequences, prompt + completion)
     assert sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers) == g.kv_cache
+
+
+def test_advice_offers_one_group_at_a_time_when_the_generation_does_not_fit(full):
+    """32 sequences a generation (a 6 GiB cache) put the generation over a 20 GiB budget: the advice
+    samples one group at a time, which `lisaft train` accepts."""
+    from lisaft.config.compat import first_exclusion
+    from lisaft.memory.advice import advice
+
+    big = full.with_keys({"grpo.steps_per_generation": 16}).with_(budget_bytes=20 * GiB)
+    est = compute(big)
+    assert not est.fits and est.peak_phase == "generation"
+    rows = advice(est, 32)
+    one_group = next(c for c in rows if c.overrides == {"grpo.steps_per_generation": 4})
+    assert one_group.estimate.fits and "one group of 8" in one_group.why
+    assert all(first_exclusion(big.with_keys(c.overrides).recipe) is None for c in rows)
