@@ -291,7 +291,15 @@ def fewest_ranks(s: Settings, layer_count: int) -> Change | None:
 def largest_fitting(s: Settings, key: str, limit: int | None = None) -> int | None:
     """Largest value of recipe `key` (data.max_seq_len or training.batch_size) whose estimate fits
     with nothing paged; None if even 1 does not. Memory grows with both, so a binary search is
-    exact. Sequences stop at the model's context length."""
+    exact. Sequences stop at the model's context length; a GRPO batch is one whose generations
+    are whole groups (config/compat.py refuses the others)."""
+    largest = _largest(s, key, limit)
+    if largest is None or key != "training.batch_size" or s.recipe.grpo is None:
+        return largest
+    return next((v for v in range(largest, 0, -1) if allowed(s, {key: v})), None)
+
+
+def _largest(s: Settings, key: str, limit: int | None) -> int | None:
     from lisaft.model.load import context_length
 
     if limit is None:

@@ -137,3 +137,9 @@ def test_advice_offers_one_group_at_a_time_when_the_generation_does_not_fit(full
     one_group = next(c for c in rows if c.overrides == {"grpo.steps_per_generation": 4})
     assert one_group.estimate.fits and "one group of 8" in one_group.why
     assert all(first_exclusion(big.with_keys(c.overrides).recipe) is None for c in rows)
+    # The largest batch offered is whole groups a generation: even, at 4 micro-batches a generation of G 8.
+    from lisaft.memory.advice import largest_fitting
+
+    largest = largest_fitting(full, "training.batch_size")
+    assert largest % 2 == 0 and first_exclusion(full.with_keys({"training.batch_size": largest}).recipe) is None
+    assert not compute(full.with_keys({"training.batch_size": largest + 2})).fits
