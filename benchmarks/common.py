@@ -14,6 +14,25 @@ class PadOnly:
     pad_token_id = 0
 
 
+class IdsTokenizer(PadOnly):
+    """GRPO's stand-in: ids 0 and 2 are padding and EOS, and a completion decodes to its ids as
+    text, which the rewards read (benchmarks measure speed and memory, not what is said)."""
+
+    eos_token_id = 2
+
+    def batch_decode(self, rows: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [" ".join(map(str, row)) for row in rows]
+
+
+def synthetic_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[dict]:
+    """data.format prompts examples of `prompt_len` tokens each (the longest a GRPO recipe takes),
+    each with an `answer` for exact_match."""
+    from lisaft.data.formats.prompts import prompt_example
+
+    return [prompt_example(row, f"prompt {i}", {"answer": "0"}, f"row {i + 1}")
+            for i, row in enumerate(synthetic_rows(n, prompt_len, vocab, seed))]
+
+
 def synthetic_rows(n: int, seq_len: int, vocab: int, seed: int) -> list[list[int]]:
     """Random token rows (ids from 3, past the special tokens): the benchmarks that use them
     measure speed and memory, not learning."""

@@ -30,6 +30,9 @@ time is computed (benchmarks/gpu_times.py):
   dpo-8b / lora-dpo-8b   recipes/llama3.1-8b-dpo-24gb.yaml (every weight, optimizer on the CPU, 2
                       pairs a step) and recipes/llama3.1-8b-lora-dpo-24gb.yaml (8,192 tokens a
                       sequence, one pair a step), DPO's reference pass first
+  grpo-8b             recipes/llama3.1-8b-grpo-24gb.yaml (every weight, optimizer on the CPU, β 0,
+                      G 8) at one generation a step: NVML's peak and tokens/s of the generation and
+                      of the training apart
   apollo-8b           recipes/llama3.1-8b-apollo-24gb.yaml as shipped (APOLLO-Mini, every weight,
                       stepped in backward): its NVML peak against its estimate
   lora-8b / qlora-8b  recipes/llama3.1-8b-lora-24gb.yaml (16,384 tokens) and
@@ -67,7 +70,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import gpu_box
-from benchmarks.common import PadOnly, synthetic_documents, synthetic_examples, synthetic_pairs
+from benchmarks.common import (
+    IdsTokenizer,
+    PadOnly,
+    synthetic_documents,
+    synthetic_examples,
+    synthetic_pairs,
+    synthetic_prompts,
+)
 from benchmarks.gpu_times import in_sequence, recipe_values, run_seconds
 from benchmarks.step_parts import StepParts
 
@@ -81,6 +91,7 @@ RECIPE_LORA = REPO / "recipes" / "llama3.1-8b-lora-24gb.yaml"
 RECIPE_QLORA = REPO / "recipes" / "llama3.1-8b-qlora-24gb.yaml"
 RECIPE_DPO = REPO / "recipes" / "llama3.1-8b-dpo-24gb.yaml"
 RECIPE_LORA_DPO = REPO / "recipes" / "llama3.1-8b-lora-dpo-24gb.yaml"
+RECIPE_GRPO = REPO / "recipes" / "llama3.1-8b-grpo-24gb.yaml"
 CONFIG_8B = REPO / "lisaft" / "memory" / "catalogue" / "llama-3.1-8b.json"
 GiB = 1024**3
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -93,7 +104,7 @@ TINY_CONFIG = {
     "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
-TINY_SEQ = {512: 32, 2048: 64, 8192: 96, 16384: 128, 32768: 160}
+TINY_SEQ = {512: 32, 1536: 48, 2048: 64, 8192: 96, 16384: 128, 32768: 160}
 TINY_MLP_CHUNK = 32
 
 
@@ -166,6 +177,10 @@ CONFIGS = [
     Config("dpo-8b", recipe=RECIPE_DPO, overrides=("training.grad_accum_steps=2",), steps=2, tiny_steps=3),
     Config("lora-dpo-8b", recipe=RECIPE_LORA_DPO, overrides=("training.grad_accum_steps=1",), steps=2,
            tiny_steps=3),
+    # The GRPO recipe (README: 18.31 GiB at its generation, the KV cache of 8 sequences of 512 +
+    # 1,024 tokens; 18.27 GiB training) at one generation a step (its 4 micro-batches; the recipe's
+    # 16 hold the same peaks, four generations): each phase's NVML peak and tokens/s apart.
+    Config("grpo-8b", recipe=RECIPE_GRPO, overrides=("training.grad_accum_steps=4",), steps=1, tiny_steps=3),
     # The LoRA and QLoRA recipes at their shipped lengths (16,384 and 32,768 tokens), one
     # micro-batch a step: the peak is a micro-batch's, the adapters' gradients are small.
     Config("lora-8b", recipe=RECIPE_LORA, overrides=("training.grad_accum_steps=1",), steps=3),
@@ -187,6 +202,8 @@ class NvmlPeak:
         import torch
 
         self.peak = None
+        self.phase: str | None = None  # set by the run: each phase's peak is kept apart too
+        self.phase_peaks: dict[str, int] = {}
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._ok = torch.cuda.is_available() and self.read() is not None
@@ -206,8 +223,20 @@ class NvmlPeak:
 
     def _poll(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.read())
+            self.sample()
             time.sleep(self.interval_s)
+
+    def sample(self) -> None:
+        now = self.read()
+        self.peak = max(self.peak, now)
+        if self.phase is not None:
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), now)
+
+    def enter(self, phase: str) -> None:
+        """From now on the samples count for `phase` (a last sample closes the one before)."""
+        if self._ok:
+            self.sample()
+        self.phase = phase
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -238,6 +267,9 @@ def _overrides(cfg: Config, tiny: bool, workdir: Path, cuda: bool) -> list[str]:
                 out.remove(o)
         shipped = recipe_values(cfg.recipe, cfg.overrides)
         out.append(f"data.max_seq_len={TINY_SEQ[shipped['data']['max_seq_len']]}")
+        if shipped.get("grpo"):  # the same share of each sequence for the completion
+            seq = shipped["data"]["max_seq_len"]
+            out.append(f"grpo.max_completion_length={TINY_SEQ[seq] * shipped['grpo']['max_completion_length'] // seq}")
         if shipped["model"].get("mlp_chunk_tokens"):
             out.append(f"model.mlp_chunk_tokens={TINY_MLP_CHUNK}")
     return out
@@ -264,13 +296,41 @@ def _random_weights(config_path: Path, workdir: Path, cuda: bool, tiny: bool) ->
     return folder
 
 
-def _train(session, steps: int, cuda: bool, result: dict, partial: Path | None) -> None:
+def _generation_apart(session, nvml: NvmlPeak, cuda: bool, result: dict) -> None:
+    """GRPO: every generation of a step is sampled in the objective's step_batches, before the
+    step's first micro-batch trains (lisaft/train/objectives/grpo.py): timed there, its sampled
+    tokens counted (every row to the width the longest ran to) and NVML's peak kept apart. Under
+    cpu_offload the last step's CPU step is waited for first: the generation's first forward would
+    wait for it, and that time is the training's."""
+    import torch
+
+    inner = session.objective.step_batches
+
+    def step_batches(model, step, examples):
+        session.optimizers.wait()
+        nvml.enter("generation")
+        t0 = time.perf_counter()
+        made = inner(model, step, examples)
+        if cuda:
+            torch.cuda.synchronize()
+        result["generation_s"].append(time.perf_counter() - t0)
+        result["generated_tokens"].append(sum(b["completion_mask"].numel() for b in made.batches))
+        nvml.enter("training")
+        return made
+
+    session.objective.step_batches = step_batches
+    result.update(generation_s=[], generated_tokens=[])
+
+
+def _train(session, steps: int, cuda: bool, result: dict, partial: Path | None, nvml: NvmlPeak) -> None:
     """The trainer's own step, timed, its parts too (benchmarks/step_parts.py); the one place
     that knows the trainer's API. The result so far goes to `partial` after every step."""
     import torch
 
     from lisaft.train import train_step
 
+    if session.recipe.grpo is not None:
+        _generation_apart(session, nvml, cuda, result)
     parts = StepParts(cuda)
     offloaded = getattr(session.parallel, "offloaded", None)
     if offloaded is not None:
@@ -346,12 +406,17 @@ def one_run(cfg: Config, tiny: bool, cap_gib: float, workdir: Path, partial: Pat
     examples = _examples(recipe, cfg.steps * t.batch_size * t.grad_accum_steps)
     with NvmlPeak() as nvml:
         try:
-            session = build_session(recipe, workdir / cfg.name, tokenizer=PadOnly(), train_examples=examples,
-                                    eval_examples=None)
-            _train(session, cfg.steps, cuda, result, partial)
+            nvml.enter("setup")
+            (workdir / cfg.name).mkdir(parents=True, exist_ok=True)  # GRPO logs completions into it
+            session = build_session(recipe, workdir / cfg.name,
+                                    tokenizer=IdsTokenizer() if recipe.grpo is not None else PadOnly(),
+                                    train_examples=examples, eval_examples=None)
+            _train(session, cfg.steps, cuda, result, partial, nvml)
         except torch.OutOfMemoryError as e:
             result.update(oom=True, oom_message=str(e).splitlines()[0])
     result["nvml_peak_used_bytes"] = nvml.peak
+    if recipe.grpo is not None:
+        result.update(nvml_phase_peak_bytes=nvml.phase_peaks, estimated_phases=est.phases)
     result["peak_rss_bytes"] = peak_rss_bytes()  # host memory: pinned offload buffers show here
     if cuda:
         result["torch_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
@@ -369,6 +434,8 @@ def _examples(recipe, rows: int) -> list[dict]:
     seq, seed = recipe.data.max_seq_len, recipe.training.seed
     if recipe.preference is not None:
         return synthetic_pairs(rows, seq, vocab, seed)
+    if recipe.grpo is not None:  # prompts at their longest, each sampled G times a generation
+        return synthetic_prompts(rows, seq - recipe.grpo.max_completion_length, vocab, seed)
     if recipe.data.packing:
         return synthetic_documents(rows, seq, vocab, seed)
     return synthetic_examples(rows, seq, vocab, seed)
@@ -401,6 +468,10 @@ def _derive(r: dict, cuda: bool) -> None:
     if times:
         r["step_time_s"] = sum(times) / len(times)
         r["tokens_per_s"] = r.get("tokens_per_step", 0) / r["step_time_s"]
+    if r.get("generation_s"):  # GRPO: sampling and training apart, over every step
+        sampling, total = sum(r["generation_s"]), sum(r["step_times_s"])
+        r["generation_tokens_per_s"] = sum(r["generated_tokens"]) / sampling
+        r["training_tokens_per_s"] = r["tokens_per_step"] * len(r["step_times_s"]) / max(total - sampling, 1e-9)
         if r.get("flops_per_token") and r.get("matmul_flops_per_s"):
             r["share_of_flop_bound"] = r["tokens_per_s"] * r["flops_per_token"] / r["matmul_flops_per_s"]
     measured = r["nvml_peak_used_bytes"] if cuda else r["peak_rss_bytes"]

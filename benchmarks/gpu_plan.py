@@ -116,18 +116,21 @@ def gpu_test_files() -> list[str]:
 
 STEPS = (
     Step("lisa", 31, "benchmarks.gpu_8b_24gb", configs=("lisa-8b",)),
-    Step("dpo", 84, "benchmarks.gpu_8b_24gb", configs=("dpo-8b",)),
+    # The two later stages' 8B recipes with the optimizer on the CPU: numba compiles its host kernel
+    # once for both.
+    Step("dpo-grpo", 150, "benchmarks.gpu_8b_24gb", configs=("dpo-8b", "grpo-8b")),
     Step("offload", 123, "benchmarks.gpu_8b_24gb", configs=("offload-full-ga4", "offload-host-ga4")),
     Step("lora", 73, "benchmarks.gpu_8b_24gb", configs=("lora-8b", "lora-dpo-8b")),
     Step("apollo", 72, "benchmarks.gpu_8b_24gb", configs=("apollo-8b", "apollo-r32-8b", "full-in-backward")),
     Step("long", 65, "benchmarks.gpu_8b_24gb", configs=("long-16k",)),
-    Step("equality", 74, "benchmarks.gpu_equality"),
     # In one process (addopts without pyproject's `-n 2`): the box's wheels carry no pytest-xdist.
     Step("gpu-tests", 18, "pytest", args=("-q", "-p", "no:cacheprovider", "-o", "addopts=--strict-markers", "-m", "gpu",
                                           *gpu_test_files()), writes_out=False),
 )
 # What one 540 s plan cannot hold, least valuable per device second: a second lent session's plan.
 LEFT_OUT = {
+    "equality": "CUDA's numerics against CPU-proven equalities (benchmarks/gpu_equality.py), no 8B memory claim; "
+                "left for the GRPO recipe's",
     "resume": "resuming bit for bit on CUDA (benchmarks/gpu_resume.py); every path's resume is tested on CPU",
     "qlora-8b": "most of it writing and reading back 16 GB of random weights to quantize them",
     "peer": "a speed comparison with HF Trainer (benchmarks/gpu_peer.py), no memory claim",
@@ -159,8 +162,10 @@ def check(rows: list[dict]) -> list[str]:
 
 
 # Each run's headline in the summary, beside every other step's: the LISA recipe's tokens/s and
-# NVML peak next to the full recipe's under each accumulation path.
-HEADLINE = ("tokens_per_s", "nvml_peak_used_bytes", "peak_rss_bytes", "offload_accumulation", "offload_counts")
+# NVML peak next to the full recipe's under each accumulation path, GRPO's generation and training
+# apart.
+HEADLINE = ("tokens_per_s", "nvml_peak_used_bytes", "peak_rss_bytes", "offload_accumulation", "offload_counts",
+            "generation_tokens_per_s", "training_tokens_per_s", "nvml_phase_peak_bytes")  # the last three: GRPO's
 
 
 def _runs(step: Step, out: Path) -> tuple[list[str], dict]:

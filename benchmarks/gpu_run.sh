@@ -2,8 +2,8 @@
 # The GPU suite in one command, on the lent CUDA machine (torch, transformers, nvidia-ml-py, numba,
 # peft, accelerate; no network): installs the wheels benchmarks/gpu_wheels.sh gathered into
 # $WHEELS (default wheels/, carried with the tree), checks that everything imports and that NVML
-# answers, then runs benchmarks/gpu_plan.py's plan: lisa, dpo, offload, lora, apollo, long,
-# equality, gpu-tests, most valuable per device minute first, each under its own time box,
+# answers, then runs benchmarks/gpu_plan.py's plan: lisa, dpo-grpo, offload, lora, apollo, long,
+# gpu-tests, most valuable per device minute first, each under its own time box,
 # the boxes summing to at most 540 s (`--plan` names on stderr what it leaves out). Everything comes back as two files in $OUT (default
 # benchmarks/results/gpu): gpu-results.tar.gz (every step's JSON, markdown and log, rewritten
 # after each step) and summary.json; the steps write elsewhere ($WORK, default a temporary folder).

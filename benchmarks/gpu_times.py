@@ -4,7 +4,8 @@ No lisaft figure on a GPU exists yet, so every expected time is computed from na
 measured (on the lent machine by others, or by this project's benchmarks on the build CPU) or
 assumed, and the plan (benchmarks/gpu_plan.py) fits its budgets to them:
 
-    run   = START_S + steps x step + extra (DPO's reference pass; NF4's quantizing; numba's compile)
+    run   = START_S + steps x step + extra (DPO's reference pass; NF4's quantizing; numba's compile;
+            GRPO's generations: a prefill and DECODE_STEP_S per token of max_completion_length each)
     step  = micro-batches x FLOPs / (BF16_RATE x TRAIN_SHARE)
             (a preference pair is two sequences in one micro-batch)
     cpu_offload's step: the estimator's step model (lisaft/memory/layer_major.py step_seconds) on
@@ -47,6 +48,11 @@ LENT_HOST_RAM = 128 * 2**30
 # estimate and the bf16 rate probe (2 s, assumed).
 IMPORT_S = 6.6
 START_S = IMPORT_S + 2 + 5 + 2
+# Assumed: one new token of transformers' generate on an 8B model, eager (GRPO's sampling): a
+# launch-bound decode of 32 layers of about 15 kernels each and the sampling loop's Python; the
+# 16 GB of weights read at the H200's 4.8 TB/s would be 3.4 ms. Random weights never sample EOS,
+# so every completion runs to max_completion_length.
+DECODE_STEP_S = 0.03
 # Assumed: numba compiling the host kernel on first use (cached on disk afterwards).
 HOST_KERNEL_COMPILE_S = 10.0
 # Assumed: quantizing 8B random weights to NF4 on the GPU, after building them.
@@ -157,6 +163,9 @@ def run_seconds(recipe: Path, overrides: tuple[str, ...], steps: int, config: Pa
         # The reference pass: one forward (2P a token, and attention) over every pair trained on.
         forward = shape["layers"] * (2 * shape["layer"] + 4 * seq * shape["hidden"]) + 2 * shape["head"]
         parts["reference_pass_s"] = extra = steps * micro * sequences * forward * seq / rate
+    if r.get("grpo"):
+        parts["generation_s"] = steps * _generation_seconds(r, shape, rate)
+        extra += parts["generation_s"]
     if model.get("quantize"):
         weights = 2 * shape["params"]
         extra += NF4_QUANTIZE_S + weights / DISK_WRITE_BYTES_PER_S + weights / DISK_READ_BYTES_PER_S
@@ -166,6 +175,19 @@ def run_seconds(recipe: Path, overrides: tuple[str, ...], steps: int, config: Pa
         extra += HOST_KERNEL_COMPILE_S
     parts.update(step_s=per_step, steps=steps, extra_s=extra)
     return {"seconds": START_S + steps * per_step + extra, "parts": parts}
+
+
+def _generation_seconds(r: dict, shape: dict, rate: float) -> float:
+    """A GRPO step's generations: each a prefill of its prompts (a forward, 2P a token, at the
+    training's rate) and one decode step per completion token."""
+    g, t = r["grpo"], r["training"]
+    accum, batch = t.get("grad_accum_steps", 1), t.get("batch_size", 1)
+    spg = g.get("steps_per_generation") or accum
+    completion = g.get("max_completion_length", 512)
+    prompt = r["data"]["max_seq_len"] - completion
+    generations = max(1, accum // spg)
+    prefill = batch * spg * prompt * 2 * shape["params"] / rate
+    return generations * (prefill + completion * DECODE_STEP_S)
 
 
 def in_sequence(expected: list[dict]) -> list[float]:

@@ -136,9 +136,10 @@ def data(
     json_out: bool = typer.Option(False, "--json", help="Print the audit as JSON.", metavar=""),
 ) -> int:
     """Audit RECIPE's data as it will train: examples, lengths, loss tokens."""
+    from lisaft.grpo.audit import data_audit
     from lisaft.metrics.data_report import data_command
 
-    return data_command(recipe, set_ or [], json_out=json_out, shown=examples)
+    return data_command(recipe, set_ or [], json_out=json_out, shown=examples, stage_audit=data_audit)
 
 
 @app.command("estimate-memory")

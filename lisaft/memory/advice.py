@@ -113,8 +113,11 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
     batch = r.training.batch_size
     if batch > 1:
         accum = r.training.grad_accum_steps * batch
-        groups.append([Option({"training.batch_size": 1, "training.grad_accum_steps": accum},
-                              "fewer tokens in flight, same batch", SLOWER)])
+        keys: dict[str, object] = {"training.batch_size": 1, "training.grad_accum_steps": accum}
+        if r.grpo is not None and r.grpo.steps_per_generation:  # the same sequences a generation
+            keys["grpo.steps_per_generation"] = r.grpo.steps_per_generation * batch
+        groups.append([Option(keys, "fewer tokens in flight, same batch", SLOWER)])
+    groups.append(_generation_options(s))
     # lisaft's long-context settings (docs/memory.md): layer inputs off the GPU, MLPs in chunks.
     if s.device == "cuda" and not r.model.offload_activations:
         groups.append([Option({"model.gradient_checkpointing": True, "model.offload_activations": True},
@@ -123,6 +126,18 @@ def _groups(s: Settings, layer_count: int) -> list[list[Option]]:
         groups.append([Option({"model.mlp_chunk_tokens": MLP_CHUNK_TOKENS},
                               f"MLP intermediates for {MLP_CHUNK_TOKENS} positions at a time", SLOWER)])
     return [g for g in groups if g]
+
+
+def _generation_options(s: Settings) -> list[Option]:
+    """GRPO: one group sampled at a time, a smaller KV cache (memory/generation.py), where the
+    generation batch holds more and a group is whole micro-batches."""
+    g, t = s.recipe.grpo, s.recipe.training
+    if g is None or g.num_generations % t.batch_size:
+        return []
+    if t.batch_size * (g.steps_per_generation or t.grad_accum_steps) <= g.num_generations:
+        return []
+    return [Option({"grpo.steps_per_generation": g.num_generations // t.batch_size},
+                   f"one group of {g.num_generations} sampled at a time: a smaller KV cache", SLOWER)]
 
 
 def _eight_bit(name: str, s: Settings) -> dict:
@@ -276,7 +291,15 @@ def fewest_ranks(s: Settings, layer_count: int) -> Change | None:
 def largest_fitting(s: Settings, key: str, limit: int | None = None) -> int | None:
     """Largest value of recipe `key` (data.max_seq_len or training.batch_size) whose estimate fits
     with nothing paged; None if even 1 does not. Memory grows with both, so a binary search is
-    exact. Sequences stop at the model's context length."""
+    exact. Sequences stop at the model's context length; a GRPO batch is one whose generations
+    are whole groups (config/compat.py refuses the others)."""
+    largest = _largest(s, key, limit)
+    if largest is None or key != "training.batch_size" or s.recipe.grpo is None:
+        return largest
+    return next((v for v in range(largest, 0, -1) if allowed(s, {key: v})), None)
+
+
+def _largest(s: Settings, key: str, limit: int | None) -> int | None:
     from lisaft.model.load import context_length
 
     if limit is None:

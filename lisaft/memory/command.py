@@ -37,6 +37,7 @@ from lisaft.memory.catalogue import catalogue_names, resolve_model
 from lisaft.memory.counts import param_counts
 from lisaft.memory.estimate import Estimate, compute
 from lisaft.memory.gpus import explain_budget, gpu, parse_bytes, smallest_gpu
+from lisaft.memory.grpo import grpo_summary
 from lisaft.memory.methods import methods
 from lisaft.memory.preference import preference_summary
 from lisaft.memory.settings import GiB, Settings, recipe_for_model
@@ -342,7 +343,8 @@ class Report:
                         for opt in OPTIMIZERS if any(o == opt for o, _ in self.grid)},
             methods=[{"method": m.name, "set": m.overrides, "learned": m.learned,
                       "total_bytes": m.estimate.total_bytes, "fits": m.estimate.fits} for m in self.methods],
-            preference=preference_summary(self.estimate), flag_notes=self.flag_notes,
+            preference=preference_summary(self.estimate), grpo=grpo_summary(self.estimate),
+            flag_notes=self.flag_notes,
         )
         return out
 

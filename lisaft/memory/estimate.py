@@ -23,6 +23,7 @@ from lisaft.memory.cuda_process import (
     allocator_overhead,
     cublas_workspace_bytes,
 )
+from lisaft.memory.generation import GenerationTerms, generation_phases, generation_terms, grpo_components
 from lisaft.memory.host import offload_host_bytes
 from lisaft.memory.layer_major import HOST_RAM_SHARE, LayerMajorTerms, device_phases, layer_major_terms
 from lisaft.memory.settings import DTYPE_BYTES, GiB, Settings, moment_bytes
@@ -48,6 +49,8 @@ PEFT_IMPORT_BYTES = 9 * MiB
 
 # training.fsdp only (lisaft/memory/sharded.py).
 FSDP_COMPONENTS = ("gathered_units", "gradient_reduce", "unsharded_load")
+# A grpo section only (lisaft/memory/generation.py).
+GRPO_COMPONENTS = ("kv_cache", "sampling_logits", "reference_weights")
 # Moments before the first step: a random init whole on each rank (training.fsdp), the reference pass.
 SETUP_PHASES = ("model_load", "reference_pass")
 # Outside PyTorch's allocator counters (torch.cuda.max_memory_reserved), inside NVML-used.
@@ -73,6 +76,7 @@ class Estimate:
     activation_host_bytes: int = 0  # pinned host memory of offloaded layer inputs
     host_components: dict[str, int] = field(default_factory=dict)  # cpu_offload on CUDA (memory/host.py)
     layer_major: LayerMajorTerms | None = None  # optimizer.offload_accumulation device (memory/layer_major.py)
+    generation: GenerationTerms | None = None  # a grpo section (memory/generation.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -156,7 +160,8 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
     dt = DTYPE_BYTES[rec.model.dtype]
     r = resident(s, counts, shape, dt)
     b = backward(s, counts, shape, dt, r)
-    phases = _phases(s, counts, dt, r, b)
+    gen = generation_terms(s, shape, dt, r) if s.recipe.grpo is not None else None
+    phases = _phases(s, counts, dt, r, b, gen)
     fixed = _Fixed.of(s, counts, r.state.paged)
     tokens = (s.sequences, rec.data.max_seq_len)
     activation_host = offloaded_host_bytes(shape, dt, *tokens) if b.offload_act else 0
@@ -177,16 +182,18 @@ def compute(s: Settings, counts: ParamCounts | None = None, shape: Shape | None 
                "optimizer_states": r.state.total,
                "activations": b.saved_no_logp, "logits_loss": b.loss_peak,
                "transient": max(b.step_temp, b.layer_transient),
-               **{k: max(m[k] for m in phases.values()) for k in FSDP_COMPONENTS if s.fsdp}},
+               **{k: max(m[k] for m in phases.values()) for k in FSDP_COMPONENTS if s.fsdp},
+               **{k: max(m[k] for m in phases.values()) for k in GRPO_COMPONENTS if k in phases["layer_backward"]}},
         phases=totals, peak_phase=peak_phase, total_bytes=totals[peak_phase],
         paged_state_bytes=r.state.paged, paged_gpu_bytes=paged_gpu, paged_host_bytes=r.state.paged - paged_gpu,
         resident_without_paged_bytes=without_paged, saved_activation_bytes=b.act.saved,
         activation_host_bytes=activation_host, host_components=_host(s, counts, dt, r, activation_host, lm),
-        layer_major=lm, notes=_notes(s, r, b, peak_phase),
+        layer_major=lm, generation=gen, notes=_notes(s, r, b, peak_phase),
     )
 
 
-def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward) -> dict[str, dict[str, int]]:
+def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward,
+            gen: GenerationTerms | None) -> dict[str, dict[str, int]]:
     """The components at each moment of the step that may be its peak."""
     extra = fsdp_phases(fsdp_units(counts, s), dt, s.ranks) if s.fsdp else {}
 
@@ -198,6 +205,8 @@ def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward)
         if s.fsdp:
             m["gathered_units"], m["gradient_reduce"] = extra.get(name, (0, 0))
             m["unsharded_load"] = 0
+        if gen is not None:
+            m.update(grpo_components(gen))
         return m
 
     phases = {
@@ -218,6 +227,8 @@ def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward)
         # KTO's KL sequences of a micro-batch, forward only, before the step's first micro-batch: no
         # gradient yet, nothing saved; the optimizer state resident.
         phases["kl_pass"] = moment(0, 0, b.loss_peak, b.act.one_layer_full + b.act.mlp_chunk, "loss_backward")
+    if gen is not None:
+        phases.update(generation_phases(gen, moment))
     if s.fsdp and s.recipe.model.config is not None:
         # Set-up: a random init is whole on the device before fully_shard splits it.
         phases["model_load"] = {**moment(0, 0, 0, 0, "model_load"), "optimizer_states": 0,

@@ -8,6 +8,7 @@ from rich.text import Text
 
 from lisaft.memory.advice import AUTO_MARGIN, RANKS, host_is_the_limit
 from lisaft.memory.estimate import SETUP_PHASES, Estimate
+from lisaft.memory.grpo import generation_peak_phase, grpo_lines, training_peak_phase
 from lisaft.memory.layer_major import layer_major_lines
 from lisaft.memory.methods import shared_settings
 from lisaft.memory.preference import preference_lines
@@ -29,6 +30,9 @@ _DESCRIPTIONS = {
     "gathered_units": "whole weights of the units gathered now (root, head, layers)",
     "gradient_reduce": "a unit's whole gradient and its float32 reduce-scatter buffers",
     "unsharded_load": "the whole model, built from model.config on every rank before it is sharded",
+    "kv_cache": "GRPO's generation: keys and values of every sampled sequence",
+    "sampling_logits": "GRPO's generation: each sequence's next-token logits and probabilities",
+    "reference_weights": "GRPO with beta > 0: a frozen copy of the initial weights",
 }
 # training.fsdp: what the resident components are per rank.
 _FSDP_DESCRIPTIONS = {
@@ -75,6 +79,7 @@ def settings_line(est: Estimate) -> str:
         f"{lisa}; {r.optimizer.name}{' in backward' if r.optimizer.in_backward else ''}"
         f"{' on the CPU (cpu_offload)' if r.optimizer.cpu_offload else ''}; {r.model.dtype}; "
         f"{s.attention}; checkpointing {'on' if r.model.gradient_checkpointing else 'off'}; "
+        f"{f'GRPO G={r.grpo.num_generations} beta={r.grpo.beta:g}; ' if r.grpo is not None else ''}"
         f"batch {r.training.batch_size}{' pairs (2 sequences each)' if r.preference is not None else ''} x seq "
         f"{r.data.max_seq_len}"
         f"{f' x accum {accum}' if accum > 1 else ''}; device {s.device}"
@@ -85,7 +90,8 @@ def settings_line(est: Estimate) -> str:
 def components_table(est: Estimate, phase: str | None = None) -> Table:
     """The components at the peak, or at `phase` (a key of est.phases)."""
     phase = phase or est.peak_phase
-    title = f"Memory at the {'peak' if phase == est.peak_phase else 'step' + chr(39) + 's peak'}"
+    other = "GRPO's other peak" if est.generation is not None else "step's peak"
+    title = f"Memory at the {'peak' if phase == est.peak_phase else other}"
     t = Table(title=f"{title} ({phase.replace('_', ' ')})", title_justify="left")
     t.add_column("component")
     t.add_column("at peak", justify="right")
@@ -252,7 +258,11 @@ def render(report, explain: bool = False) -> Group:
     if est.settings.auto:
         parts.append(_auto_line(est))
     parts.append(components_table(est))
-    if est.peak_phase in SETUP_PHASES:
+    if est.generation is not None:  # GRPO: the other of its two peaks
+        other = training_peak_phase(est) if est.peak_phase == generation_peak_phase(est) else \
+            generation_peak_phase(est)
+        parts.append(components_table(est, other))
+    elif est.peak_phase in SETUP_PHASES:
         parts.append(components_table(est, step_peak_phase(est)))
     if est.host_components:
         parts.append(host_table(est))
@@ -288,6 +298,7 @@ def render(report, explain: bool = False) -> Group:
     if "no (host RAM)" in marks:
         parts.append(Text(HOST_RAM_NO, style="dim"))
     parts += [Text(line) for line in preference_lines(est)]
+    parts += [Text(line) for line in grpo_lines(est, explain)]
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)

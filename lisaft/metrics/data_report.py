@@ -8,9 +8,10 @@ lists the fields)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from lisaft.config.schema import load_recipe
+from lisaft.config.schema import Recipe, load_recipe
 from lisaft.data.audit import marked
 from lisaft.data.examples import Split, data_splits
 from lisaft.data.formats.base import IGNORE_INDEX
@@ -23,9 +24,15 @@ LOSS_OPEN, LOSS_CLOSE = "[[", "]]"
 SPLIT_TOKENS = 3
 
 
-def data_command(recipe_path: Path, overrides: list[str], json_out: bool = False, shown: int = 3) -> int:
+# A stage's own audit (lisaft/grpo/audit.py, from the layer above): its JSON, None when the recipe
+# is not of that stage, and its lines.
+StageAudit = Callable[[Recipe, list[Split]], tuple[dict | None, list[str]]]
+
+
+def data_command(recipe_path: Path, overrides: list[str], json_out: bool = False, shown: int = 3,
+                 stage_audit: StageAudit | None = None) -> int:
     """Audit the recipe's data as `lisaft train` would build it; returns the exit code (a split
-    that would train on nothing raises LisaftError)."""
+    that would train on nothing raises LisaftError). `stage_audit`: GRPO's, which the cli hands in."""
     from lisaft.model.load import load_tokenizer
 
     recipe = load_recipe(recipe_path, overrides)
@@ -38,7 +45,10 @@ def data_command(recipe_path: Path, overrides: list[str], json_out: bool = False
         "packing": _packing(recipe, splits[0]),
         "examples": [_example(splits[0], i, tokenizer) for i in range(min(shown, len(splits[0].examples)))],
     }
-    print(json.dumps(report, indent=1) if json_out else render(report), flush=True)
+    stage, stage_lines = stage_audit(recipe, splits) if stage_audit is not None else (None, [])
+    if stage is not None:
+        report["grpo"] = stage
+    print(json.dumps(report, indent=1) if json_out else render(report, stage_lines), flush=True)
     return 0
 
 
@@ -80,8 +90,9 @@ def _text(sequence: dict) -> str:
     return "".join(f"{LOSS_OPEN}{s['text']}{LOSS_CLOSE}" if s["loss"] else s["text"] for s in sequence["segments"])
 
 
-def render(report: dict) -> str:
-    """The report as text: the counts of each split, then the examples."""
+def render(report: dict, stage_lines: list[str] | None = None) -> str:
+    """The report as text: the counts of each split (and `stage_lines`: a stage's own), then the
+    examples."""
     lines = [f"{report['recipe']}: data.format {report['format']}, data.max_seq_len {report['max_seq_len']}"]
     for split in report["splits"]:
         line = (f"{split['key']}: {split['source']}: {split['rows']:,} rows, {split['dropped']:,} dropped "
@@ -99,6 +110,7 @@ def render(report: dict) -> str:
         p = report["packing"]
         lines.append(f"data.packing: {p['examples']:,} train examples in {p['rows']:,} rows, "
                      f"{p['fill']:.1%} of positions real")
+    lines += stage_lines or []
     shown = len(report["examples"])
     if shown:
         as_trained = f"{shown} train examples as they train" if shown != 1 else "1 train example as it trains"

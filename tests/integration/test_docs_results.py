@@ -137,6 +137,8 @@ def _estimated(path: Path, overrides: list[str]) -> str:
     ("qlora-24gb", "llama3.1-8b-qlora-24gb.yaml", []),
     ("dpo-24gb", "llama3.1-8b-dpo-24gb.yaml", []),
     ("lora-dpo-24gb", "llama3.1-8b-lora-dpo-24gb.yaml", []),
+    ("grpo-24gb", "llama3.1-8b-grpo-24gb.yaml", []),
+    ("lora-grpo-24gb", "llama3.1-8b-lora-grpo-24gb.yaml", []),
 ])
 def test_the_committed_estimates_are_the_estimators(name, recipe, overrides):
     committed = (REPO / "benchmarks" / "results" / "estimates" / f"{name}.txt").read_text()

@@ -38,7 +38,7 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     assert sorted(f.name for f in files) == ["gpu-results.tar.gz", "summary.json"]
     assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
     order = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("== ")]
-    assert order == ["lisa", "dpo", "offload", "lora", "apollo", "long", "equality", "gpu-tests"]
+    assert order == ["lisa", "dpo-grpo", "offload", "lora", "apollo", "long", "gpu-tests"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and not summary["faults"]
     assert all(s["exit"] == 0 and not s["skipped_runs"] for s in summary["steps"].values()), summary["steps"]
@@ -52,14 +52,12 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
 
         assert "preflight ok" in tar.extractfile("preflight.log").read().decode()
         runs = {}
-        for name in ("lisa", "dpo", "offload", "lora", "apollo", "long"):
+        for name in ("lisa", "dpo-grpo", "offload", "lora", "apollo", "long"):
             step = read(f"{name}.json")
             assert step["mode"] == "tiny-cpu" and step["complete"] is True
             runs.update({r["run"]: r for r in step["runs"]})
-        checks = read("equality.json")["checks"]
-    assert list(runs) == ["lisa-8b", "dpo-8b", "offload-full-ga4", "offload-host-ga4", "lora-8b", "lora-dpo-8b",
-                          "apollo-8b",
-                          "apollo-r32-8b", "full-in-backward", "long-16k"]
+    assert list(runs) == ["lisa-8b", "dpo-8b", "grpo-8b", "offload-full-ga4", "offload-host-ga4", "lora-8b",
+                          "lora-dpo-8b", "apollo-8b", "apollo-r32-8b", "full-in-backward", "long-16k"]
     for r in runs.values():
         assert r["steps_done"] == len(r["step_times_s"]) >= 3 and not r["oom"] and "error" not in r
         assert r["tokens_per_s"] > 0 and r["estimated_total_bytes"] > 0 and r["peak_rss_bytes"] > 0
@@ -82,11 +80,12 @@ def test_gpu_suite_dry_run_end_to_end(tmp_path):
     assert runs["lora-8b"]["lora"] and runs["lora-dpo-8b"]["lora"] and runs["lora-dpo-8b"]["preference"] == "dpo"
     assert runs["apollo-r32-8b"]["optimizer"] == "apollo"
     assert runs["full-in-backward"]["in_backward"] and not runs["full-in-backward"]["lisa"]
-    assert set(checks) == {"offload-vs-resident", "layer-major", "activation-offload", "packed-sdpa",
-                           "packed-varlen", "compile-offload", "paged-in-backward"}
-    assert checks["layer-major"]["same_weights_bit_for_bit"]["device"]
-    assert all(c.get("ok") or c.get("skipped") for c in checks.values()), checks
-    assert checks["packed-sdpa"]["ok"] and checks["packed-sdpa"]["route"] == "position ids"
+    # GRPO: each step's generation timed apart from its training, both estimated peaks recorded.
+    grpo = runs["grpo-8b"]
+    assert grpo["cpu_offload"] and len(grpo["generation_s"]) == grpo["steps_done"]
+    assert grpo["generation_tokens_per_s"] > 0 and grpo["training_tokens_per_s"] > 0
+    assert {"generation", "layer_backward"} <= set(grpo["estimated_phases"])
+    assert summary["steps"]["dpo-grpo"]["runs"]["grpo-8b"]["generation_tokens_per_s"] > 0
     # Tiny: the plan's CPU time, which a loaded machine does not inflate as it does wall time.
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu_s < 150, cpu_s
@@ -102,19 +101,38 @@ def test_the_plan_fits_its_command_and_names_every_subject():
     assert all(set(r) == {"step", "budget_s", "expected_s"} and 0 < r["expected_s"] <= r["budget_s"] for r in rows)
     assert sum(r["budget_s"] for r in rows) <= 540
     names = [r["step"] for r in rows]
-    assert set(names) >= {"lisa", "dpo", "offload", "apollo", "lora", "long", "equality", "gpu-tests"}
-    assert "dpo" in names[:3]  # the 8B DPO recipe's claim among the first measured
+    assert set(names) >= {"lisa", "dpo-grpo", "offload", "apollo", "lora", "long", "gpu-tests"}
+    assert "dpo-grpo" in names[:3]  # the 8B DPO and GRPO recipes' claims among the first measured
     from benchmarks.gpu_8b_24gb import BY_NAME
     from benchmarks.gpu_plan import STEPS
 
     planned = {c for s in STEPS for c in s.configs}
-    assert {"dpo-8b", "lora-dpo-8b", "long-16k", "apollo-r32-8b", "full-in-backward", "offload-full-ga4",
+    assert {"dpo-8b", "grpo-8b", "lora-dpo-8b", "long-16k", "apollo-r32-8b", "full-in-backward", "offload-full-ga4",
             "offload-host-ga4"} <= planned
     assert BY_NAME["full-in-backward"].overrides[:2] == ("lisa.enabled=false", "optimizer.in_backward=true")
     # What the plan leaves out is said, each with its time.
     left = [ln for ln in proc.stderr.splitlines() if ln.startswith("left out: ")]
-    assert [ln.split()[2] for ln in left] == ["resume", "qlora-8b", "peer", "packing"]
+    assert [ln.split()[2] for ln in left] == ["equality", "resume", "qlora-8b", "peer", "packing"]
     assert all(" s): " in ln for ln in left)
+
+
+@pytest.mark.slow
+def test_the_equality_checks_the_plan_leaves_out_still_run_on_cpu(tmp_path):
+    """benchmarks/gpu_equality.py --dry-run: left out of the one 540 s plan for GRPO's run, its
+    code path still runs here as the dry run ran it (forked from this process, which imported
+    torch already), every check passing or skipped for a reason."""
+    from benchmarks.gpu_box import run_forked
+
+    out, log = tmp_path / "equality.json", tmp_path / "equality.log"
+    with log.open("w") as f:
+        rc = run_forked([sys.executable, "-m", "benchmarks.gpu_equality", "--dry-run", "--out", str(out)], 600, f, REPO)
+    assert rc == 0, log.read_text()
+    checks = json.loads(out.read_text())["checks"]
+    assert set(checks) == {"offload-vs-resident", "layer-major", "activation-offload", "packed-sdpa",
+                           "packed-varlen", "compile-offload", "paged-in-backward"}
+    assert checks["layer-major"]["same_weights_bit_for_bit"]["device"]
+    assert all(c.get("ok") or c.get("skipped") for c in checks.values()), checks
+    assert checks["packed-sdpa"]["ok"] and checks["packed-sdpa"]["route"] == "position ids"
 
 
 def test_a_plan_over_its_time_fails_before_running(monkeypatch, tmp_path):

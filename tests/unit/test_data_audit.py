@@ -241,3 +241,39 @@ def test_the_docs_example_is_what_the_command_prints(monkeypatch):
     lines = printed.splitlines()
     assert lines[:cut] == shown[:cut] and lines[cut].startswith("data.eval: ")
     assert lines[-(len(shown) - cut - 1):] == shown[cut + 1:]
+
+
+def test_a_grpo_recipe_audits_its_prompts_against_the_room_left_and_the_columns_its_rewards_read(tmp_path, tok):
+    """Prompts longer than data.max_seq_len - max_completion_length are named with the length they
+    need; each reward function's named columns are counted against the train rows."""
+    prompts = ["ab", "abcd efgh", "abcd efgh ijk"]
+    rows = [{"prompt": prompts[0], "answer": "ba"}, {"prompt": prompts[1], "answer": "x"}, {"prompt": prompts[2]}]
+    (tmp_path / "rw.py").write_text("def graded(prompts, completions, answer, level=None, **kw):\n"
+                                    "    return [0.0] * len(completions)\n")
+    lengths = [1 + len(ids(tok, p)) for p in prompts]  # BOS, then the prompt
+    completion = 8
+    max_len = lengths[1] + completion  # the second fits exactly, the third does not
+    assert lengths[1] < lengths[2] < max_len  # and the third still leaves room for part of one
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(json.dumps({
+        "model": {"config": str(QUICKSTART / "config.json"), "tokenizer": str(QUICKSTART / "tokenizer")},
+        "data": {"train": write_jsonl(tmp_path / "p.jsonl", rows), "format": "prompts", "max_seq_len": max_len},
+        "grpo": {"reward_funcs": ["exact_match", "rw.py:graded"], "num_generations": 2,
+                 "max_completion_length": completion},
+        "training": {"batch_size": 2, "max_steps": 1, "output_dir": "run"}}))
+    result = runner.invoke(app, ["data", str(recipe), "--json", "--examples", "0"])
+    assert result.exit_code == 0, result.output
+    g = json.loads(result.stdout)["grpo"]
+    assert g["prompt_limit"] == lengths[1]
+    assert g["splits"][0] | {"columns": None} == {
+        "key": "data.train", "rows": 3, "longest": lengths[2], "over_limit": 1, "over_rows": [3],
+        "over_where": "line 3", "columns": None}
+    exact, graded = g["rewards"]
+    assert (exact["name"], exact["optional"], exact["missing"]["answer"]["rows"]) == ("exact_match", ["answer"], 1)
+    assert (graded["required"], graded["optional"]) == (["answer"], ["level"])
+    assert graded["missing"]["level"] == {"rows": 3, "where": "lines 1, 2 and 3"}
+    text = runner.invoke(app, ["data", str(recipe), "--examples", "0"]).output
+    assert (f"1 of 3 prompts are longer (line 3), the longest {lengths[2]} tokens: `lisaft train` refuses them; "
+            f"raise data.max_seq_len to at least {lengths[2] + completion}") in " ".join(text.split())
+    assert "reward graded reads `level`: 3 of 3 train rows have none" in " ".join(text.split())
+    assert "grpo" not in audit("data.eval=null", examples=0)  # an SFT recipe has no GRPO part

@@ -99,7 +99,7 @@ def test_the_json_of_every_shipped_recipe_keeps_its_keys_and_adds_up():
            "total_params", "trainable_params", "settings", "notes", "budget", "largest_seq_len",
            "largest_batch_size", "context_length", "weights_fit", "advice", "fewest_ranks", "smallest_budget_bytes",
            "smallest_gpu", "smallest_gpu_as_is", "optimizers", "methods", "preference", "flag_notes",
-           "layer_major"}
+           "layer_major", "grpo"}
     for path in sorted((REPO / "recipes").glob("llama3.1-8b-*.yaml")):
         recipe, out = load_recipe(path), _json(str(path), "--host-ram", "64GiB")
         assert set(out) == top, (path.name, set(out) ^ top)
@@ -122,6 +122,9 @@ def test_the_json_of_every_shipped_recipe_keeps_its_keys_and_adds_up():
         if not recipe.lisa.enabled and not recipe.lora.enabled:
             assert out["trainable_params"] == out["total_params"]
         assert out["fits"] and out["total_bytes"] <= 24 * 2**30, path.name
+        # A GRPO recipe's two peaks are moments of its own (docs/memory.md); null for the others.
+        assert (out["grpo"] is not None) == (recipe.grpo is not None) and ("generation" in out["phases"]) == (
+            recipe.grpo is not None), path.name
 
 
 def test_the_verdict_shows_the_digits_that_tell_need_from_budget():
