@@ -23,7 +23,7 @@ def _grpo(monkeypatch, accum, **grpo):
         calls.append((step, [p["id"] for p in prompts], keep, seeds))
         spg = len(prompts) * 2 // batch_size
         return Rollout([{"slice": (n, j), "attention_mask": torch.ones(1)} for j in range(spg)],
-                       {"reward_sum": 0.0, "generation_s": 0.5})
+                       {"reward_sum": float(n + 1), "generation_s": 0.5})
 
     monkeypatch.setattr(objective, "generate", fake_generate)
     recipe = recipe_from_dict({**BASE, "grpo": {**BASE["grpo"], **grpo},
@@ -86,3 +86,10 @@ def test_a_step_that_trains_on_an_earlier_generation_spent_no_time_sampling(monk
         sums = {k: v.item() for k, v in grpo.step_sums().items()}
         shares.append(sums["generation_s"])
     assert shares == [0.5, 0.0]
+
+
+def test_a_step_of_two_generations_logs_the_figures_of_both(monkeypatch):
+    grpo, calls = _grpo(monkeypatch, accum=2, steps_per_generation=1)
+    _step(grpo, 0, 2)
+    sums = {k: v.item() for k, v in grpo.step_sums().items()}
+    assert len(calls) == 2 and sums["reward_sum"] == 1.0 + 2.0 and sums["generation_s"] == 0.5 + 0.5

@@ -128,7 +128,7 @@ class Grpo(Objective):
         self._step, self._step_began, self._sampling_s = step, time.perf_counter(), 0.0
         flat = [ex for micro in examples for ex in micro]
         prompts_per_generation = batch_size * self.spg // self.grpo.num_generations  # this rank's groups
-        batches = []
+        batches, used = [], []
         for i in range(accum):
             m = step * accum + i
             if m % self.every == 0 or self.buffer.rollout is None:
@@ -137,9 +137,12 @@ class Grpo(Objective):
                 self._sample(model, m // self.every, step, prompts, batch_size, dist.rank() * prompts_per_generation)
             rollout = self.buffer.rollout
             assert rollout is not None  # sampled just above when missing
-            if i == 0:
-                self._generation = dict(rollout.sums)
+            if not any(r is rollout for r in used):
+                used.append(rollout)
             batches.append(rollout.batches[m % self.spg])
+        # Every generation the step trains on counts in its figures (sums and counts: they add),
+        # not only the first: a step of several generations logs all its completions.
+        self._generation = {k: sum(r.sums[k] for r in used) for k in used[0].sums}
         self._generation["generation_s"] = self._sampling_s
         real = sum(int(b["attention_mask"].sum()) for b in batches)
         return StepBatches(batches, torch.tensor(1.0 / ranks, dtype=torch.float64), real)
