@@ -240,6 +240,23 @@ def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
     return seen[-1]
 
 
+def head_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                  softcap: float | None = None) -> torch.Tensor:
+    """Float32 sum of the cross entropy of hidden [N, H] @ weight.T over targets [N] that are not
+    -100, in chunks of positions, its gradients formed in the forward (_FusedHeadLoss)."""
+    grad = torch.is_grad_enabled()
+    step = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    return _FusedHeadLoss.apply(hidden, targets, weight, step, softcap,
+                                grad and hidden.requires_grad, grad and weight.requires_grad)
+
+
+def head_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+             softcap: float | None = None) -> torch.Tensor:
+    """Each position's float32 cross entropy [N] of hidden [N, H] @ weight.T (0 where the target
+    is -100), in chunks of positions recomputed in backward (_ChunkedHeadLoss)."""
+    return _ChunkedHeadLoss.apply(hidden, targets, weight, max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0]), softcap)
+
+
 def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:
     """Sum of next-token cross entropy (float32) over the positions whose label is not -100.
     `sharded`: training.fsdp's model (the parallel strategy says so), whose forward hooks gather
@@ -252,9 +269,7 @@ def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:
     head, cap = model.get_output_embeddings(), _softcap(model)
     step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
     if head.bias is None and not sharded:  # FSDP's head must run as a module (its hooks)
-        grad = torch.is_grad_enabled()
-        return _FusedHeadLoss.apply(hidden, targets, head.weight, step, cap,
-                                    grad and hidden.requires_grad, grad and head.weight.requires_grad)
+        return head_loss_sum(hidden, targets, head.weight, cap)
     fn = functools.partial(_chunk_loss, head=head, softcap=cap)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, hidden.size(0), step):
@@ -281,7 +296,7 @@ def token_nll(model, batch: dict, sharded: bool = False, temperature: float = 1.
     if head.bias is None and not sharded and (cap is None or temperature == 1.0):
         # Without a bias or a cap the logits are linear in the hidden state: divide it instead.
         scaled = hidden / temperature if temperature != 1.0 else hidden
-        return _ChunkedHeadLoss.apply(scaled, targets, head.weight, step, cap).view(rows, -1)
+        return head_nll(scaled, targets, head.weight, cap).view(rows, -1)
     fn = functools.partial(_chunk_rows, head=head, softcap=cap, temperature=temperature)
     parts = [checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
              for i in range(0, hidden.size(0), step)]
