@@ -20,6 +20,7 @@ same step lists the top operators by self CPU time.
 
     python -m benchmarks.step_profile                       # issue shape, LISA γ=2 K=5 and full FT
     python -m benchmarks.step_profile --shape quickstart    # recipes/quickstart's model, seq 64, batch 32
+    python -m benchmarks.step_profile --shape smollm2 --steps 6 --repeats 1   # the real model's shape
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ SHAPES = {
     "issue": dict(model=dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
                              num_key_value_heads=6, vocab_size=8192),
                   seq_len=256, batch_size=4),
+    # SmolLM2-135M's shape (peer_bench --real-model), randomly initialised: 30 layers x 576,
+    # grouped-query attention, a tied 49,152-entry head, so the loss runs in chunks (50 M logits).
+    "smollm2": dict(model=dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                               num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                               rope_theta=100000.0),
+                    seq_len=256, batch_size=4),
     "quickstart": dict(model=json.loads((REPO / "recipes" / "quickstart" / "config.json").read_text()),
                        seq_len=64, batch_size=32),
 }

@@ -236,10 +236,11 @@ def activations(
         outside += FP32 * shape.hidden * (shape.layers * (2 + shape.post_norms) + 1)
     chunk = loss_chunk_tokens(shape, tokens)
     if head_weight_trains or chunk:
-        # The head's input; a chunked loss holds it (flattened) for its recompute.
+        # The head's input; a chunked loss holds, instead, its gradient with respect to it (the
+        # same size, formed in the forward), or the input itself for a per-position loss's recompute.
         outside += tokens * dt * shape.hidden
     if chunk:
-        log_probs = 0  # recomputed chunk by chunk in backward: see loss_buffers_peak
+        log_probs = 0  # one chunk's at a time: see loss_buffers_peak
     else:
         # Log-softmax output, the shifted labels and the loss's float32 normaliser.
         log_probs = tokens * (FP32 * shape.vocab + INT64) + FP32
@@ -256,8 +257,9 @@ def activations(
 def loss_buffers_peak(shape: Shape, batch: int, seq_len: int, dt: int = 2) -> int:
     """vocab x tokens buffers alive at the loss's backward. lisaft's cross entropy turns its saved
     float32 log-probs into the gradient in place (lisaft/model/loss.py), then casts it to the model's
-    dtype unless that is float32. A chunked loss has them for one chunk only, and its recompute
-    briefly holds the chunk's model-dtype logits (and soft-cap output) beside the log-probs."""
+    dtype unless that is float32. A chunked loss has them for one chunk only, in its forward (the
+    summed loss forms its gradients there) or its backward's recompute (a per-position loss): the
+    chunk's float32 log-probs beside its model-dtype logits, and the soft-cap's tanh."""
     chunk = loss_chunk_tokens(shape, batch * seq_len)
     if chunk is None:
         return batch * seq_len * shape.vocab * (FP32 + (0 if dt == FP32 else dt))

@@ -210,9 +210,10 @@ def _phases(s: Settings, counts: ParamCounts, dt: int, r: Resident, b: Backward,
         return m
 
     phases = {
-        # The head's weight gradient is formed in the loss's backward, beside the loss buffers
-        # and every saved activation: one head-sized buffer (lisaft/model/loss.py adds each
-        # chunk's part into it in place), on top of the gradients resident from earlier micro-batches.
+        # The head's weight gradient is formed in the loss's backward (a chunked summed loss: in
+        # its forward, kept to its backward), beside the loss buffers and every saved activation:
+        # one head-sized buffer (lisaft/model/loss.py adds each chunk's part into it in place), on
+        # top of the gradients resident from earlier micro-batches.
         "loss_backward": moment(b.grads_at_loss + b.head_grad, b.saved_no_logp, b.loss_peak, 0, "loss_backward"),
         "layer_backward": moment(b.grads_in_layers, b.saved_no_logp, 0, b.layer_transient, "layer_backward"),
     }

@@ -72,6 +72,7 @@ class Settings:
     active_layers_auto: bool = False  # lisa.active_layers was auto; the recipe holds the choice
     # Without data.packing a batch's rows are padded to its longest, under a mask; a measurement
     # whose rows are all data.max_seq_len long has no padding to hide (the tests' tiny batches).
+    # With it, such rows are each one whole document: sdpa needs no mask for them either.
     full_rows: bool = False
 
     def with_(self, **changes) -> Settings:

@@ -102,7 +102,10 @@ def backward(s: Settings, counts: ParamCounts, shape: Shape, dt: int, r: Residen
         train_embeddings=s.embeddings_train, head_weight_trains=head_weight_trains,
         final_norm_trains=s.head_trains, offload=offload_act, mlp_chunk_tokens=model.mlp_chunk_tokens,
         # Without packing, rows are padded to the longest in a batch (lisaft/data/collate.py).
-        packing=rec.data.packing, padded_rows=not rec.data.packing and not s.full_rows and batch > 1,
+        # Packed rows that are each one whole document (full_rows) carry no position ids
+        # (data/collate.py): sdpa runs its plain causal kernel, with no mask and k, v unrepeated.
+        packing=rec.data.packing and not (s.full_rows and s.attention == "sdpa"),
+        padded_rows=not rec.data.packing and not s.full_rows and batch > 1,
     )
     if r.lora is not None:
         act = _with_adapters(act, r.lora, s, shape)

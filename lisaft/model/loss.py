@@ -4,9 +4,10 @@ The usual causal-LM loss materialises the logits of every position, upcasts them
 keeps the log-softmax for backward: 12 bytes x tokens x vocabulary at the loss's backward, which
 for Llama-3's 128,256-entry vocabulary is 1.5 GiB per 1,024 tokens — at 2,048 tokens more than
 LISA's whole optimizer state. When that product exceeds LOSS_CHUNK_ELEMENTS, the head and the
-loss run over chunks of positions under non-reentrant activation checkpointing: only one chunk's
-logits exist at a time, in forward and again (recomputed) in backward, at the cost of one more
-head matmul per token.
+loss run over chunks of positions, only one chunk's logits existing at a time. The summed loss
+forms each chunk's gradients in its forward (_FusedHeadLoss), so backward has nothing to
+recompute; the per-position loss, whose output gradients backward alone knows, recomputes each
+chunk's logits there (_ChunkedHeadLoss), at one more head matmul per token.
 """
 
 from __future__ import annotations
@@ -91,27 +92,90 @@ def _chunk_loss(hidden, targets, head, softcap):
     return cross_entropy_sum(_head_logits(hidden, head, softcap), targets)
 
 
-class _ChunkedHeadLoss(torch.autograd.Function):
-    """Sum of the cross entropy of head(hidden) [N, V] over chunks of `step` positions, with one
-    head-sized gradient buffer. Checkpointed chunks would each produce a head-sized weight
-    gradient that autograd then adds into the one it holds: two head-sized tensors alive in the
-    loss's backward (1.96 GiB for Llama-3.1-8B), and a post-accumulate-grad hook (the optimizer
-    in backward, cpu_offload's copy) fired once per chunk. Here backward recomputes each chunk's
-    logits and adds its weight gradient in place (addmm_); the hook fires once."""
+class _FusedHeadLoss(torch.autograd.Function):
+    """Sum of the cross entropy of head(hidden) [N, V] over chunks of `step` positions, with each
+    chunk's gradients formed in the forward, as a fused linear cross entropy does: the chunk's
+    logits exist once, and only the gradients with respect to the hidden states ([N, H], the size
+    of the input a recompute would keep) and the head's weight (one head-sized buffer, the one
+    the loss's backward would form) outlive it. Backward scales them by the loss's output
+    gradient, a scalar, and returns them: no logits recomputed, one head matmul per token fewer.
+    The weight's gradient is added into one buffer in place, and a post-accumulate-grad hook (the
+    optimizer in backward, cpu_offload's copy) fires once, as with a single head call."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, weight, step: int, softcap: float | None, per_token: bool = False):
-        # per_token: each position's cross entropy [N] (0 where the target is -100) instead of the
-        # sum; backward then takes one output gradient per position (preference log-probs).
-        total = hidden.new_zeros(hidden.size(0) if per_token else (), dtype=torch.float32)
+    def forward(ctx, hidden, targets, weight, step: int, softcap: float | None, want_h: bool, want_w: bool):
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.empty_like(weight) if want_w else None
         for i in range(0, hidden.size(0), step):
-            logits = _capped(hidden[i:i + step] @ weight.t(), softcap)
-            if per_token:
-                total[i:i + step] = _ce_rows(logits, targets[i:i + step])
-            else:
-                total += _ce_and_grad(logits, targets[i:i + step], None)[0]
+            h = hidden[i:i + step]
+            loss, g = _ce_and_logit_grad(h @ weight.t(), targets[i:i + step], softcap, want_h or want_w)
+            total += loss
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[i:i + step])
+            if grad_w is not None:
+                if i == 0:
+                    torch.mm(g.t(), h, out=grad_w)
+                else:
+                    grad_w.addmm_(g.t(), h)
+        ctx.grads = (grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            # The gradients formed in the forward were handed out and scaled by the first backward.
+            raise RuntimeError("lisaft's loss supports one backward pass (no retain_graph)")
+        # Dropping ctx's references lets autograd take the buffers as the gradients, not copy them.
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        for g in (grad_h, grad_w):
+            if g is not None:
+                g.mul_(grad_out)
+        return grad_h, None, grad_w, None, None, None, None
+
+
+def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool):
+    """One chunk's float32 loss sum and, if wanted, its gradient with respect to the raw logits at
+    an output gradient of 1, in the logits' dtype: the float32 log-probs turned into it in place,
+    as _CrossEntropySum's backward does. The logits are this function's to overwrite, and each
+    logits-sized buffer is let go once used: at most the float32 log-probs and two buffers of the
+    logits' dtype (one without a soft-cap) at once, memory/activations.py loss_buffers_peak."""
+    tanh, capped = None, logits
+    if softcap:  # the soft-cap's slope is 1 - tanh^2
+        tanh = logits.div_(softcap).tanh_()
+        capped = tanh * softcap
+    dtype = logits.dtype
+    del logits
+    logp = torch.log_softmax(capped, dim=-1, dtype=torch.float32)
+    del capped
+    valid = targets != IGNORE
+    safe = targets.masked_fill(~valid, 0)
+    loss = -torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    if not want_grad:
+        return loss, None
+    scale = valid.float()[:, None]
+    grad = logp.exp_().mul_(scale)
+    grad.scatter_add_(1, safe[:, None], -scale)
+    grad = grad.to(dtype)
+    return loss, grad if tanh is None else torch.ops.aten.tanh_backward(grad, tanh)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Each position's cross entropy [N] (0 where the target is -100) of head(hidden) [N, V], over
+    chunks of `step` positions. Its backward takes one output gradient per position (preference
+    and GRPO log-probs), unknown in the forward, so it recomputes each chunk's logits there, and
+    adds the chunk's weight gradient into one head-sized buffer in place (addmm_): checkpointed
+    chunks would each form a head-sized gradient for autograd to add into the one it holds, and
+    fire a post-accumulate-grad hook once per chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
+        total = hidden.new_zeros(hidden.size(0), dtype=torch.float32)
+        for i in range(0, hidden.size(0), step):
+            total[i:i + step] = _ce_rows(_capped(hidden[i:i + step] @ weight.t(), softcap), targets[i:i + step])
         ctx.save_for_backward(hidden, targets, weight)
-        ctx.step, ctx.softcap, ctx.per_token = step, softcap, per_token
+        ctx.step, ctx.softcap = step, softcap
         return total
 
     @staticmethod
@@ -123,15 +187,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for i in range(0, hidden.size(0), ctx.step):
             h = hidden[i:i + ctx.step]
             raw = h @ weight.t()
-            out = grad_out[i:i + ctx.step] if ctx.per_token else grad_out
-            g = _ce_and_grad(_capped(raw, ctx.softcap), targets[i:i + ctx.step], out)[1]
+            g = _ce_grad(_capped(raw, ctx.softcap), targets[i:i + ctx.step], grad_out[i:i + ctx.step])
             if ctx.softcap:  # d/dz c*tanh(z/c) = 1 - tanh(z/c)^2
                 g = (g.float() * (1 - torch.tanh(raw.float() / ctx.softcap).pow(2))).to(raw.dtype)
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[i:i + ctx.step])
             if grad_w is not None:
                 grad_w.addmm_(g.t(), h)
-        return grad_h, None, grad_w, None, None, None
+        return grad_h, None, grad_w, None, None
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -145,19 +208,15 @@ def _ce_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -torch.where(valid, logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1), 0.0)
 
 
-def _ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor | None):
-    """The chunk's loss sum and, given grad_out (a scalar, or one per row), its gradient in the
-    logits' dtype, computed as _CrossEntropySum does (float32 log-probs turned into the gradient
-    in place)."""
+def _ce_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The gradient of the rows' cross entropy with respect to the logits, given one output
+    gradient per row, in the logits' dtype (float32 log-probs turned into it in place)."""
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     valid = targets != IGNORE
-    safe = targets.masked_fill(~valid, 0)
-    if grad_out is None:
-        return -torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum(), None
     scale = torch.where(valid, grad_out.float(), 0.0)[:, None]
     grad = logp.exp_().mul_(scale)
-    grad.scatter_add_(1, safe[:, None], -scale)
-    return None, grad.to(logits.dtype)
+    grad.scatter_add_(1, targets.masked_fill(~valid, 0)[:, None], -scale)
+    return grad.to(logits.dtype)
 
 
 def _positions(model, batch: dict, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +240,23 @@ def _sharded_last_hidden(model, batch: dict) -> torch.Tensor:
     return seen[-1]
 
 
+def head_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                  softcap: float | None = None) -> torch.Tensor:
+    """Float32 sum of the cross entropy of hidden [N, H] @ weight.T over targets [N] that are not
+    -100, in chunks of positions, its gradients formed in the forward (_FusedHeadLoss)."""
+    grad = torch.is_grad_enabled()
+    step = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    return _FusedHeadLoss.apply(hidden, targets, weight, step, softcap,
+                                grad and hidden.requires_grad, grad and weight.requires_grad)
+
+
+def head_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+             softcap: float | None = None) -> torch.Tensor:
+    """Each position's float32 cross entropy [N] of hidden [N, H] @ weight.T (0 where the target
+    is -100), in chunks of positions recomputed in backward (_ChunkedHeadLoss)."""
+    return _ChunkedHeadLoss.apply(hidden, targets, weight, max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0]), softcap)
+
+
 def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:
     """Sum of next-token cross entropy (float32) over the positions whose label is not -100.
     `sharded`: training.fsdp's model (the parallel strategy says so), whose forward hooks gather
@@ -193,7 +269,7 @@ def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:
     head, cap = model.get_output_embeddings(), _softcap(model)
     step = max(1, LOSS_CHUNK_ELEMENTS // _vocab(model))
     if head.bias is None and not sharded:  # FSDP's head must run as a module (its hooks)
-        return _ChunkedHeadLoss.apply(hidden, targets, head.weight, step, cap)
+        return head_loss_sum(hidden, targets, head.weight, cap)
     fn = functools.partial(_chunk_loss, head=head, softcap=cap)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, hidden.size(0), step):
@@ -220,7 +296,7 @@ def token_nll(model, batch: dict, sharded: bool = False, temperature: float = 1.
     if head.bias is None and not sharded and (cap is None or temperature == 1.0):
         # Without a bias or a cap the logits are linear in the hidden state: divide it instead.
         scaled = hidden / temperature if temperature != 1.0 else hidden
-        return _ChunkedHeadLoss.apply(scaled, targets, head.weight, step, cap, True).view(rows, -1)
+        return head_nll(scaled, targets, head.weight, cap).view(rows, -1)
     fn = functools.partial(_chunk_rows, head=head, softcap=cap, temperature=temperature)
     parts = [checkpoint(fn, hidden[i:i + step], targets[i:i + step], use_reentrant=False)
              for i in range(0, hidden.size(0), step)]

@@ -2,9 +2,11 @@
 
 lisaft/optim/adamw.py calls `step_param` for every parameter that lives in host memory (resident
 training on `training.device: cpu`, and `optimizer.cpu_offload`'s host copies), so both run the
-same arithmetic and stay bit for bit equal. Where numba (the `host-step` extra) cannot load,
-`available()` is false after one warning line and the caller keeps its torch path; bfloat16
-moments, which that path lacks, then run host_reference's torch version of the same math.
+same arithmetic and stay bit for bit equal; a float32 weight with float32 moments and a dense
+gradient steps by torch's fused AdamW kernel instead, in both alike (adamw.py `_on_host`).
+Where numba (the `host-step` extra) cannot load, `available()` is false after one warning line
+and the caller keeps its torch path; bfloat16 moments, which that path lacks, then run
+host_reference's torch version of the same math.
 """
 
 from __future__ import annotations

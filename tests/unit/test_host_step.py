@@ -157,19 +157,35 @@ def test_8bit_moments_are_bitsandbytes_format(monkeypatch):
     assert torch.allclose(w1, w2, atol=1e-6)
 
 
-def test_float32_step_is_close_to_torch_adamw():
+def test_float32_weights_step_by_torchs_fused_kernel_bit_for_bit(monkeypatch):
+    """With the kernel loaded, float32 weights with float32 moments still step by torch's fused
+    AdamW (faster on the CPU): the same bits as torch.optim.AdamW(fused=True); a bfloat16 model
+    steps by the kernel."""
+    assert host_step.available()
+    calls = []
+    step_chunk = host_step.step_chunk
+    monkeypatch.setattr(host_step, "step_chunk", lambda *a, **k: calls.append(1) or step_chunk(*a, **k))
     a, b = _tiny(0, 2), _tiny(0, 2)
-    sec = OptimizerSection(lr=1e-3, weight_decay=0.0)
+    sec = OptimizerSection(lr=1e-3, weight_decay=0.1)
     ours = build_unit_optimizer(list(a.parameters()), sec, CPU, Rounding("stochastic", 0), 0, None)
-    ref = torch.optim.AdamW(b.parameters(), lr=1e-3, weight_decay=0.0)
+    decay = [p for p in b.parameters() if p.ndim >= 2]
+    ref = torch.optim.AdamW([{"params": decay}, {"params": [p for p in b.parameters() if p.ndim < 2],
+                                                 "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1, fused=True)
     for opt, model in ((ours, a), (ref, b)):
-        for s in range(3):
+        for s in range(2):
             x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
             model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+    assert not calls
     for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.allclose(pa, pb, rtol=0, atol=1e-6)
+        assert torch.equal(pa, pb)
+    bf16 = _tiny(0, 1).to(torch.bfloat16)
+    opt = build_unit_optimizer(list(bf16.parameters()), sec, CPU, Rounding("stochastic", 0), 0, None)
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    bf16(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    assert len(calls) == sum(1 for p in bf16.parameters() if p.grad is not None)
 
 
 def test_without_numba_one_warning_where_it_matters_then_the_torch_path(monkeypatch):

@@ -7,13 +7,13 @@ from lisaft.model import loss as loss_mod
 from lisaft.model.loss import eval_sums, logits_loss_sum, token_loss_sum
 
 
-def _model(kind: str):
+def _model(kind: str, tied: bool = False):
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     common = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     cfg = Gemma2Config(**common, head_dim=8, final_logit_softcapping=5.0) if kind == "gemma2" \
-        else LlamaConfig(**common, tie_word_embeddings=False)
+        else LlamaConfig(**common, tie_word_embeddings=tied)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).float()
@@ -52,6 +52,36 @@ def test_chunked_loss_and_gradients_match_the_plain_loss(kind, monkeypatch):
     loss_p, n_p, correct_p = eval_sums(model, batch)
     assert n_c == n_p == int((batch["labels"][:, 1:] != -100).sum())
     assert correct_c == correct_p and loss_c == pytest.approx(loss_p, rel=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("llama", True), ("gemma2", True)],
+                         ids=["untied", "tied", "tied-softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_chunked_loss_equals_cross_entropy_over_full_logits(dtype, kind, tied, monkeypatch):
+    """The chunked loss forms its gradients in the forward and scales them in backward: the loss
+    and every gradient (a tied embedding's two parts summed; through Gemma 2's soft-cap) are
+    torch's over the whole logits."""
+    model, batch = _model(kind, tied).to(dtype), _batch()
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 512), batch["labels"][:, 1:].reshape(-1),
+                                                 ignore_index=-100, reduction="sum")
+    (expected * 0.37).backward()  # a non-unit output gradient, as the trainer's 1 / tokens
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_ELEMENTS", 512 * 5)  # 10 chunks of 5 positions
+    loss = token_loss_sum(model, batch)
+    (loss * 0.37).backward()
+    assert torch.allclose(loss, expected, rtol=1e-6 if dtype == torch.float32 else 1e-3)
+    # Each gradient's largest error against its largest entry: float32 rounding, or bfloat16's.
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for n, p in model.named_parameters():
+        ref = plain[n].float()
+        assert (p.grad.float() - ref).abs().max() <= tol * ref.abs().max(), n
+    with pytest.raises(RuntimeError, match="one backward"):
+        again = token_loss_sum(model, batch)
+        again.backward(retain_graph=True)
+        again.backward()
 
 
 def test_chunking_drops_the_float32_log_probs(monkeypatch):
@@ -134,8 +164,9 @@ class _LiveOfShape:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_chunked_loss_forms_one_head_gradient_as_the_estimator_counts(dtype, monkeypatch):
     """Checkpointed chunks held two head-sized gradients in the loss's backward (each chunk's,
-    and the sum autograd keeps); lisaft's chunked loss holds one, the estimator's term. The
-    gradients stay the plain loss's, in float32 and bfloat16."""
+    and the sum autograd keeps); lisaft's chunked loss holds one from its forward to the end of
+    backward (autograd takes the buffer formed in the forward as the gradient), the estimator's
+    term. The gradients stay the plain loss's, in float32 and bfloat16."""
     from lisaft.memory.estimate import compute
     from lisaft.memory.settings import settings_for_config
 
@@ -148,9 +179,8 @@ def test_the_chunked_loss_forms_one_head_gradient_as_the_estimator_counts(dtype,
     monkeypatch.setattr(loss_mod, "LOSS_CHUNK_ELEMENTS", 512 * 5)  # 10 chunks of 5 positions
     head = model.get_output_embeddings().weight
     live = _LiveOfShape(head.shape)
-    loss = token_loss_sum(model, batch)
     with live.mode:
-        loss.backward()
+        token_loss_sum(model, batch).backward()
     assert live.peak == 1
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.05, atol=2e-2)
     for n, g in plain.items():

@@ -97,6 +97,33 @@ def test_packed_rows_activations_match_saved_tensor_meter(model_type, dtype, att
     unpacked = settings.with_keys({"data.packing": False}).with_(full_rows=True)
     assert est.sizes["activations"] - compute(unpacked).sizes["activations"] >= mask
 
+@pytest.mark.parametrize("dtype,checkpointing", [("float32", False), ("bfloat16", True)])
+def test_packed_rows_of_one_document_each_keep_no_mask(dtype, checkpointing):
+    """Packed rows that are each one whole document carry no position ids: sdpa runs is_causal,
+    with no mask and grouped k, v unrepeated. The estimate for full rows sees what is kept; the
+    one for rows of several documents counts the mask on top."""
+    from lisaft.data.collate import collate
+    from lisaft.model.attention import model_inputs
+
+    config, model = _model("llama", dtype, "sdpa", checkpointing, 0)
+    seq = 40
+    rows = [{"input_ids": torch.randint(0, config.vocab_size, (seq,)).tolist(), "doc_lens": [seq]} for _ in range(2)]
+    for row in rows:
+        row["labels"] = row["input_ids"]
+    batch = collate(rows, pad_id=0)
+    assert "position_ids" not in batch
+    with saved_activations(model) as meter:
+        loss = model(**model_inputs(batch), labels=batch["labels"]).loss
+    loss.backward()
+    settings = settings_for_config(config, {
+        "model.dtype": dtype, "model.attention": "sdpa", "model.gradient_checkpointing": checkpointing,
+        "training.batch_size": 2, "data.max_seq_len": seq, "data.packing": True}, device="cpu")
+    full = compute(settings.with_(full_rows=True))
+    assert abs(full.saved_activation_bytes - meter.bytes) <= 0.01 * meter.bytes
+    mask = 2 * seq * seq * DTYPES[dtype].itemsize
+    assert compute(settings).sizes["activations"] - full.sizes["activations"] >= mask
+
+
 @pytest.mark.parametrize("dtype,attention,gamma,kv_heads", [
     ("float32", "sdpa", 0, 4), ("bfloat16", "sdpa", 1, 4), ("float32", "eager", 0, 4),
     ("float32", "sdpa", 0, 2), ("float32", "sdpa", 1, 1), ("bfloat16", "sdpa", 0, 2), ("bfloat16", "sdpa", 1, 1),
