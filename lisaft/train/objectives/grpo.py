@@ -128,7 +128,8 @@ class Grpo(Objective):
         self._step, self._step_began, self._sampling_s = step, time.perf_counter(), 0.0
         flat = [ex for micro in examples for ex in micro]
         prompts_per_generation = batch_size * self.spg // self.grpo.num_generations  # this rank's groups
-        batches, used = [], []
+        batches: list[dict] = []
+        used: list[Rollout] = []
         for i in range(accum):
             m = step * accum + i
             if m % self.every == 0 or self.buffer.rollout is None:
