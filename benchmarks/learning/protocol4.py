@@ -14,7 +14,7 @@ Objectives, each trained per method at equal memory (full; LISA γ=4; LoRA whose
   `exact_match` against the sum (recipes/smollm2-135m-grpo.yaml's settings).
 
 Starts: `base`, the model as it ships (it answers wordily, 0% exact), and `sft`, a short SFT on
-protocol 3's recipe (LISA γ=4, lr 1e-4) for SFT_STEPS steps, made once and kept in OUT/work/, so
+protocol 3's recipe (LISA γ=4, lr 1e-4) for 15 steps (its own cosine), made once and kept in OUT/work/, so
 that GRPO's groups are not all scored 0. A run is scored as protocol 3 scores one: held-out greedy
 exact accuracy (validation picks the lr, test is reported) and the two forgetting measures against
 the base model (OUT/base.json, the same as protocol 3's). OUT/start-sft.json holds the SFT start's
@@ -41,7 +41,7 @@ OUT = REPO / "benchmarks" / "results" / "learning4-real"
 SCORING = {k: p3.SETTINGS[k] for k in ("n_val", "n_test", "answer_tokens", "instruction_tokens", "fact_tokens")}
 SETTINGS = dict(SCORING, threads=2, max_seq_len=64, warmup_steps=3, interval_steps=10,
                 # protocol 3's train split is the SFT start's and every objective's prompt pool
-                sft_steps=10, sft_lr=1e-4, sft_batch_size=8,
+                sft_steps=15, sft_lr=1e-4, sft_batch_size=8,
                 # dpo / kto: pairs of the start's answers (up to answer_tokens) to the first train prompts
                 pref_steps=20, pref_batch_size=4, pref_prompts=160, pref_max_seq_len=112, beta=0.1,
                 # grpo: G completions of batch_size / G prompts per step
@@ -51,9 +51,12 @@ METHODS = {
     "lisa_g4": {"lisa": {"active_layers": 4, "state_policy": "discard"}},
     "lora_eq_g4": {"lisa": None, "lora": {"rank": "equal_params_lisa_g4"}},
 }
-# The first lr of each method, whatever the objective: about a tenth of protocol 3's SFT lrs (the
-# toy on-policy protocol found DPO's best near 0.03-0.1 of SFT's).
-FIRST_LR = {"full": 1e-5, "lisa_g4": 3e-5, "lora_eq_g4": 1e-4}
+# The first lr of each method: for GRPO protocol 3's SFT lrs (30 steps of 2 prompts is little signal),
+# for DPO and KTO a third of them (recipes/smollm2-135m-dpo.yaml's; the toy on-policy protocol found
+# DPO's best near 0.03-0.1 of SFT's, the grid reaches 0.1).
+FIRST_LR = {"grpo": {"full": 3e-5, "lisa_g4": 1e-4, "lora_eq_g4": 3e-4},
+            "dpo": {"full": 1e-5, "lisa_g4": 3e-5, "lora_eq_g4": 1e-4}}
+FIRST_LR["kto"] = FIRST_LR["dpo"]
 OBJECTIVES = ("dpo", "kto", "grpo")
 STARTS = ("base", "sft")
 # (objective, start) in the order the first stage runs them.
@@ -74,8 +77,8 @@ def run_name(objective: str, start: str, method: str, lr: float, seed: int) -> s
     return f"{objective}-{start}-{method}-lr{lr:g}-s{seed}"
 
 
-def lr_grid(method: str) -> list[float]:
-    lr = FIRST_LR[method]
+def lr_grid(objective: str, method: str) -> list[float]:
+    lr = FIRST_LR[objective][method]
     return [round(lr / 3, 10), lr, round(lr * 3, 10)]
 
 
@@ -90,10 +93,10 @@ def plan(done: dict[str, dict]) -> list[tuple[str, str, str, float, int]]:
 
     for objective, start in CELLS:
         for method in METHODS:
-            add(objective, start, method, FIRST_LR[method], 0)
+            add(objective, start, method, FIRST_LR[objective][method], 0)
     for objective, start in CELLS:
         for method in METHODS:
-            for lr in lr_grid(method):
+            for lr in lr_grid(objective, method):
                 add(objective, start, method, lr, 0)
     if todo:  # the seeds go to the lr the sweep picks
         return todo

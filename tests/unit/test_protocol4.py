@@ -33,11 +33,11 @@ def _done(runs):
 
 def test_plan_runs_grpo_from_sft_first_then_every_cell_then_the_grid_then_the_seeds():
     first = p4.plan({})
-    assert first[:3] == [("grpo", "sft", m, p4.FIRST_LR[m], 0) for m in p4.METHODS]
+    assert first[:3] == [("grpo", "sft", m, p4.FIRST_LR["grpo"][m], 0) for m in p4.METHODS]
     assert len(first) == len(p4.CELLS) * len(p4.METHODS) * 3  # the seed-0 sweep, the first lrs leading
     stage1 = [_run(o, s, m, lr, seed, val=lr) for o, s, m, lr, seed in first[:len(p4.CELLS) * len(p4.METHODS)]]
     grid = p4.plan(_done(stage1))
-    assert all(lr != p4.FIRST_LR[m] and seed == 0 for _, _, m, lr, seed in grid)
+    assert all(lr != p4.FIRST_LR[o][m] and seed == 0 for o, _, m, lr, seed in grid)
     sweep = stage1 + [_run(o, s, m, lr, seed, val=lr) for o, s, m, lr, seed in grid]  # best: the top lr
     seeds = p4.plan(_done(sweep))
     assert ("kto", "base", "full", 3e-5, 1) in seeds and ("kto", "base", "full", 3e-5, 2) in seeds
