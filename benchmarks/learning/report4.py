@@ -46,17 +46,17 @@ def _reward(runs: list[dict], part: slice) -> str:
 
 def table(out: Path) -> str:
     starts = start_scores(out)
-    lines = [f"Start `{name}`: held-out exact {100 * s['test']['exact']:.1f}% (lenient {100 * s['test']['lenient']:.1f}%), "
-             f"instructions NLL {s['instructions_nll']:.3f}, facts {100 * s.get('facts', 1.0):.1f}%." for name, s in
+    lines = [f"Start `{name}`: held-out exact {100 * s['test']['exact']:.1f}% "
+             f"(lenient {100 * s['test']['lenient']:.1f}%), instructions NLL {s['instructions_nll']:.3f}, facts {100 * s.get('facts', 1.0):.1f}%." for name, s in
              starts.items()]
     lines += ["", "| objective | start | method | lr (grid) | seeds | exact % | lenient % | instructions NLL | "
               "facts % | reward first 5 → last 5 steps | train s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summarise(out):
-        rs = row["runs"]
+        rs, grid = row["runs"], ", ".join(f"{x:g}" for x in row["grid"])
         lines.append(
-            f"| {row['objective']} | {row['start']} | {row['method']} | {row['lr']:g} "
-            f"({', '.join(f'{x:g}' for x in row['grid'])}) | {len(rs)} | {_mean_sd([r['test']['exact'] for r in rs])} | "
-            f"{_mean_sd([r['test']['lenient'] for r in rs])} | {_mean_sd([r['instructions_nll'] for r in rs], 1.0, 3)} | "
+            f"| {row['objective']} | {row['start']} | {row['method']} | {row['lr']:g} ({grid}) | {len(rs)} | "
+            f"{_mean_sd([r['test']['exact'] for r in rs])} | {_mean_sd([r['test']['lenient'] for r in rs])} | "
+            f"{_mean_sd([r['instructions_nll'] for r in rs], 1.0, 3)} | "
             f"{_mean_sd([r['facts'] for r in rs])} | {_reward(rs, slice(0, 5))} → {_reward(rs, slice(-5, None))} | "
             f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
     return "\n".join(lines) + "\n"

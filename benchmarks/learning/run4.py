@@ -40,7 +40,8 @@ class Bench4(Bench):
 
     def _job(self, name: str, seed: int, lr: float, batch_size: int, max_seq_len: int, steps: int) -> dict:
         s = self.s
-        return {"arm": name, "seed": seed, "lr": lr, "pretrained": str(self.model_dir), "tokenizer": str(self.model_dir),
+        model = str(self.model_dir)
+        return {"arm": name, "seed": seed, "lr": lr, "pretrained": model, "tokenizer": model,
                 "settings": {"steps": steps, "batch_size": batch_size, "max_seq_len": max_seq_len,
                              "warmup_steps": s["warmup_steps"], "interval_steps": s["interval_steps"]}}
 
@@ -58,8 +59,8 @@ class Bench4(Bench):
         job = self._job("sft_start", 0, s["sft_lr"], s["sft_batch_size"], s["max_seq_len"], s["sft_steps"])
         with tempfile.TemporaryDirectory(prefix="sft-", dir=self.work) as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            runner = LisaftArm(job, p4.method_spec("lisa_g4", self.config), _Data(self.tokenizer, self.train, self.val_examples),
-                               Path(tmp))
+            data = _Data(self.tokenizer, self.train, self.val_examples)
+            runner = LisaftArm(job, p4.method_spec("lisa_g4", self.config), data, Path(tmp))
             losses = [runner.step(step)[0] for step in range(s["sft_steps"])]
             record = {"method": "lisa_g4", "lr": s["sft_lr"], "steps": s["sft_steps"], "seed": 0,
                       "train_loss_first": losses[0], "train_loss_last": losses[-1], **self.scores(runner.model)}
