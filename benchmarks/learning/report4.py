@@ -47,8 +47,8 @@ def _reward(runs: list[dict], part: slice) -> str:
 def table(out: Path) -> str:
     starts = start_scores(out)
     lines = [f"Start `{name}`: held-out exact {100 * s['test']['exact']:.1f}% "
-             f"(lenient {100 * s['test']['lenient']:.1f}%), instructions NLL {s['instructions_nll']:.3f}, facts {100 * s.get('facts', 1.0):.1f}%." for name, s in
-             starts.items()]
+             f"(lenient {100 * s['test']['lenient']:.1f}%), instructions NLL {s['instructions_nll']:.3f}, "
+             f"facts {100 * s.get('facts', 1.0):.1f}%." for name, s in starts.items()]
     lines += ["", "| objective | start | method | lr (grid) | seeds | exact % | lenient % | instructions NLL | "
               "facts % | reward first 5 → last 5 steps | train s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summarise(out):
