@@ -21,8 +21,9 @@ the base model (OUT/base.json, the same as protocol 3's). OUT/start-sft.json hol
 own scores, OUT/onpolicy-<start>.json the on-policy data's counts.
 
 Stages, most informative first: GRPO from the SFT start (every method), DPO and KTO from the base,
-GRPO from the base, DPO and KTO from the SFT start (seed 0, one lr each); then lr x3 and /3 (seed
-0); then seeds 1 and 2 at each cell's picked lr. Each run writes OUT/runs/<name>.json; a run whose
+GRPO from the base, DPO and KTO from the SFT start (seed 0, each method at the middle of its lr
+grid); then the rest of the grid; one lr beyond it where the best is at its edge (seed 0); then
+seeds 1 and 2 at each cell's picked lr. Each run writes OUT/runs/<name>.json; a run whose
 file exists is skipped, so the command resumes where it stopped. report4 makes the tables.
 """
 
@@ -51,12 +52,11 @@ METHODS = {
     "lisa_g4": {"lisa": {"active_layers": 4, "state_policy": "discard"}},
     "lora_eq_g4": {"lisa": None, "lora": {"rank": "equal_params_lisa_g4"}},
 }
-# The first lr of each method: for GRPO protocol 3's SFT lrs (30 steps of 2 prompts is little signal),
-# for DPO and KTO a third of them (recipes/smollm2-135m-dpo.yaml's; the toy on-policy protocol found
-# DPO's best near 0.03-0.1 of SFT's, the grid reaches 0.1).
-FIRST_LR = {"grpo": {"full": 3e-5, "lisa_g4": 1e-4, "lora_eq_g4": 3e-4},
-            "dpo": {"full": 1e-5, "lisa_g4": 3e-5, "lora_eq_g4": 1e-4}}
-FIRST_LR["kto"] = FIRST_LR["dpo"]
+# Each method's lr grid, the same for every objective; the first lr is its middle, a third of the
+# third protocol's SFT lr (recipes/smollm2-135m-dpo.yaml's for LISA; the toy on-policy protocol
+# found DPO's best near 0.03-0.1 of SFT's). GRPO's first runs were at the top (the SFT lrs), where
+# full fine-tuning broke the model in two steps (docs/learning.md), so it starts from the middle too.
+GRIDS = {"full": [3e-6, 1e-5, 3e-5], "lisa_g4": [1e-5, 3e-5, 1e-4], "lora_eq_g4": [3e-5, 1e-4, 3e-4]}
 OBJECTIVES = ("dpo", "kto", "grpo")
 STARTS = ("base", "sft")
 # (objective, start) in the order the first stage runs them.
@@ -77,11 +77,6 @@ def run_name(objective: str, start: str, method: str, lr: float, seed: int) -> s
     return f"{objective}-{start}-{method}-lr{lr:g}-s{seed}"
 
 
-def lr_grid(objective: str, method: str) -> list[float]:
-    lr = FIRST_LR[objective][method]
-    return [round(lr / 3, 10), lr, round(lr * 3, 10)]
-
-
 def plan(done: dict[str, dict]) -> list[tuple[str, str, str, float, int]]:
     """The runs still to do, (objective, start, method, lr, seed), in the protocol's order."""
     todo: list[tuple[str, str, str, float, int]] = []
@@ -92,21 +87,28 @@ def plan(done: dict[str, dict]) -> list[tuple[str, str, str, float, int]]:
             todo.append(run)
 
     for objective, start in CELLS:
-        for method in METHODS:
-            add(objective, start, method, FIRST_LR[objective][method], 0)
+        for method, grid in GRIDS.items():
+            add(objective, start, method, grid[1], 0)
     for objective, start in CELLS:
-        for method in METHODS:
-            for lr in lr_grid(objective, method):
+        for method, grid in GRIDS.items():
+            for lr in grid:
                 add(objective, start, method, lr, 0)
-    if todo:  # the seeds go to the lr the sweep picks
+    if todo:  # the edges and the seeds depend on what the sweep picks
         return todo
+    picked = {}
     for objective, start in CELLS:
-        for method in METHODS:
+        for method, grid in GRIDS.items():
             sweep = [r for r in done.values() if (r["objective"], r["start"], r["method"], r["seed"])
                      == (objective, start, method, 0)]
-            lr = p3.best_lr(sweep)
-            for seed in SEEDS[1:]:
-                add(objective, start, method, lr, seed)
+            beyond = p3.lr_beyond(grid, p3.best_lr(sweep))
+            if beyond is not None:
+                add(objective, start, method, beyond, 0)
+            picked[objective, start, method] = p3.best_lr(sweep)
+    if todo:
+        return todo
+    for (objective, start, method), lr in picked.items():
+        for seed in SEEDS[1:]:
+            add(objective, start, method, lr, seed)
     return todo
 
 

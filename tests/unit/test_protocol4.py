@@ -31,18 +31,27 @@ def _done(runs):
     return {p4.run_name(r["objective"], r["start"], r["method"], r["lr"], r["seed"]): r for r in runs}
 
 
-def test_plan_runs_grpo_from_sft_first_then_every_cell_then_the_grid_then_the_seeds():
+def _runs(plan, val=None):
+    return [_run(o, s, m, lr, seed, val=lr if val is None else val) for o, s, m, lr, seed in plan]
+
+
+def test_plan_runs_grpo_from_sft_first_then_every_cell_then_the_grid_edges_and_seeds():
     first = p4.plan({})
-    assert first[:3] == [("grpo", "sft", m, p4.FIRST_LR["grpo"][m], 0) for m in p4.METHODS]
-    assert len(first) == len(p4.CELLS) * len(p4.METHODS) * 3  # the seed-0 sweep, the first lrs leading
-    stage1 = [_run(o, s, m, lr, seed, val=lr) for o, s, m, lr, seed in first[:len(p4.CELLS) * len(p4.METHODS)]]
+    assert first[:3] == [("grpo", "sft", m, p4.GRIDS[m][1], 0) for m in p4.METHODS]
+    cells = len(p4.CELLS) * len(p4.METHODS)
+    assert len(first) == cells * 3  # the seed-0 sweep, the middle lrs leading
+    stage1 = _runs(first[:cells])
     grid = p4.plan(_done(stage1))
-    assert all(lr != p4.FIRST_LR[o][m] and seed == 0 for o, _, m, lr, seed in grid)
-    sweep = stage1 + [_run(o, s, m, lr, seed, val=lr) for o, s, m, lr, seed in grid]  # best: the top lr
-    seeds = p4.plan(_done(sweep))
-    assert ("kto", "base", "full", 3e-5, 1) in seeds and ("kto", "base", "full", 3e-5, 2) in seeds
-    assert len(seeds) == len(p4.CELLS) * len(p4.METHODS) * 2
-    assert p4.plan(_done(sweep + [_run(o, s, m, lr, seed) for o, s, m, lr, seed in seeds])) == []
+    assert all(lr != p4.GRIDS[m][1] and seed == 0 for _, _, m, lr, seed in grid)
+    sweep = stage1 + _runs(grid)  # the best: the top of every grid, so one lr beyond it
+    edges = p4.plan(_done(sweep))
+    assert ("kto", "base", "full", 9e-5, 0) in edges and len(edges) == cells
+    seeds = p4.plan(_done(sweep + _runs(edges)))
+    assert ("kto", "base", "full", 9e-5, 1) in seeds and ("kto", "base", "full", 9e-5, 2) in seeds
+    assert len(seeds) == cells * 2
+    assert p4.plan(_done(sweep + _runs(edges) + _runs(seeds))) == []
+    middle_best = _runs(first) + _runs(grid, val=0.0)  # the middle wins: no edge, seeds at once
+    assert ("grpo", "sft", "full", 1e-5, 1) in p4.plan(_done(middle_best))
 
 
 def test_onpolicy_rows_take_the_wrong_answers_only_up_to_the_limit():
