@@ -57,8 +57,6 @@ METHODS = {
 # found DPO's best near 0.03-0.1 of SFT's). GRPO's first runs were at the top (the SFT lrs), where
 # full fine-tuning broke the model in two steps (docs/learning.md), so it starts from the middle too.
 GRIDS = {"full": [3e-6, 1e-5, 3e-5], "lisa_g4": [1e-5, 3e-5, 1e-4], "lora_eq_g4": [3e-5, 1e-4, 3e-4]}
-OBJECTIVES = ("dpo", "kto", "grpo")
-STARTS = ("base", "sft")
 # (objective, start) in the order the first stage runs them.
 CELLS = [("grpo", "sft"), ("dpo", "base"), ("kto", "base"), ("grpo", "base"), ("dpo", "sft"), ("kto", "sft")]
 SEEDS = [0, 1, 2]
