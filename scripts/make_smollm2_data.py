@@ -13,6 +13,8 @@ answers measure forgetting, and the facts the base model already knows.
 - train.jsonl (400) / eval.jsonl (48): SFT rows, `messages` (user, assistant).
 - preference.jsonl (400): the same prompts with `chosen` the sum and `rejected` a near miss
   (off by ten or by one, the base model's kind of mistake), for recipes/smollm2-135m-dpo.yaml.
+- prompts.jsonl (400): the same prompts as chat prompts with the sum as `answer`, for
+  recipes/smollm2-135m-grpo.yaml (its exact_match reward).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def preference_row(a: int, b: int, rng: random.Random) -> dict:
     return {"prompt": [{"role": "user", "content": question(a, b)}],
             "chosen": [{"role": "assistant", "content": str(a + b)}],
             "rejected": [{"role": "assistant", "content": str(near_miss)}]}
+
+
+def prompt_row(a: int, b: int) -> dict:
+    return {"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(a + b)}
 
 
 def splits(sizes: dict[str, int]) -> dict[str, list[tuple[int, int]]]:
@@ -153,6 +159,7 @@ def main() -> None:
     write_jsonl(out / "eval.jsonl", [chat_row(a, b) for a, b in s["eval"]])
     rng = random.Random(SEED)
     write_jsonl(out / "preference.jsonl", [preference_row(a, b, rng) for a, b in s["train"]])
+    write_jsonl(out / "prompts.jsonl", [prompt_row(a, b) for a, b in s["train"]])
     print(f"wrote {out}")
 
 

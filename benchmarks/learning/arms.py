@@ -72,9 +72,10 @@ def load_data(data_dir: str, tokenizer_dir: str, max_seq_len: int) -> Data:
 
 
 def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_steps: int, lr: float,
-                  preference: dict | None = None):
+                  preference: dict | None = None, grpo: dict | None = None):
     """The recipe a lisaft arm (or the pre-training) runs; model_ref names the model source; with
-    `preference` (the recipe section) it trains on pairs (benchmarks/learning/preference.py)."""
+    `preference` (the recipe section) it trains on pairs (benchmarks/learning/preference.py), with
+    `grpo` (the recipe section) on prompts (benchmarks/learning/protocol4.py)."""
     from lisaft.config.preference_losses import preference_loss
     from lisaft.config.schema import recipe_from_dict
 
@@ -88,14 +89,15 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
     lora_section = {"enabled": True, "alpha": 2 * lora["rank"], "dropout": 0.0, "target_modules": "all-linear",
                     **{k: v for k, v in lora.items() if k != "quantize"}} if lora else {}
     quantize = (lora or {}).get("quantize")
+    data_format = preference_loss(preference["loss"]).data_format if preference else "prompts" if grpo \
+        else "instruction"
     return recipe_from_dict({
         "model": {**model_ref, "tokenizer": job["tokenizer"], "attention": "sdpa", "quantize": quantize,
                   # a 4-bit base computes in bf16, the dtype QLoRA's adapters train in
                   "dtype": "bfloat16" if quantize else spec.get("dtype", "float32")},
-        "data": {"train": "given", "format": preference_loss(preference["loss"]).data_format if preference
-                 else "instruction",
-                 "max_seq_len": s["max_seq_len"]},
+        "data": {"train": "given", "format": data_format, "max_seq_len": s["max_seq_len"]},
         **({"preference": preference} if preference else {}),
+        **({"grpo": grpo} if grpo else {}),
         "optimizer": optimizer,
         "scheduler": {"name": "cosine", "warmup_steps": s["warmup_steps"], "min_lr_ratio": 0.1},
         "lisa": {"enabled": lisa is not None, "interval_steps": s["interval_steps"], **(lisa or {})},

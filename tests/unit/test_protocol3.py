@@ -17,7 +17,7 @@ def test_the_shipped_data_is_what_the_script_writes(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["make_smollm2_data", "--out", str(tmp_path)])
     gen.main()
     shipped = p3.REPO / "recipes" / "smollm2"
-    for name in ("train.jsonl", "eval.jsonl", "preference.jsonl"):
+    for name in ("train.jsonl", "eval.jsonl", "preference.jsonl", "prompts.jsonl"):
         assert (tmp_path / name).read_text() == (shipped / name).read_text(), name
 
 
