@@ -4,7 +4,7 @@ difference divided by n, so start-up and model loading cancel), cut into samplin
 the rest (scoring, log-probs, loss, backward, optimizer): lisaft's from the generation_s of its
 train records, TRL's from a timer around the model's generate, which GRPOTrainer calls.
 
-    python -m benchmarks.grpo_peer_bench --steps 8 --reps 3 --out benchmarks/results/grpo_peer.json
+    python -m benchmarks.grpo_peer_bench --steps 8 --reps 3 --out benchmarks/results/peer/grpo_peer.json
 
 Needs TRL (the bench extra). Both train full fine-tuning, float32, on the CPU (or CUDA with
 --device cuda), AdamW at the same lr, without clipping differences (max_grad_norm 1.0 in both).
