@@ -175,21 +175,29 @@ def main(argv: list[str] | None = None) -> None:
     model = Path(args.model) if args.model else real_model.build(real_model.cache_dir())
     out = Path(args.out)
     bench = run3.Bench(model, out, SETTINGS)
+    from benchmarks.learning import report3
+
+    run_until_done(out, plan, lambda run: bench.run(run[0], arm_spec(run[0], bench.config), *run[1:]),
+                   lambda run: run_name(*run), report3.write, args.max_runs)
+
+
+def run_until_done(out: Path, plan, run_one, name, report, max_runs: int | None) -> None:
+    """The resumable loop of protocols 3 and 4: the first run `plan` still wants given the run
+    files in `out`, one at a time, each reported in a line and in the rewritten report, until the
+    plan is empty or `max_runs` have run."""
     t0, count = time.perf_counter(), 0
-    while args.max_runs is None or count < args.max_runs:
+    while max_runs is None or count < max_runs:
         todo = plan(load_done(out))
         if not todo:
             break
-        arm, lr, seed = todo[0]
-        rec = bench.run(arm, arm_spec(arm, bench.config), lr, seed)
+        rec = run_one(todo[0])
         count += 1
-        print(f"[{count}] {run_name(arm, lr, seed)}: test exact {100 * rec['test']['exact']:.1f}% "
+        print(f"[{count}] {name(todo[0])}: test exact {100 * rec['test']['exact']:.1f}% "
               f"(lenient {100 * rec['test']['lenient']:.1f}%), instructions NLL {rec['instructions_nll']:.3f}, "
               f"facts {100 * rec['facts']:.1f}%, {rec['train_s']:.0f} s train ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-    from benchmarks.learning import report3
-
-    report3.write(out)
+        report(out)
+    report(out)
     print(f"wrote {out}; runs still to come: {len(plan(load_done(out)))} in the next stage")
 
 

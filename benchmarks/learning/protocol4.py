@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from benchmarks.learning import protocol3 as p3
@@ -138,21 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     model = Path(args.model) if args.model else real_model.build(real_model.cache_dir())
     out = Path(args.out)
     bench = run4.Bench4(model, out, SETTINGS)
-    t0, count = time.perf_counter(), 0
-    while args.max_runs is None or count < args.max_runs:
-        todo = plan(p3.load_done(out))
-        if not todo:
-            break
-        objective, start, method, lr, seed = todo[0]
-        rec = bench.run_objective(objective, start, method, method_spec(method, bench.config), lr, seed)
-        count += 1
-        print(f"[{count}] {run_name(*todo[0])}: test exact {100 * rec['test']['exact']:.1f}% "
-              f"(lenient {100 * rec['test']['lenient']:.1f}%), instructions NLL {rec['instructions_nll']:.3f}, "
-              f"facts {100 * rec['facts']:.1f}%, {rec['train_s']:.0f} s train ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
-        report4.write(out)
-    report4.write(out)
-    print(f"wrote {out}; runs still to come: {len(plan(p3.load_done(out)))} in the next stage")
+    p3.run_until_done(out, plan, lambda run: bench.run_objective(*run[:3], method_spec(run[2], bench.config), *run[3:]),
+                      lambda run: run_name(*run), report4.write, args.max_runs)
 
 
 if __name__ == "__main__":
