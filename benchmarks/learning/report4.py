@@ -9,7 +9,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.learning.report3 import _mean_sd
+from benchmarks.learning.report3 import _mean_sd, measures
 
 
 def summarise(out: Path) -> list[dict]:
@@ -55,9 +55,7 @@ def table(out: Path) -> str:
         rs, grid = row["runs"], ", ".join(f"{x:g}" for x in row["grid"])
         lines.append(
             f"| {row['objective']} | {row['start']} | {row['method']} | {row['lr']:g} ({grid}) | {len(rs)} | "
-            f"{_mean_sd([r['test']['exact'] for r in rs])} | {_mean_sd([r['test']['lenient'] for r in rs])} | "
-            f"{_mean_sd([r['instructions_nll'] for r in rs], 1.0, 3)} | "
-            f"{_mean_sd([r['facts'] for r in rs])} | {_reward(rs, slice(0, 5))} → {_reward(rs, slice(-5, None))} | "
+            f"{' | '.join(measures(rs))} | {_reward(rs, slice(0, 5))} → {_reward(rs, slice(-5, None))} | "
             f"{statistics.mean(r['train_s'] for r in rs):.0f} |")
     return "\n".join(lines) + "\n"
 
