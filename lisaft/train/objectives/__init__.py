@@ -3,6 +3,7 @@
 
     base.py     Objective (the interface and its defaults), StepBatches
     tokens.py   Tokens: SFT, the token loss over label tokens
+    referenced.py  Referenced: the preference stages' reference pass, kept in checkpoints
     pairs.py    Pairs: DPO, SimPO, ORPO, IPO on preference pairs (a reference pass where the loss has one)
     feedback.py Feedback: KTO on unpaired feedback (the reference pass, the KL estimate)
     grpo.py     Grpo: online RL on verifiable rewards (its parts below the trainer: lisaft/grpo/)

@@ -15,18 +15,18 @@ over the ranks; with one micro-batch a step the two are the same.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from lisaft.config.schema import PreferenceSection, Recipe
+from lisaft.config.schema import Recipe
 from lisaft.data.collate import IGNORE_INDEX, collate, real_positions, to_device
 from lisaft.data.formats.preference import prompt_length
 from lisaft.distributed import dist
 from lisaft.model.feedback import SUMS, figures, kl_estimate, kto_losses
 from lisaft.model.preference import sequence_logps
-from lisaft.train import preference as reference
-from lisaft.train.objectives.base import Objective, StepBatches
+from lisaft.train.objectives.base import StepBatches
+from lisaft.train.objectives.referenced import Referenced
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,17 +43,13 @@ def attach_kl(rows: list[dict], max_seq_len: int) -> None:
                      "labels": ([IGNORE_INDEX] * p + other["labels"][q:])[:max_seq_len]}
 
 
-class Feedback(Objective):
+class Feedback(Referenced):
     """data.format feedback under preference.loss kto."""
 
     unit = "feedback rows"
 
     def __init__(self, recipe: Recipe, strategy: Strategy, pad_id: int, device: torch.device) -> None:
-        super().__init__(strategy, pad_id, device)
-        assert recipe.preference is not None  # objectives/__init__.py chose feedback for its section
-        self.recipe = recipe
-        self.section: PreferenceSection = recipe.preference
-        self._kept: reference.ReferenceLogps | None = None
+        super().__init__(recipe, strategy, pad_id, device, uses_reference=True)
         self._sums: torch.Tensor | None = None
         self._kl = torch.zeros((), dtype=torch.float64)
 
@@ -61,31 +57,15 @@ class Feedback(Objective):
         s = self.section
         return f"{s.loss} β={s.beta:g} weights {s.desirable_weight:g}/{s.undesirable_weight:g}; "
 
-    # -- the reference: completion and KL sequence, one pass before step 1 ----------------------
-
     def _logps(self, model: nn.Module, rows: list[dict]) -> torch.Tensor:
         """[rows, 2]: each row's summed log-probs of its completion and of its KL sequence."""
         batch = to_device(collate([*rows, *(r["kl"] for r in rows)], self.pad_id), self.device)
         return sequence_logps(model, batch, self.strategy.sharded_forward)[0].view(2, len(rows)).t()
 
-    def _reference_pass(self, model: nn.Module | None, train: list[dict], evals: list[dict] | None) -> None:
-        reference.compute_reference(self.recipe, self.section.reference, model, train, evals, self._logps, 2,
-                                    self.strategy, self.device)
-
     def before_model(self, train: list[dict], evals: list[dict] | None, resuming: bool) -> None:
         for rows in (train, evals or []):
             attach_kl(rows, self.recipe.data.max_seq_len)
-        if not resuming and self.section.reference is not None:
-            self._reference_pass(None, train, evals)  # loaded, used and freed before the policy loads
-
-    def with_model(self, model: nn.Module, train: list[dict], evals: list[dict] | None, resuming: bool) -> None:
-        if not resuming and self.section.reference is None:
-            self._reference_pass(model, train, evals)  # the initial policy
-
-    def checkpoint_components(self, train: list[dict], evals: list[dict] | None) -> dict[str, Any]:
-        if self._kept is None:
-            self._kept = reference.ReferenceLogps(train, evals, self.unit)
-        return {"reference": self._kept}
+        super().before_model(train, evals, resuming)
 
     # -- the step -------------------------------------------------------------------------------
 

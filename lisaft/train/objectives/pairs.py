@@ -4,17 +4,17 @@ with a reference, its log-probs computed once before step 1 (train/preference.py
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lisaft.config.preference_losses import preference_loss
-from lisaft.config.schema import PreferenceSection, Recipe
+from lisaft.config.schema import Recipe
 from lisaft.data.collate import to_device
 from lisaft.distributed import dist
 from lisaft.model.preference import METRICS, PairObjective, collate_pairs, pair_positions, sequence_logps
-from lisaft.train import preference as reference
-from lisaft.train.objectives.base import Objective, StepBatches
+from lisaft.train.objectives.base import StepBatches
+from lisaft.train.objectives.referenced import Referenced
 
 if TYPE_CHECKING:
     from torch import nn
@@ -22,46 +22,22 @@ if TYPE_CHECKING:
     from lisaft.train.parallel import Strategy
 
 
-class Pairs(Objective):
+class Pairs(Referenced):
     """data.format preference under a pair loss of config/preference_losses.py."""
 
     unit = "pairs"
 
     def __init__(self, recipe: Recipe, strategy: Strategy, pad_id: int, device: torch.device) -> None:
-        super().__init__(strategy, pad_id, device)
         assert recipe.preference is not None  # objectives/__init__.py chose pairs for its section
-        self.recipe = recipe
-        self.section: PreferenceSection = recipe.preference
+        super().__init__(recipe, strategy, pad_id, device, preference_loss(recipe.preference.loss).reference)
         self.loss = PairObjective(self.section, strategy.sharded_forward)
-        self.reference = preference_loss(self.section.loss).reference
-        self._kept: reference.ReferenceLogps | None = None
 
     def describe(self) -> str:
         return f"{self.section.loss} β={self.section.beta:g}; "
 
-    # -- the reference: one pass before step 1, kept in every checkpoint ------------------------
-
-    def _score(self, model: nn.Module, pairs: list[dict]) -> torch.Tensor:
+    def _logps(self, model: nn.Module, pairs: list[dict]) -> torch.Tensor:
         batch = to_device(collate_pairs(pairs, self.pad_id), self.device)
         return sequence_logps(model, batch, self.strategy.sharded_forward)[0].view(2, len(pairs)).t()
-
-    def _reference_pass(self, model: nn.Module | None, train: list[dict], evals: list[dict] | None) -> None:
-        reference.compute_reference(self.recipe, self.section.reference, model, train, evals, self._score, 2,
-                                    self.strategy, self.device)
-
-    def before_model(self, train: list[dict], evals: list[dict] | None, resuming: bool) -> None:
-        if self.reference and not resuming and self.section.reference is not None:
-            self._reference_pass(None, train, evals)  # loaded, used and freed before the policy loads
-
-    def with_model(self, model: nn.Module, train: list[dict], evals: list[dict] | None, resuming: bool) -> None:
-        if self.reference and not resuming and self.section.reference is None:
-            self._reference_pass(model, train, evals)  # the initial policy
-
-    def checkpoint_components(self, train: list[dict], evals: list[dict] | None) -> dict[str, Any]:
-        # A resume reads the reference log-probs back and never runs the pass again.
-        if self.reference and self._kept is None:
-            self._kept = reference.ReferenceLogps(train, evals, self.unit)
-        return {"reference": self._kept} if self._kept is not None else {}
 
     # -- the step -------------------------------------------------------------------------------
 
