@@ -78,7 +78,7 @@ def generate(model, policy: Policy, prompts: list[dict], batch_size: int, seeds:
                    for p, t in zip(repeated, texts, strict=True)]
     scored = score(policy.rewards, [p["prompt"] for p in repeated], completions, ids,
                    [p["columns"] for p in repeated], [p["where"] for p in repeated], step)
-    adv = advantages(scored.total, g.num_generations, g.scale_rewards)
+    adv = advantages(scored.total, g.num_generations, g.scale_rewards, drawn.completion_ids.device)
     input_ids = torch.cat([drawn.prompt_ids, drawn.completion_ids], dim=1)
     attention = torch.cat([drawn.prompt_mask, mask], dim=1)
     extra = _scored_logps(model, policy, input_ids, attention, mask.size(1), scored_logps, sharded, reference)
