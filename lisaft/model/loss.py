@@ -107,9 +107,18 @@ class _FusedHeadLoss(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.empty_like(weight) if want_w else None
+        # One chunk's logits and float32 log-probs buffers serve every chunk. On a CPU a fresh
+        # buffer above glibc's mmap threshold (32 MiB at most; a chunk's logits are up to 64 MiB)
+        # is mapped anew and page-faults on first touch, so a buffer per chunk cost a fault per
+        # 4 KiB of logits, chunk after chunk (docs/lisa.md, benchmarks/step_probe.py).
+        rows = min(step, hidden.size(0))
+        logits_buf = hidden.new_empty((rows, weight.size(0)))
+        logp_buf = hidden.new_empty((rows, weight.size(0)), dtype=torch.float32)
         for i in range(0, hidden.size(0), step):
             h = hidden[i:i + step]
-            loss, g = _ce_and_logit_grad(h @ weight.t(), targets[i:i + step], softcap, want_h or want_w)
+            n = h.size(0)
+            logits = torch.mm(h, weight.t(), out=logits_buf[:n])
+            loss, g = _ce_and_logit_grad(logits, targets[i:i + step], softcap, want_h or want_w, logp_buf[:n])
             total += loss
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[i:i + step])
@@ -135,20 +144,19 @@ class _FusedHeadLoss(torch.autograd.Function):
         return grad_h, None, grad_w, None, None, None, None
 
 
-def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool):
+def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool,
+                       logp: torch.Tensor):
     """One chunk's float32 loss sum and, if wanted, its gradient with respect to the raw logits at
-    an output gradient of 1, in the logits' dtype: the float32 log-probs turned into it in place,
-    as _CrossEntropySum's backward does. The logits are this function's to overwrite, and each
-    logits-sized buffer is let go once used: at most the float32 log-probs and two buffers of the
-    logits' dtype (one without a soft-cap) at once, memory/activations.py loss_buffers_peak."""
+    an output gradient of 1, in the logits' dtype: the float32 log-probs, written into `logp`, turned
+    into it in place, as _CrossEntropySum's backward does, and cast back into the logits' buffer
+    when that is not float32. The logits are this function's to overwrite: at most the float32
+    log-probs and two buffers of the logits' dtype (one without a soft-cap) at once,
+    memory/activations.py loss_buffers_peak."""
     tanh, capped = None, logits
     if softcap:  # the soft-cap's slope is 1 - tanh^2
         tanh = logits.div_(softcap).tanh_()
         capped = tanh * softcap
-    dtype = logits.dtype
-    del logits
-    logp = torch.log_softmax(capped, dim=-1, dtype=torch.float32)
-    del capped
+    torch.log_softmax(capped, dim=-1, dtype=torch.float32, out=logp)
     valid = targets != IGNORE
     safe = targets.masked_fill(~valid, 0)
     loss = -torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
@@ -157,7 +165,8 @@ def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: flo
     scale = valid.float()[:, None]
     grad = logp.exp_().mul_(scale)
     grad.scatter_add_(1, safe[:, None], -scale)
-    grad = grad.to(dtype)
+    if grad.dtype != capped.dtype:
+        grad = capped.copy_(grad)  # the logits (or the capped ones) are spent: their buffer takes it
     return loss, grad if tanh is None else torch.ops.aten.tanh_backward(grad, tanh)
 
 

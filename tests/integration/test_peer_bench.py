@@ -30,6 +30,9 @@ def test_dpo_sides_run_the_same_pairs(tmp_path):
     for name in ("lisaft_dpo", "trl_dpo"):
         r = run_side(name, s, tmp_path / name, profile=name == "lisaft_dpo")
         assert r["steps_timed"] == s["steps"] - s["warmup"], name
+        if name == "lisaft_dpo":  # the profile tells the matmuls apart by their operands' shapes
+            shapes = {m["shapes"] for m in r["profile_matmuls"] if m["op"] == "aten::mm"}
+            assert len(shapes) > 1 and all(m["calls_per_step"] > 0 for m in r["profile_matmuls"])
     assert r["steps_per_s"] > 0
 
 
