@@ -129,7 +129,7 @@ class Probe:
         counts = Counter(self.ops)
         return {"settings": self.settings, "steps": self.steps, "fresh_bytes_logged_step": self.fresh_bytes,
                 "minflt_by_op_logged_step": dict(self.op_faults.most_common(25)),
-                "ops_logged_step": len(self.ops), "op_counts": dict(sorted(counts.items())), "op_order": self.ops}
+                "ops_logged_step": len(self.ops), "op_counts": dict(sorted(counts.items()))}
 
 
 def _thread_settings() -> dict:
