@@ -69,7 +69,7 @@ def op_log_mode():
             super().__init__()
             self.lines: list[str] = []
             self.fresh_bytes = 0
-            self.faults: Counter = Counter()  # minor page faults while each operator ran, by operator
+            self.faults: Counter = Counter()  # minor page faults while each call ran, by its line
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
