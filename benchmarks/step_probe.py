@@ -57,34 +57,47 @@ def _operand(t) -> str:
     return f"{str(t.dtype)[6:]}{list(t.shape)}/{list(t.stride())}{nc}"
 
 
-def op_log_mode():
-    """A TorchDispatchMode that keeps one line per aten call, and the bytes of outputs whose
-    storage no input shares (what the call allocated)."""
+def call_line(func, args: tuple, kwargs: dict) -> str:
+    """One aten call as the log keeps it: the operator and each operand's layout."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
+
+    operands = ", ".join(_operand(a) for a in tree_leaves(args))
+    named = ", ".join(f"{k}={_operand(v)}" for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return f"{func}({operands}{'; ' + named if named else ''})"
+
+
+def fresh_bytes(args: tuple, kwargs: dict, out) -> int:
+    """Bytes of the outputs whose storage no input shares: what the call allocated."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    def strided(x) -> list:
+        return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+
+    given = {a.untyped_storage().data_ptr() for a in strided((args, kwargs))}
+    return sum(o.untyped_storage().nbytes() for o in strided(out) if o.untyped_storage().data_ptr() not in given)
+
+
+def op_log_mode():
+    """A TorchDispatchMode that keeps one line per aten call, the bytes the calls allocated and
+    the minor page faults while each ran (every thread's: the process's count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class OpLog(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.lines: list[str] = []
             self.fresh_bytes = 0
-            self.faults: Counter = Counter()  # minor page faults while each call ran, by its line
+            self.faults: Counter = Counter()  # by the call's line
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             out = func(*args, **kwargs)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-            ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            seen = {a.untyped_storage().data_ptr() for a in ins if a.layout == torch.strided}
-            for o in tree_leaves(out):
-                if isinstance(o, torch.Tensor) and o.layout == torch.strided and \
-                        o.untyped_storage().data_ptr() not in seen:
-                    self.fresh_bytes += o.untyped_storage().nbytes()
-            operands = ", ".join(_operand(a) for a in tree_leaves(args))
-            named = ", ".join(f"{k}={_operand(v)}" for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-            self.lines.append(f"{func}({operands}{'; ' + named if named else ''})")
+            self.fresh_bytes += fresh_bytes(args, kwargs, out)
+            self.lines.append(call_line(func, args, kwargs))
             self.faults[self.lines[-1]] += faults
             return out
 

@@ -54,23 +54,19 @@ def test_the_sides_alternate_and_the_best_round_counts(monkeypatch):
 
 
 def test_the_step_probe_logs_each_call_with_its_operands_layout_and_diffs_two_logs():
-    from collections import Counter
-
     import torch
 
-    from benchmarks.step_probe import diff, op_log_mode
+    from benchmarks.step_probe import call_line, diff, fresh_bytes
 
     a, w = torch.randn(4, 3), torch.randn(5, 3)
+    mm = torch.ops.aten.mm.default
     logs = []
     for weight in (w.t(), w.t().contiguous()):  # the same product, the weight in two layouts
-        mode = op_log_mode()
-        with mode:
-            torch.mm(a, weight)
-        logs.append({"op_counts": dict(Counter(mode.lines))})
-        assert mode.fresh_bytes == 4 * 5 * 4  # the product's own buffer
+        out = mm(a, weight)
+        assert fresh_bytes((a, weight), {}, out) == 4 * 5 * 4  # the product's own buffer
+        logs.append({"op_counts": {call_line(mm, (a, weight), {}): 1}})
+    assert fresh_bytes((a, w), {"out": out}, out) == 0  # an out= call allocates nothing
     assert logs[0]["op_counts"] == {"aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[1, 3] nc)": 1}
-    lines = diff(logs[0], logs[1], ("t", "contiguous"))
-    assert lines == ["== more in t: 1 calls",
-                     "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[1, 3] nc)",
-                     "== more in contiguous: 1 calls",
-                     "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[5, 1])"]
+    assert diff(logs[0], logs[1], ("t", "contiguous")) == [
+        "== more in t: 1 calls", "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[1, 3] nc)",
+        "== more in contiguous: 1 calls", "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[5, 1])"]
