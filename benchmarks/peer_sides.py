@@ -32,6 +32,7 @@ class Stamps:
         self.warmup, self.profile = warmup, profile
         self.prof = None
         self.top: list[dict] = []
+        self.matmuls: list[dict] = []
 
     def step_ended(self) -> None:
         self.t.append(time.perf_counter())
@@ -40,11 +41,12 @@ class Stamps:
         if self.profile and n == self.warmup:
             from torch.profiler import ProfilerActivity, profile
 
-            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             self.prof.__enter__()
         elif self.prof is not None and n == self.warmup + PROFILED_STEPS:
             self.prof.__exit__(None, None, None)
             self.top = top_ops(self.prof, PROFILED_STEPS)
+            self.matmuls = matmuls_by_shape(self.prof, PROFILED_STEPS)
             self.prof = None
 
     def result(self) -> dict:
@@ -54,7 +56,7 @@ class Stamps:
         gaps = sorted(b - a for a, b in zip(self.t[w - 1:], self.t[w:]))
         return {"steps_timed": steps, "step_s_mean": span / steps, "step_s_median": gaps[len(gaps) // 2],
                 "steps_per_s": steps / span, "cpu_s_per_step": (self.cpu[-1] - self.cpu[w - 1]) / steps,
-                **({"profile_top_ops": self.top} if self.profile else {})}
+                **({"profile_top_ops": self.top, "profile_matmuls": self.matmuls} if self.profile else {})}
 
 
 def top_ops(prof, steps: int, n: int = 20) -> list[dict]:
@@ -63,6 +65,19 @@ def top_ops(prof, steps: int, n: int = 20) -> list[dict]:
     total = sum(e.self_cpu_time_total for e in rows) or 1
     return [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
              "share": e.self_cpu_time_total / total} for e in rows[:n]]
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
+
+
+def matmuls_by_shape(prof, steps: int) -> list[dict]:
+    """Each matmul operator's self CPU time a step by its operands' shapes: the decoder layers'
+    matmuls (the same shapes on every side) apart from the head's, which differ where the loss
+    runs in chunks."""
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in MATMULS]
+    rows.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "shapes": str(e.input_shapes), "calls_per_step": e.count / steps,
+             "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in rows]
 
 
 # ---------------------------------------------------------------------------------------------

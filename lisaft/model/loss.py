@@ -107,9 +107,12 @@ class _FusedHeadLoss(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.empty_like(weight) if want_w else None
+        logits_buf, logp_buf = _chunk_buffers(hidden, weight, step)
         for i in range(0, hidden.size(0), step):
             h = hidden[i:i + step]
-            loss, g = _ce_and_logit_grad(h @ weight.t(), targets[i:i + step], softcap, want_h or want_w)
+            n = h.size(0)
+            logits = torch.mm(h, weight.t(), out=logits_buf[:n])
+            loss, g = _ce_and_logit_grad(logits, targets[i:i + step], softcap, want_h or want_w, logp_buf[:n])
             total += loss
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[i:i + step])
@@ -135,20 +138,19 @@ class _FusedHeadLoss(torch.autograd.Function):
         return grad_h, None, grad_w, None, None, None, None
 
 
-def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool):
+def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool,
+                       logp: torch.Tensor):
     """One chunk's float32 loss sum and, if wanted, its gradient with respect to the raw logits at
-    an output gradient of 1, in the logits' dtype: the float32 log-probs turned into it in place,
-    as _CrossEntropySum's backward does. The logits are this function's to overwrite, and each
-    logits-sized buffer is let go once used: at most the float32 log-probs and two buffers of the
-    logits' dtype (one without a soft-cap) at once, memory/activations.py loss_buffers_peak."""
+    an output gradient of 1, in the logits' dtype: the float32 log-probs, written into `logp`, turned
+    into it in place, as _CrossEntropySum's backward does, and cast back into the logits' buffer
+    when that is not float32. The logits are this function's to overwrite: at most the float32
+    log-probs and two buffers of the logits' dtype (one without a soft-cap) at once,
+    memory/activations.py loss_buffers_peak."""
     tanh, capped = None, logits
     if softcap:  # the soft-cap's slope is 1 - tanh^2
         tanh = logits.div_(softcap).tanh_()
         capped = tanh * softcap
-    dtype = logits.dtype
-    del logits
-    logp = torch.log_softmax(capped, dim=-1, dtype=torch.float32)
-    del capped
+    torch.log_softmax(capped, dim=-1, dtype=torch.float32, out=logp)
     valid = targets != IGNORE
     safe = targets.masked_fill(~valid, 0)
     loss = -torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
@@ -157,7 +159,8 @@ def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: flo
     scale = valid.float()[:, None]
     grad = logp.exp_().mul_(scale)
     grad.scatter_add_(1, safe[:, None], -scale)
-    grad = grad.to(dtype)
+    if grad.dtype != capped.dtype:
+        grad = capped.copy_(grad)  # the logits (or the capped ones) are spent: their buffer takes it
     return loss, grad if tanh is None else torch.ops.aten.tanh_backward(grad, tanh)
 
 
@@ -172,8 +175,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
         total = hidden.new_zeros(hidden.size(0), dtype=torch.float32)
+        logits_buf, logp_buf = _chunk_buffers(hidden, weight, step)
         for i in range(0, hidden.size(0), step):
-            total[i:i + step] = _ce_rows(_capped(hidden[i:i + step] @ weight.t(), softcap), targets[i:i + step])
+            h = hidden[i:i + step]
+            logits = torch.mm(h, weight.t(), out=logits_buf[:h.size(0)])
+            total[i:i + step] = _ce_rows(_capped(logits, softcap), targets[i:i + step], logp_buf[:h.size(0)])
         ctx.save_for_backward(hidden, targets, weight)
         ctx.step, ctx.softcap = step, softcap
         return total
@@ -184,10 +190,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
+        logits_buf, logp_buf = _chunk_buffers(hidden, weight, ctx.step)
         for i in range(0, hidden.size(0), ctx.step):
             h = hidden[i:i + ctx.step]
-            raw = h @ weight.t()
-            g = _ce_grad(_capped(raw, ctx.softcap), targets[i:i + ctx.step], grad_out[i:i + ctx.step])
+            raw = torch.mm(h, weight.t(), out=logits_buf[:h.size(0)])
+            g = _ce_grad(_capped(raw, ctx.softcap), targets[i:i + ctx.step], grad_out[i:i + ctx.step],
+                         logp_buf[:h.size(0)])
             if ctx.softcap:  # d/dz c*tanh(z/c) = 1 - tanh(z/c)^2
                 g = (g.float() * (1 - torch.tanh(raw.float() / ctx.softcap).pow(2))).to(raw.dtype)
             if grad_h is not None:
@@ -201,22 +209,32 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
-def _ce_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each row's float32 cross entropy, 0 where the target is -100."""
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+def _ce_rows(logits: torch.Tensor, targets: torch.Tensor, logp: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's float32 cross entropy, 0 where the target is -100 (the log-probs into `logp`, if given)."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=logp)
     valid = targets != IGNORE
     return -torch.where(valid, logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1), 0.0)
 
 
-def _ce_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+def _ce_grad(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """The gradient of the rows' cross entropy with respect to the logits, given one output
-    gradient per row, in the logits' dtype (float32 log-probs turned into it in place)."""
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    gradient per row, in the logits' dtype: the float32 log-probs, written into `logp`, turned into
+    it in place, and cast back into the logits' buffer (spent) when that is not float32."""
+    torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=logp)
     valid = targets != IGNORE
     scale = torch.where(valid, grad_out.float(), 0.0)[:, None]
     grad = logp.exp_().mul_(scale)
     grad.scatter_add_(1, targets.masked_fill(~valid, 0)[:, None], -scale)
-    return grad.to(logits.dtype)
+    return grad if grad.dtype == logits.dtype else logits.copy_(grad)
+
+
+def _chunk_buffers(hidden: torch.Tensor, weight: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's logits (the model's dtype) and float32 log-probs, for every chunk in turn. On a
+    CPU a fresh buffer above glibc's mmap threshold (32 MiB at most; a chunk's logits are up to 64
+    MiB) is mapped anew and page-faults on first touch, so a buffer per chunk cost a fault per 4 KiB
+    of logits, chunk after chunk (docs/lisa.md, benchmarks/step_probe.py)."""
+    shape = (min(step, hidden.size(0)), weight.size(0))
+    return hidden.new_empty(shape), hidden.new_empty(shape, dtype=torch.float32)
 
 
 def _positions(model, batch: dict, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,9 @@ def test_dpo_sides_run_the_same_pairs(tmp_path):
     for name in ("lisaft_dpo", "trl_dpo"):
         r = run_side(name, s, tmp_path / name, profile=name == "lisaft_dpo")
         assert r["steps_timed"] == s["steps"] - s["warmup"], name
+        if name == "lisaft_dpo":  # the profile tells the matmuls apart by their operands' shapes
+            shapes = {m["shapes"] for m in r["profile_matmuls"] if m["op"] == "aten::mm"}
+            assert len(shapes) > 1 and all(m["calls_per_step"] > 0 for m in r["profile_matmuls"])
     assert r["steps_per_s"] > 0
 
 
@@ -48,3 +51,22 @@ def test_the_sides_alternate_and_the_best_round_counts(monkeypatch):
     s = out["settings"]
     assert out["tokens_per_s"]["lisaft_lisa"] == 3.0 * s["batch_size"] * s["seq_len"]
     json.dumps(out)  # what the result file holds
+
+
+def test_the_step_probe_logs_each_call_with_its_operands_layout_and_diffs_two_logs():
+    import torch
+
+    from benchmarks.step_probe import call_line, diff, fresh_bytes
+
+    a, w = torch.randn(4, 3), torch.randn(5, 3)
+    mm = torch.ops.aten.mm.default
+    logs = []
+    for weight in (w.t(), w.t().contiguous()):  # the same product, the weight in two layouts
+        out = mm(a, weight)
+        assert fresh_bytes((a, weight), {}, out) == 4 * 5 * 4  # the product's own buffer
+        logs.append({"op_counts": {call_line(mm, (a, weight), {}): 1}})
+    assert fresh_bytes((a, w), {"out": out}, out) == 0  # an out= call allocates nothing
+    assert logs[0]["op_counts"] == {"aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[1, 3] nc)": 1}
+    assert diff(logs[0], logs[1], ("t", "contiguous")) == [
+        "== more in t: 1 calls", "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[1, 3] nc)",
+        "== more in contiguous: 1 calls", "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[5, 1])"]

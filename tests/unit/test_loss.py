@@ -191,3 +191,35 @@ def test_the_chunked_loss_forms_one_head_gradient_as_the_estimator_counts(dtype,
     final_norm = model.model.norm.weight
     measured = live.peak * head.numel() * head.element_size() + final_norm.numel() * final_norm.element_size()
     assert est.phase_components["loss_backward"]["gradients"] == measured
+
+
+@pytest.mark.parametrize("per_position", [False, True], ids=["summed", "per-position"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_chunked_loss_allocates_its_logits_buffers_once_for_all_chunks(dtype, per_position, monkeypatch):
+    """Ten chunks, two logits-sized allocations per pass over them: the chunk's logits and its
+    float32 log-probs, reused chunk after chunk (in bfloat16 the gradient goes back into the
+    logits' buffer). The summed loss passes once (its gradients formed in the forward), the
+    per-position one twice (backward recomputes). On a CPU each fresh buffer of a real
+    vocabulary's chunk is mapped anew and page-faults on first touch (benchmarks/step_probe.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from lisaft.model.loss import token_nll
+
+    fresh = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+            fresh.extend(str(t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                         and t.shape[-1:] == (512,) and t.untyped_storage().data_ptr() not in given)
+            return out
+
+    model, batch = _model("llama").to(dtype), _batch()
+    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_ELEMENTS", 512 * 5)  # 10 chunks of 5 positions
+    with Allocations():
+        loss = token_nll(model, batch).sum() if per_position else token_loss_sum(model, batch)
+        loss.backward()
+    passes = 2 if per_position else 1
+    assert sorted(fresh) == sorted([str(dtype), "torch.float32"] * passes), fresh
