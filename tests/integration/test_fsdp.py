@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from test_distributed import assert_same_grad_norms, torchrun, train_losses, weights
 
 from lisaft.metrics.log import read_metrics
-from lisaft.model.loss import LOSS_CHUNK_ELEMENTS
+from lisaft.model import loss
 from lisaft.train import train
 
 COMMON = dict(scheduler={"name": "constant"}, lisa={"interval_steps": 2},
@@ -18,6 +19,7 @@ BF16 = {"model": {"dtype": "bfloat16"}, "optimizer": {"name": "adamw_8bit"}, "li
 # Twice as wide, so that tensors reach bitsandbytes' 4096 elements and keep 8-bit moments:
 # the MLP matrices on each rank's half, the embeddings and head only when whole.
 WIDE_BF16 = {**BF16, "model": {**BF16["model"], "config": "wide/config.json"}}
+CHUNKED_LOSS_CLI = Path(__file__).with_name("chunked_loss_cli.py")
 
 
 def recipe(tiny_run, name: str, sections: dict | None = None, **training):
@@ -26,15 +28,21 @@ def recipe(tiny_run, name: str, sections: dict | None = None, **training):
                                        "training": {**COMMON["training"], "output_dir": name, **training}})
 
 
-def fsdp_run(tiny_run, name: str, sections: dict | None = None, compare: bool = True, **training):
-    """Two ranks of batch 2 and, for comparison, one process of batch 4."""
-    result = torchrun("train", str(recipe(tiny_run, name, sections, batch_size=2, fsdp=True, **training)),
-                      cwd=tiny_run.dir)
+def fsdp_run(tiny_run, name: str, sections: dict | None = None, compare: bool = True,
+             chunk_elements: int | None = None, **training):
+    """Two ranks of batch 2 and, for comparison, one process of batch 4. `chunk_elements`: the
+    loss's chunk size (loss.LOSS_CHUNK_ELEMENTS) in both, set by chunked_loss_cli.py on the ranks."""
+    path = str(recipe(tiny_run, name, sections, batch_size=2, fsdp=True, **training))
+    result = (subprocess_torchrun(CHUNKED_LOSS_CLI, chunk_elements, "train", path, cwd=tiny_run.dir)
+              if chunk_elements else torchrun("train", path, cwd=tiny_run.dir))
     assert result.returncode == 0, result.stdout + result.stderr
     run, single = tiny_run.dir / name, tiny_run.dir / f"{name}-single"
     out = SimpleNamespace(run=run, single=single, losses=train_losses(run), weights=weights(run))
     if compare:
-        assert train(recipe(tiny_run, f"{name}-single", sections, batch_size=4, **training), show=False) == 0
+        with pytest.MonkeyPatch.context() as mp:
+            if chunk_elements:
+                mp.setattr(loss, "LOSS_CHUNK_ELEMENTS", chunk_elements)
+            assert train(recipe(tiny_run, f"{name}-single", sections, batch_size=4, **training), show=False) == 0
         out.single_losses, out.single_weights = train_losses(single), weights(single)
     return out
 
@@ -72,29 +80,30 @@ def close_to_one_process(r, rtol=1e-5, wtol=1e-4):
 
 # A rank's packed micro-batch: batch 2 rows of data.max_seq_len 32 positions.
 RANK_POSITIONS = 2 * 32
-# 600,000 output rows x that micro-batch's positions pass loss.LOSS_CHUNK_ELEMENTS, so the head
-# and the loss run in chunks of positions, outside the model's own forward, the last chunk shorter
-# than the others, on two ranks and in one process (lisaft/model/loss.py).
-BIG_VOCAB = 600_000
+# The loss's chunk, in positions: loss.LOSS_CHUNK_ELEMENTS set to this many rows of logits of the
+# tiny vocabulary, so the head and the loss run in chunks of positions, outside the model's own
+# forward, the last chunk shorter than the others, on two ranks and in one process
+# (lisaft/model/loss.py). At the library's chunk size this took a 600,000-row vocabulary, whose
+# embeddings, head and moments made this the suite's slowest fixture (~40 s against ~10 s).
+CHUNK_POSITIONS = 27
 
 
 @pytest.fixture(scope="module")
-def big_vocab(shared_tiny_run):
-    cfg = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())
-    (shared_tiny_run.dir / "big-vocab-model").mkdir()
-    cfg.update(vocab_size=BIG_VOCAB)
-    (shared_tiny_run.dir / "big-vocab-model" / "config.json").write_text(json.dumps(cfg))
-    # No checkpoints: the comparison reads the metrics and RUN/final only, and each checkpoint of
-    # this vocabulary's embeddings, head and moments is hundreds of MB.
-    return fsdp_run(shared_tiny_run, "big-vocab", {"model": {"config": "big-vocab-model/config.json"},
-                                                   "data": {"packing": True}}, save_every=0)
+def chunked_loss(shared_tiny_run):
+    vocab = json.loads((shared_tiny_run.dir / "model" / "config.json").read_text())["vocab_size"]
+    # No checkpoints: the comparison reads the metrics and RUN/final only.
+    out = fsdp_run(shared_tiny_run, "chunked-loss", {"data": {"packing": True}}, chunk_elements=CHUNK_POSITIONS * vocab,
+                   save_every=0)
+    out.vocab, out.elements = vocab, CHUNK_POSITIONS * vocab
+    return out
 
 
 @pytest.mark.slow
-def test_the_chunked_loss_on_two_ranks_matches_one_process(big_vocab):
-    step = LOSS_CHUNK_ELEMENTS // BIG_VOCAB
+def test_the_chunked_loss_on_two_ranks_matches_one_process(chunked_loss):
+    step = chunked_loss.elements // chunked_loss.vocab  # loss.py's positions per chunk
+    assert RANK_POSITIONS * chunked_loss.vocab > chunked_loss.elements  # chunked (loss.chunked)
     assert RANK_POSITIONS / step > 2 and RANK_POSITIONS % step  # three chunks, the last one shorter
-    close_to_one_process(big_vocab)
+    close_to_one_process(chunked_loss)
 
 
 @pytest.mark.slow
@@ -166,21 +175,6 @@ def test_bf16_lisa_with_8bit_moments_offloaded_trains_like_one_process(bf16):
     assert any(st["exp_avg"].dtype == torch.uint8 for st in moments["state"].values())
 
 
-@pytest.mark.slow
-def test_two_ranks_resume_bit_identically(bf16, shared_tiny_run):
-    # bf16 with stochastic rounding, 8-bit moments and offloaded state: the rounding noise of each
-    # slice and every rank's moments must come back exactly.
-    cut = shared_tiny_run.dir / "bf16-cut"
-    shutil.copytree(bf16.run, cut)
-    shutil.rmtree(cut / "final")
-    shutil.rmtree(cut / "checkpoints" / "step-000004")  # as if stopped at step 2
-    result = torchrun("resume", str(cut), cwd=shared_tiny_run.dir)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert train_losses(cut) == bf16.losses
-    resumed = weights(cut)
-    assert all(resumed[k].equal(bf16.weights[k]) for k in bf16.weights)
-
-
 def cut_at_step_2(run, name: str):
     """A copy of the run as if it had stopped after its step-2 checkpoint."""
     cut = run.parent / name
@@ -248,7 +242,11 @@ def test_keep_under_fsdp_trains_as_discard(lisa, shared_tiny_run):
 @pytest.mark.slow
 def test_sigkill_while_writing_an_fsdp_checkpoint_leaves_the_run_resumable(bf16, shared_tiny_run):
     # Killed with every rank's slices and moments of step 4 written but not rank 0's completion
-    # marker: the worst moment. The resume continues from step 2, bit for bit.
+    # marker: the worst moment. The resume continues from step 2, bit for bit: bf16 with
+    # stochastic rounding, 8-bit moments and offloaded state, so the rounding noise of each slice
+    # and every rank's moments must come back exactly. (This also holds what a separate test
+    # checked on a copy of the bf16 run cut at step 2: the same torchrun resume from the same
+    # step-2 checkpoint, the same assertions, one two-rank launch more.)
     import contextlib
     import os
     import signal
@@ -373,8 +371,6 @@ def test_a_saved_model_loaded_shard_by_shard_trains_like_one_process(saved):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_shard_by_shard_loading_never_holds_the_whole_model_and_equals_from_pretrained(shared_tiny_run, dtype):
     # A tied head, float32 files: in bfloat16 the rows are rounded as from_pretrained rounds them.
-    from pathlib import Path
-
     from transformers import AutoModelForCausalLM
 
     folder = save_tiny_model(shared_tiny_run, f"tied-model-{dtype}", tie=True)
