@@ -90,10 +90,11 @@ def test_bf16_stochastic_rounding_resumes_bit_identically(tiny_run, policy, name
                   training={"max_steps": 6, "eval_every": 3})
     ref = tiny_run("ref.yaml", **common)
     assert train(ref, overrides=["training.output_dir=ref"], show=False) == 0
-    nearest = tiny_run("nearest.yaml", **{**common, "optimizer": {**common["optimizer"], "bf16_update": "nearest"}})
-    assert train(nearest, overrides=["training.output_dir=nearest"], show=False) == 0
-    wr, wn = final_weights(tiny_run.dir / "ref"), final_weights(tiny_run.dir / "nearest")
-    assert any(not wr[k].equal(wn[k]) for k in wr)  # the rounding mode is really in effect
+    if policy == "discard":  # the rounding is the optimizer's, whatever the policy: once per optimizer
+        nearest = tiny_run("nearest.yaml", **{**common, "optimizer": {**common["optimizer"], "bf16_update": "nearest"}})
+        assert train(nearest, overrides=["training.output_dir=nearest"], show=False) == 0
+        wr, wn = final_weights(tiny_run.dir / "ref"), final_weights(tiny_run.dir / "nearest")
+        assert any(not wr[k].equal(wn[k]) for k in wr)  # the rounding mode is really in effect
     cut = tiny_run("cut.yaml", **common)
     assert train(cut, overrides=["training.output_dir=cut"], show=False, _stop_at=3) != 0
     assert resume(tiny_run.dir / "cut", show=False) == 0
