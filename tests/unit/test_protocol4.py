@@ -60,6 +60,10 @@ def test_plan_runs_each_methods_first_cells_together_then_every_cell_then_the_gr
 def test_grpos_reward_is_the_held_out_scores_exact_test():
     completions = [[{"role": "assistant", "content": text}] for text in ("180", " 180\n", "180.", "Sum: 180", "18")]
     assert p4.exact_sum([None] * 5, completions, ["180"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    from lisaft.config.grpo import GrpoSection
+    from lisaft.grpo.rewards import load_rewards
+
+    assert load_rewards(GrpoSection(reward_funcs=[p4.SETTINGS["grpo_reward"]]))[0].func is p4.exact_sum
 
 
 def test_onpolicy_rows_take_the_wrong_answers_only_up_to_the_limit():
