@@ -118,7 +118,7 @@ class Bench4(Bench):
         s = self.s
         if objective == "grpo":
             job = self._job(objective, seed, lr, s["grpo_batch_size"], s["max_seq_len"], s["grpo_steps"])
-            section = {"reward_funcs": ["exact_match"], "num_generations": s["num_generations"],
+            section = {"reward_funcs": [s["grpo_reward"]], "num_generations": s["num_generations"],
                        "max_completion_length": s["max_completion_length"], "temperature": s["temperature"]}
             return lisaft_recipe(job, spec, {"name_or_path": str(self.start_dir(start))}, run_dir,
                                  s["grpo_steps"], lr, grpo=section), s["grpo_steps"]
@@ -154,6 +154,7 @@ class Bench4(Bench):
                       "peak_rss_bytes": peak_rss_bytes(), "threads": torch.get_num_threads(),
                       "load_avg_1min": round(os.getloadavg()[0], 2)}
             if objective == "grpo":
-                record.update(rewards=rewards, frac_reward_zero_std=zero_std)
+                record.update(rewards=rewards, frac_reward_zero_std=zero_std, reward_func=self.s["grpo_reward"],
+                              batch_size=self.s["grpo_batch_size"], num_generations=self.s["num_generations"])
         _write_json(self.out / "runs" / f"{p4.run_name(objective, start, method, lr, seed)}.json", record)
         return record

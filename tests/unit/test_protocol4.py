@@ -35,14 +35,17 @@ def _runs(plan, val=None):
     return [_run(o, s, m, lr, seed, val=lr if val is None else val) for o, s, m, lr, seed in plan]
 
 
-def test_plan_runs_grpo_from_sft_first_then_every_cell_then_the_grid_edges_and_seeds():
+def test_plan_runs_each_methods_first_cells_together_then_every_cell_then_the_grid_edges_and_seeds():
     first = p4.plan({})
-    assert first[:3] == [("grpo", "sft", m, p4.GRIDS[m][1], 0) for m in p4.METHODS]
+    lisa = p4.GRPO_GRIDS["lisa_g4"][1], p4.GRIDS["lisa_g4"][1]
+    assert first[:3] == [("grpo", "sft", "lisa_g4", lisa[0], 0), ("dpo", "base", "lisa_g4", lisa[1], 0),
+                         ("kto", "base", "lisa_g4", lisa[1], 0)]  # the cheapest method's first cells
+    assert p4.GRPO_GRIDS["full"][1] < p4.GRIDS["full"][1]  # GRPO's own, lower grid
     cells = len(p4.CELLS) * len(p4.METHODS)
     assert len(first) == cells * 3  # the seed-0 sweep, the middle lrs leading
     stage1 = _runs(first[:cells])
     grid = p4.plan(_done(stage1))
-    assert all(lr != p4.GRIDS[m][1] and seed == 0 for _, _, m, lr, seed in grid)
+    assert all(lr != p4.grid(o, m)[1] and seed == 0 for o, _, m, lr, seed in grid)
     sweep = stage1 + _runs(grid)  # the best: the top of every grid, so one lr beyond it
     edges = p4.plan(_done(sweep))
     assert ("kto", "base", "full", 9e-5, 0) in edges and len(edges) == cells
@@ -51,7 +54,16 @@ def test_plan_runs_grpo_from_sft_first_then_every_cell_then_the_grid_edges_and_s
     assert len(seeds) == cells * 2
     assert p4.plan(_done(sweep + _runs(edges) + _runs(seeds))) == []
     middle_best = _runs(first) + _runs(grid, val=0.0)  # the middle wins: no edge, seeds at once
-    assert ("grpo", "sft", "full", 1e-5, 1) in p4.plan(_done(middle_best))
+    assert ("grpo", "sft", "full", 3e-6, 1) in p4.plan(_done(middle_best))
+
+
+def test_grpos_reward_is_the_held_out_scores_exact_test():
+    completions = [[{"role": "assistant", "content": text}] for text in ("180", " 180\n", "180.", "Sum: 180", "18")]
+    assert p4.exact_sum([None] * 5, completions, ["180"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    from lisaft.config.grpo import GrpoSection
+    from lisaft.grpo.rewards import load_rewards
+
+    assert load_rewards(GrpoSection(reward_funcs=[p4.SETTINGS["grpo_reward"]]))[0].func is p4.exact_sum
 
 
 def test_onpolicy_rows_take_the_wrong_answers_only_up_to_the_limit():
