@@ -76,6 +76,12 @@ def settings(comparison: str, shape: str, real_model: Path | None, threads: int)
     return {**s, "model": model, "vocab": model["vocab_size"]}
 
 
+def portable(text: str, real_model: Path | None) -> str:
+    """The result as committed: the real model's folder (a path on the machine that ran it) named
+    REAL_MODEL, as `python -m benchmarks.real_model` prints it on another."""
+    return text.replace(json.dumps(str(real_model))[1:-1], "REAL_MODEL") if real_model else text
+
+
 def one_process(name: str, s: dict, profile: bool) -> dict:
     """One side in a fresh interpreter; its RESULT line, and the load average around it."""
     load = os.getloadavg()[0]
@@ -155,7 +161,7 @@ def main(argv=None) -> int:
         if args.steps:
             s["steps"] = s["warmup"] + args.steps
         result["comparisons"][f"{shape}/{comparison}"] = compare(comparison, s, repeats, args.profile)
-        args.out.write_text(json.dumps(result, indent=1))
+        args.out.write_text(portable(json.dumps(result, indent=1), args.real_model))
     for key, c in result["comparisons"].items():
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in c.items() if "_over_" in k)
         print(f"{key}: " + ", ".join(f"{n} {v:.2f} steps/s" for n, v in c["steps_per_s"].items()) + f"; {ratios}")

@@ -70,3 +70,16 @@ def test_the_step_probe_logs_each_call_with_its_operands_layout_and_diffs_two_lo
     assert diff(logs[0], logs[1], ("t", "contiguous")) == [
         "== more in t: 1 calls", "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[1, 3] nc)",
         "== more in contiguous: 1 calls", "    1  aten.mm.default(float32[4, 3]/[3, 1], float32[3, 5]/[5, 1])"]
+
+
+def test_the_committed_result_names_the_real_model_folder_not_this_machines_path(tmp_path):
+    folder = tmp_path / "models" / "smollm2"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 49152}))
+    result = {"command": f"python -m benchmarks.peer_bench --real-model {folder}",
+              "comparisons": {"real/full": {"settings": settings("full", "real", folder, 2)}}}
+    written = json.loads(peer_bench.portable(json.dumps(result, indent=1), folder))
+    assert written["command"] == "python -m benchmarks.peer_bench --real-model REAL_MODEL"
+    assert written["comparisons"]["real/full"]["settings"]["model_path"] == "REAL_MODEL"
+    assert str(tmp_path) not in json.dumps(written)
+    assert peer_bench.portable("unchanged", None) == "unchanged"
