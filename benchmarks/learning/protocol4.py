@@ -84,9 +84,10 @@ def grid(objective: str, method: str) -> list[float]:
 def exact_sum(prompts, completions, answer, **kwargs) -> list[float]:
     """GRPO's reward: 1.0 where the completion (its text up to end of turn) is the row's sum and
     nothing else but surrounding whitespace, as the held-out exact score reads an answer."""
+    from benchmarks.learning.run3 import is_exact
     from lisaft.grpo.rewards import completion_text
 
-    return [float(completion_text(c).strip() == a) for c, a in zip(completions, answer, strict=True)]
+    return [float(is_exact(completion_text(c), a)) for c, a in zip(completions, answer, strict=True)]
 
 
 def run_name(objective: str, start: str, method: str, lr: float, seed: int) -> str:

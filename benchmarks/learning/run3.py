@@ -51,9 +51,15 @@ def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
     return answers
 
 
+def is_exact(answer: str, total: str) -> bool:
+    """The held-out score's test: the answer up to end of turn is the sum and nothing else but
+    surrounding whitespace (protocol 4's GRPO reward is this same test)."""
+    return answer.strip() == total
+
+
 def addition_scores(model, tokenizer, pairs: list[tuple[int, int]], max_new_tokens: int) -> dict:
     answers = greedy_answers(model, tokenizer, [gen.question(a, b) for a, b in pairs], max_new_tokens)
-    exact = sum(ans == str(a + b) for ans, (a, b) in zip(answers, pairs))
+    exact = sum(is_exact(ans, str(a + b)) for ans, (a, b) in zip(answers, pairs))
     lenient = sum(last_number(ans) == a + b for ans, (a, b) in zip(answers, pairs))
     return {"exact": exact / len(pairs), "lenient": lenient / len(pairs), "examples": answers[:6]}
 

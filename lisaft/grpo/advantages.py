@@ -40,8 +40,8 @@ def global_nanstd(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     count_sum = dist.all_reduce_sum(torch.stack([kept.sum().double().to(device), v.nansum()]))
     mean = count_sum[1] / count_sum[0].clamp(min=1)
     sq = dist.all_reduce_sum(torch.where(kept.to(device), (v - mean).pow(2), 0.0).sum())
-    n = count_sum[0]
-    std = (sq / (n - 1).clamp(min=1)).sqrt() if n > 1 else torch.tensor(float("nan"), dtype=torch.float64)
+    n = count_sum[0]  # fewer than 2 values: NaN, as nanstd, without reading n back to the host
+    std = torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), float("nan"))
     return std.to(x.device, x.dtype)
 
 
