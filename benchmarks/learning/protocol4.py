@@ -94,8 +94,12 @@ def run_name(objective: str, start: str, method: str, lr: float, seed: int) -> s
     return f"{objective}-{start}-{method}-lr{lr:g}-s{seed}"
 
 
-def plan(done: dict[str, dict]) -> list[tuple[str, str, str, float, int]]:
-    """The runs still to do, (objective, start, method, lr, seed), in the protocol's order."""
+def plan(done: dict[str, dict], seeds_first: tuple[str, str] | None = None) -> list[tuple[str, str, str, float, int]]:
+    """The runs still to do, (objective, start, method, lr, seed), in the protocol's order; with
+    `seeds_first` (objective, start), that cell's three seeds per method come before everything
+    else (full fine-tuning's last: it takes about twice as long), at its picked lr where its sweep
+    is done and at its grid's middle where it is not (the sweep's other lrs still run later, and
+    report4 says which lr each seed ran at)."""
     todo: list[tuple[str, str, str, float, int]] = []
 
     def add(objective: str, start: str, method: str, lr: float, seed: int) -> None:
@@ -103,6 +107,13 @@ def plan(done: dict[str, dict]) -> list[tuple[str, str, str, float, int]]:
         if run_name(*run) not in done and run not in todo:
             todo.append(run)
 
+    if seeds_first is not None:
+        objective, start = seeds_first
+        for method, seed in sorted(((m, s) for m in METHODS for s in SEEDS), key=lambda ms: (ms[0] == "full", ms[1])):
+            sweep = [r for r in done.values() if (r["objective"], r["start"], r["method"], r["seed"])
+                     == (objective, start, method, 0)]
+            swept = {r["lr"] for r in sweep} >= set(grid(objective, method))
+            add(objective, start, method, p3.best_lr(sweep) if swept else grid(objective, method)[1], seed)
     for cells in (CELLS[:3], CELLS[3:]):
         for method in METHODS:
             for objective, start in cells:
@@ -151,14 +162,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help="the model folder (default: python -m benchmarks.real_model's)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
+    ap.add_argument("--seeds-first", choices=[f"{o}-{s}" for o, s in CELLS],
+                    help="that cell's seeds 0-2 per method before the rest (its picked lr, or its grid's middle)")
     args = ap.parse_args(argv)
+    first = tuple(args.seeds_first.split("-")) if args.seeds_first else None
     from benchmarks import real_model
     from benchmarks.learning import report4, run4
 
     model = Path(args.model) if args.model else real_model.build(real_model.cache_dir())
     out = Path(args.out)
     bench = run4.Bench4(model, out, SETTINGS)
-    p3.run_until_done(out, plan, lambda run: bench.run_objective(*run[:3], method_spec(run[2], bench.config), *run[3:]),
+    p3.run_until_done(out, lambda done: plan(done, first),
+                      lambda run: bench.run_objective(*run[:3], method_spec(run[2], bench.config), *run[3:]),
                       lambda run: run_name(*run), report4.write, args.max_runs)
 
 
