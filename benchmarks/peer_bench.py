@@ -7,6 +7,11 @@ Three comparisons on the same model, data, batch and steps (benchmarks/peer_side
                                              toggles requires_grad (and the Trainer's full run)
   dpo    lisaft DPO, reference computed      against TRL's DPOTrainer, precompute_ref_log_probs=True
          once before step 1
+  lisa_compiled  (only with --only lisa_compiled) lisaft LISA with training.compile (each decoder
+         layer compiled) against the callback run with the Trainer's torch_compile (the whole
+         model, compiled again for each new sample of layers), and against the eager callback and
+         full run. Compilation falls in the timed steps wherever it happens there, as a user pays
+         it; each side's median step (step_s_median) leaves it out.
 
 Shapes: `tiny` (SFT: Llama 8 layers x 384, 4 rows of 256 tokens, data.packing; DPO: Llama 4 x 256,
 8 pairs a step, the quickstart tokenizer), `quick` (a smoke test's), or the real model with
@@ -62,7 +67,11 @@ SETTINGS = {"sft": {"tiny": dict(steps=30, warmup=5, batch_size=4, seq_len=256, 
                     "quick": dict(steps=6, warmup=2, batch_size=2, seq_len=64, interval=2, log_every=2),
                     "real": dict(steps=7, warmup=2, batch_size=8, seq_len=128, interval=5, log_every=5)}}
 COMPARISONS = {"full": ("lisaft_full", "hf_full"), "lisa": ("lisaft_lisa", "hf_lmflow"),
-               "dpo": ("lisaft_dpo", "trl_dpo")}
+               "dpo": ("lisaft_dpo", "trl_dpo"), "lisa_compiled": ("lisaft_lisa_compiled", "hf_lmflow_compiled")}
+# Beside each side of a comparison, the third sides it is also read against (each ratio in the JSON).
+ALSO = {"lisa": ["hf_full"], "lisa_compiled": ["hf_lmflow", "hf_full"]}
+# lisa_compiled only on request: the Trainer's whole-model compile runs again at each new sample.
+DEFAULT = ["full", "lisa", "dpo"]
 
 
 def settings(comparison: str, shape: str, real_model: Path | None, threads: int) -> dict:
@@ -101,7 +110,7 @@ def one_process(name: str, s: dict, profile: bool) -> dict:
 
 def compare(comparison: str, s: dict, repeats: int, profile: bool) -> dict:
     ours, theirs = COMPARISONS[comparison]
-    sides = [ours, theirs] + (["hf_full"] if comparison == "lisa" else [])
+    sides = [ours, theirs] + ALSO.get(comparison, [])
     rounds: dict[str, list[dict]] = {n: [] for n in sides}
     for r in range(repeats):
         for name in sides if r % 2 == 0 else sides[::-1]:
@@ -113,8 +122,8 @@ def compare(comparison: str, s: dict, repeats: int, profile: bool) -> dict:
     out = {"settings": s, "rounds": rounds, "steps_per_s": best,
            "tokens_per_s": {n: v * tokens for n, v in best.items()} if comparison != "dpo" else None,
            f"{ours}_over_{theirs}": best[ours] / best[theirs]}
-    if comparison == "lisa":
-        out[f"{ours}_over_hf_full"] = best[ours] / best["hf_full"]
+    for other in ALSO.get(comparison, []):
+        out[f"{ours}_over_{other}"] = best[ours] / best[other]
     return out
 
 
@@ -153,7 +162,7 @@ def main(argv=None) -> int:
     suffix = "" if shape == "tiny" else "_" + shape
     args.out = args.out or REPO / "benchmarks" / "results" / "peer" / f"peer_bench{suffix}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for comparison in args.only or list(COMPARISONS):
+    for comparison in args.only or DEFAULT:
         if comparison == "dpo" and result["trl"] is None:
             print("dpo: skipped, TRL is not installed (pip install -e '.[bench]')")
             continue

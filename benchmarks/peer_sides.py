@@ -146,7 +146,7 @@ def lisaft_side(name: str, s: dict, work: Path, stamps: Stamps) -> dict:
              else {"config": str(model_config(s["model"], work, s["seq_len"]))})
     training = {"seed": SEED, "batch_size": s["batch_size"], "max_steps": s["steps"] + 1,
                 "max_grad_norm": MAX_GRAD_NORM, "log_every": s["log_every"], "output_dir": str(work / "run"),
-                "device": "cpu"}
+                "device": "cpu", "compile": name.endswith("_compiled")}
     common = {"optimizer": {"name": "adamw_32bit", "lr": LR, "weight_decay": 0.0},
               "scheduler": {"name": "constant", "warmup_steps": 0}, "training": training}
     if name == "lisaft_dpo":
@@ -162,7 +162,8 @@ def lisaft_side(name: str, s: dict, work: Path, stamps: Stamps) -> dict:
         recipe = recipe_from_dict({
             "model": {**model, "tokenizer": "unused", "dtype": "float32", "attention": "sdpa"},
             "data": {"train": "unused", "max_seq_len": s["seq_len"], "packing": True},
-            "lisa": {"enabled": name == "lisaft_lisa", "active_layers": GAMMA, "interval_steps": s["interval"]},
+            "lisa": {"enabled": name.startswith("lisaft_lisa"), "active_layers": GAMMA,
+                     "interval_steps": s["interval"]},
             **common}, "peer_bench")
         _lisaft_run(recipe, work / "run", stamps, tokenizer=PadOnly(), train_examples=sft_examples(s, s["vocab"]),
                     eval_examples=None)
@@ -220,8 +221,8 @@ def hf_side(name: str, s: dict, work: Path, stamps: Stamps) -> dict:
     ordered = [rows[i]["input_ids"] for _ in range(s["steps"]) for i in order.next_indices()]
 
     rows_in_order, InOrder = hf_in_order(ordered)
-    callbacks = _callbacks(stamps, name == "hf_lmflow", model.model.layers, s["interval"])
-    args = TrainingArguments(**_args(s, work), remove_unused_columns=False)
+    callbacks = _callbacks(stamps, name.startswith("hf_lmflow"), model.model.layers, s["interval"])
+    args = TrainingArguments(**_args(s, work), remove_unused_columns=False, torch_compile=name.endswith("_compiled"))
     InOrder(model=model, args=args, train_dataset=rows_in_order, callbacks=callbacks).train()
     return stamps.result()
 

@@ -51,6 +51,11 @@ def test_the_sides_alternate_and_the_best_round_counts(monkeypatch):
     s = out["settings"]
     assert out["tokens_per_s"]["lisaft_lisa"] == 3.0 * s["batch_size"] * s["seq_len"]
     json.dumps(out)  # what the result file holds
+    figures.update(lisaft_lisa_compiled=iter([4.0]), hf_lmflow_compiled=iter([2.5]), hf_lmflow=iter([2.0]),
+                   hf_full=iter([1.6]))
+    out = compare("lisa_compiled", settings("lisa_compiled", "quick", None, 1), repeats=1, profile=False)
+    assert (out["lisaft_lisa_compiled_over_hf_lmflow_compiled"], out["lisaft_lisa_compiled_over_hf_lmflow"],
+            out["lisaft_lisa_compiled_over_hf_full"]) == (1.6, 2.0, 2.5)  # against each peer, compiled or not
 
 
 def test_the_step_probe_logs_each_call_with_its_operands_layout_and_diffs_two_logs():
