@@ -124,6 +124,9 @@ def compare(comparison: str, s: dict, repeats: int, profile: bool) -> dict:
            f"{ours}_over_{theirs}": best[ours] / best[theirs]}
     for other in ALSO.get(comparison, []):
         out[f"{ours}_over_{other}"] = best[ours] / best[other]
+    if comparison == "lisa_compiled":  # the steady state, a recompilation's step left out
+        median = {n: min(x["step_s_median"] for x in rs) for n, rs in rounds.items()}
+        out["by_median_step"] = {f"{ours}_over_{o}": median[o] / median[ours] for o in [theirs, *ALSO[comparison]]}
     return out
 
 

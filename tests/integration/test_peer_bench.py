@@ -42,7 +42,8 @@ def test_the_sides_alternate_and_the_best_round_counts(monkeypatch):
 
     def fake(name, s, profile):
         calls.append(name)
-        return {"steps_per_s": next(figures[name]), "load_avg_1min": [0.0, 0.0]}
+        rate = next(figures[name])
+        return {"steps_per_s": rate, "step_s_median": 1 / rate, "load_avg_1min": [0.0, 0.0]}
 
     monkeypatch.setattr(peer_bench, "one_process", fake)
     out = compare("lisa", settings("lisa", "quick", None, 1), repeats=2, profile=False)
@@ -56,6 +57,7 @@ def test_the_sides_alternate_and_the_best_round_counts(monkeypatch):
     out = compare("lisa_compiled", settings("lisa_compiled", "quick", None, 1), repeats=1, profile=False)
     assert (out["lisaft_lisa_compiled_over_hf_lmflow_compiled"], out["lisaft_lisa_compiled_over_hf_lmflow"],
             out["lisaft_lisa_compiled_over_hf_full"]) == (1.6, 2.0, 2.5)  # against each peer, compiled or not
+    assert out["by_median_step"]["lisaft_lisa_compiled_over_hf_lmflow_compiled"] == 1.6
 
 
 def test_the_step_probe_logs_each_call_with_its_operands_layout_and_diffs_two_logs():
