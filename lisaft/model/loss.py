@@ -145,10 +145,10 @@ def _ce_rows_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap
                             logp: torch.Tensor):
     """One chunk's float32 cross entropy per row (0 where the target is -100) and, if wanted, its
     gradient with respect to the raw logits at an output gradient of 1 for every row, in the
-    logits' dtype: the float32 log-probs, written into `logp`, turned into it in place (the
-    soft-cap's slope applied in place too), as _CrossEntropySum's backward does, and cast back into the logits' buffer
-    when that is not float32. The logits are this function's to overwrite: at most the float32
-    log-probs and two buffers of the logits' dtype (one without a soft-cap) at once,
+    logits' dtype: the float32 log-probs, written into `logp`, turned into it in place, as
+    _CrossEntropySum's backward does, cast back into the logits' buffer when that is not float32,
+    and times the soft-cap's slope in place. The logits are this function's to overwrite: at most
+    the float32 log-probs and two buffers of the logits' dtype (one without a soft-cap) at once,
     memory/activations.py loss_buffers_peak."""
     tanh, capped = None, logits
     if softcap:  # the soft-cap's slope is 1 - tanh^2
@@ -174,10 +174,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """Each position's cross entropy [N] (0 where the target is -100) of head(hidden) [N, V], over
     chunks of `step` positions. Its backward takes one output gradient per position (preference
     and GRPO log-probs), unknown in the forward, which the head weight's gradient sums over, so it
-    recomputes each chunk's logits there, and
-    adds the chunk's weight gradient into one head-sized buffer in place (addmm_): checkpointed
-    chunks would each form a head-sized gradient for autograd to add into the one it holds, and
-    fire a post-accumulate-grad hook once per chunk."""
+    recomputes each chunk's logits there, and adds the chunk's weight gradient into one head-sized
+    buffer in place (addmm_): checkpointed chunks would each form a head-sized gradient for
+    autograd to add into the one it holds, and fire a post-accumulate-grad hook once per chunk."""
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
