@@ -4,7 +4,11 @@ used before issue 51), on SmolLM2-135M's shape by default. benchmarks/loss_bench
 
     python -m benchmarks.loss_bench                       # 4 x 255 positions, 49,152 x 576 head, fp32
     python -m benchmarks.loss_bench --dtype bfloat16 --rounds 9
+    python -m benchmarks.loss_bench --frozen-head         # the per-position form with a frozen head
 
+`--frozen-head` times instead the per-position form where the head is frozen (LoRA), under one
+random output gradient per position: the hidden states' gradient formed in the forward (what
+head_nll runs there) against the recompute in backward that it ran before (_ChunkedHeadLoss).
 The two run alternately, `rounds` times each after one warm-up; the best and the median count.
 Both call lisaft/model/loss.py's own head_loss_sum and head_nll on the same hidden states and head.
 """
@@ -29,8 +33,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "loss_bench.json")
+    ap.add_argument("--frozen-head", action="store_true", help="the per-position form with a frozen head")
+    ap.add_argument("--out", type=Path, help="default: benchmarks/results/loss_bench.json "
+                    "(loss_bench_frozen_head.json with --frozen-head)")
     args = ap.parse_args(argv)
+    out = args.out or REPO / "benchmarks" / "results" / f"loss_bench{'_frozen_head' if args.frozen_head else ''}.json"
 
     import torch
 
@@ -52,7 +59,21 @@ def main(argv=None) -> int:
         h = hidden.clone().requires_grad_()
         (loss.head_nll(h, targets, weight).sum() / args.positions).backward()
 
-    sides = {"fused_forward": fused, "recompute_backward": recompute}
+    frozen = weight.detach()
+    grad_out = torch.randn(args.positions, generator=gen) / args.positions
+
+    def frozen_forward() -> None:
+        h = hidden.clone().requires_grad_()
+        (loss.head_nll(h, targets, frozen) * grad_out).sum().backward()
+
+    def frozen_recompute() -> None:
+        h = hidden.clone().requires_grad_()
+        # What head_nll ran with a frozen head before it formed the gradient in the forward.
+        rows = loss._ChunkedHeadLoss.apply(h, targets, frozen, step, None)  # noqa: SLF001
+        (rows * grad_out).sum().backward()
+
+    sides = {"frozen_head_forward": frozen_forward, "frozen_head_recompute": frozen_recompute} if args.frozen_head \
+        else {"fused_forward": fused, "recompute_backward": recompute}
     times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds + 1):
         for name, fn in sides.items():
@@ -63,16 +84,17 @@ def main(argv=None) -> int:
                 times[name].append(time.perf_counter() - t0)
     result = {"benchmark": "loss_bench", "command": "python -m benchmarks.loss_bench " + " ".join(
         argv if argv is not None else sys.argv[1:]), "torch": torch.__version__, "threads": args.threads,
-        "dtype": args.dtype, "positions": args.positions, "hidden": args.hidden, "vocab": args.vocab,
+        "dtype": args.dtype, "frozen_head": args.frozen_head, "positions": args.positions, "hidden": args.hidden,
+        "vocab": args.vocab,
         "chunk_positions": step, "seconds": {k: {"best": min(v), "median": statistics.median(v)}
                                              for k, v in times.items()}}
     for name, s in result["seconds"].items():
         print(f"{name}: best {s['best'] * 1e3:.0f} ms, median {s['median'] * 1e3:.0f} ms")
-    best = result["seconds"]
-    print(f"fused / recompute, best: {best['fused_forward']['best'] / best['recompute_backward']['best']:.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    (a, sa), (b, sb) = result["seconds"].items()
+    print(f"{a} / {b}, best: {sa['best'] / sb['best']:.2f}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
     return 0
 
 

@@ -237,7 +237,9 @@ def activations(
     chunk = loss_chunk_tokens(shape, tokens)
     if head_weight_trains or chunk:
         # The head's input; a chunked loss holds, instead, its gradient with respect to it (the
-        # same size, formed in the forward), or the input itself for a per-position loss's recompute.
+        # same size, formed in the forward: the summed loss's, or a per-position loss's at an
+        # output gradient of 1 where the head is frozen), or the input itself for a per-position
+        # loss's recompute (the head trains). The same bytes every way (tests/unit/test_loss_per_position.py).
         outside += tokens * dt * shape.hidden
     if chunk:
         log_probs = 0  # one chunk's at a time: see loss_buffers_peak
@@ -258,8 +260,9 @@ def loss_buffers_peak(shape: Shape, batch: int, seq_len: int, dt: int = 2) -> in
     """vocab x tokens buffers alive at the loss's backward. lisaft's cross entropy turns its saved
     float32 log-probs into the gradient in place (lisaft/model/loss.py), then casts it to the model's
     dtype unless that is float32. A chunked loss has them for one chunk only, in its forward (the
-    summed loss forms its gradients there) or its backward's recompute (a per-position loss): the
-    chunk's float32 log-probs beside its model-dtype logits, and the soft-cap's tanh."""
+    summed loss forms its gradients there, and so does a per-position loss where the head is
+    frozen) or its backward's recompute (a per-position loss where the head trains): the chunk's
+    float32 log-probs beside its model-dtype logits, and the soft-cap's tanh."""
     chunk = loss_chunk_tokens(shape, batch * seq_len)
     if chunk is None:
         return batch * seq_len * shape.vocab * (FP32 + (0 if dt == FP32 else dt))

@@ -7,7 +7,10 @@ LISA's whole optimizer state. When that product exceeds LOSS_CHUNK_ELEMENTS, the
 loss run over chunks of positions, only one chunk's logits existing at a time. The summed loss
 forms each chunk's gradients in its forward (_FusedHeadLoss), so backward has nothing to
 recompute; the per-position loss, whose output gradients backward alone knows, recomputes each
-chunk's logits there (_ChunkedHeadLoss), at one more head matmul per token.
+chunk's logits there (_ChunkedHeadLoss), at one more head matmul per token, where the head's
+weight trains. Where it is frozen (LoRA) only the hidden states' gradient is wanted, and each
+row's is its output gradient times the one at an output gradient of 1, formed in the forward
+(_FrozenHeadRows).
 """
 
 from __future__ import annotations
@@ -112,8 +115,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             h = hidden[i:i + step]
             n = h.size(0)
             logits = torch.mm(h, weight.t(), out=logits_buf[:n])
-            loss, g = _ce_and_logit_grad(logits, targets[i:i + step], softcap, want_h or want_w, logp_buf[:n])
-            total += loss
+            rows, g = _ce_rows_and_logit_grad(logits, targets[i:i + step], softcap, want_h or want_w, logp_buf[:n])
+            total += rows.sum()
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[i:i + step])
             if grad_w is not None:
@@ -138,13 +141,14 @@ class _FusedHeadLoss(torch.autograd.Function):
         return grad_h, None, grad_w, None, None, None, None
 
 
-def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool,
-                       logp: torch.Tensor):
-    """One chunk's float32 loss sum and, if wanted, its gradient with respect to the raw logits at
-    an output gradient of 1, in the logits' dtype: the float32 log-probs, written into `logp`, turned
-    into it in place, as _CrossEntropySum's backward does, and cast back into the logits' buffer
-    when that is not float32. The logits are this function's to overwrite: at most the float32
-    log-probs and two buffers of the logits' dtype (one without a soft-cap) at once,
+def _ce_rows_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool,
+                            logp: torch.Tensor):
+    """One chunk's float32 cross entropy per row (0 where the target is -100) and, if wanted, its
+    gradient with respect to the raw logits at an output gradient of 1 for every row, in the
+    logits' dtype: the float32 log-probs, written into `logp`, turned into it in place, as
+    _CrossEntropySum's backward does, cast back into the logits' buffer when that is not float32,
+    and times the soft-cap's slope in place. The logits are this function's to overwrite: at most
+    the float32 log-probs and two buffers of the logits' dtype (one without a soft-cap) at once,
     memory/activations.py loss_buffers_peak."""
     tanh, capped = None, logits
     if softcap:  # the soft-cap's slope is 1 - tanh^2
@@ -153,24 +157,26 @@ def _ce_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: flo
     torch.log_softmax(capped, dim=-1, dtype=torch.float32, out=logp)
     valid = targets != IGNORE
     safe = targets.masked_fill(~valid, 0)
-    loss = -torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    rows = -torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0)
     if not want_grad:
-        return loss, None
+        return rows, None
     scale = valid.float()[:, None]
     grad = logp.exp_().mul_(scale)
     grad.scatter_add_(1, safe[:, None], -scale)
     if grad.dtype != capped.dtype:
         grad = capped.copy_(grad)  # the logits (or the capped ones) are spent: their buffer takes it
-    return loss, grad if tanh is None else torch.ops.aten.tanh_backward(grad, tanh)
+    if tanh is not None:
+        torch.ops.aten.tanh_backward(grad, tanh, grad_input=grad)
+    return rows, grad
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Each position's cross entropy [N] (0 where the target is -100) of head(hidden) [N, V], over
     chunks of `step` positions. Its backward takes one output gradient per position (preference
-    and GRPO log-probs), unknown in the forward, so it recomputes each chunk's logits there, and
-    adds the chunk's weight gradient into one head-sized buffer in place (addmm_): checkpointed
-    chunks would each form a head-sized gradient for autograd to add into the one it holds, and
-    fire a post-accumulate-grad hook once per chunk."""
+    and GRPO log-probs), unknown in the forward, which the head weight's gradient sums over, so it
+    recomputes each chunk's logits there, and adds the chunk's weight gradient into one head-sized
+    buffer in place (addmm_): checkpointed chunks would each form a head-sized gradient for
+    autograd to add into the one it holds, and fire a post-accumulate-grad hook once per chunk."""
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
@@ -203,6 +209,42 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.addmm_(g.t(), h)
         return grad_h, None, grad_w, None, None
+
+
+class _FrozenHeadRows(torch.autograd.Function):
+    """_ChunkedHeadLoss's per-position cross entropy where the head's weight is frozen (LoRA, DoRA,
+    QLoRA) and only the hidden states want a gradient. The rows are independent: row i's gradient
+    is grad_out[i] * u_i, u_i its gradient at an output gradient of 1, which the forward forms
+    chunk by chunk from the logits it has anyway (the soft-cap's slope included, 0 where the
+    target is -100) and saves in place of the hidden states: [N, H] in their dtype, the size a
+    recompute keeps. Backward scales it in place by the output gradients: no logits recomputed,
+    one head matmul per token fewer."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
+        total = hidden.new_empty(hidden.size(0), dtype=torch.float32)
+        unit = hidden.new_empty(hidden.shape)
+        logits_buf, logp_buf = _chunk_buffers(hidden, weight, step)
+        for i in range(0, hidden.size(0), step):
+            h = hidden[i:i + step]
+            n = h.size(0)
+            logits = torch.mm(h, weight.t(), out=logits_buf[:n])
+            total[i:i + step], g = _ce_rows_and_logit_grad(logits, targets[i:i + step], softcap, True, logp_buf[:n])
+            torch.mm(g, weight, out=unit[i:i + step])
+        # Saved, not kept on ctx: saved-tensor hooks (the activation meter) see it, as the hidden
+        # states a recompute saves.
+        ctx.save_for_backward(unit)
+        ctx.spent = False
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.spent:
+            # The saved gradient was scaled in place and handed out by the first backward.
+            raise RuntimeError("lisaft's loss supports one backward pass (no retain_graph)")
+        ctx.spent = True
+        (unit,) = ctx.saved_tensors
+        return unit.mul_(grad_out[:, None]), None, None, None, None
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -271,8 +313,13 @@ def head_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Ten
 def head_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
              softcap: float | None = None) -> torch.Tensor:
     """Each position's float32 cross entropy [N] of hidden [N, H] @ weight.T (0 where the target
-    is -100), in chunks of positions recomputed in backward (_ChunkedHeadLoss)."""
-    return _ChunkedHeadLoss.apply(hidden, targets, weight, max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0]), softcap)
+    is -100), in chunks of positions: recomputed in backward where the weight trains
+    (_ChunkedHeadLoss), the hidden states' gradient formed in the forward where only they want one
+    (_FrozenHeadRows), and no more than the losses without gradients (a reference's no_grad)."""
+    step = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    if torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad:
+        return _FrozenHeadRows.apply(hidden, targets, weight, step, softcap)
+    return _ChunkedHeadLoss.apply(hidden, targets, weight, step, softcap)
 
 
 def token_loss_sum(model, batch: dict, sharded: bool = False) -> torch.Tensor:

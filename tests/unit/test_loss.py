@@ -193,13 +193,14 @@ def test_the_chunked_loss_forms_one_head_gradient_as_the_estimator_counts(dtype,
     assert est.phase_components["loss_backward"]["gradients"] == measured
 
 
-@pytest.mark.parametrize("per_position", [False, True], ids=["summed", "per-position"])
+@pytest.mark.parametrize("form", ["summed", "per-position", "per-position-frozen-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_chunked_loss_allocates_its_logits_buffers_once_for_all_chunks(dtype, per_position, monkeypatch):
+def test_the_chunked_loss_allocates_its_logits_buffers_once_for_all_chunks(dtype, form, monkeypatch):
     """Ten chunks, two logits-sized allocations per pass over them: the chunk's logits and its
     float32 log-probs, reused chunk after chunk (in bfloat16 the gradient goes back into the
-    logits' buffer). The summed loss passes once (its gradients formed in the forward), the
-    per-position one twice (backward recomputes). On a CPU each fresh buffer of a real
+    logits' buffer). The summed loss passes once (its gradients formed in the forward), and so
+    does the per-position one with a frozen head (LoRA); with a trained head it passes twice
+    (backward recomputes). On a CPU each fresh buffer of a real
     vocabulary's chunk is mapped anew and page-faults on first touch (benchmarks/step_probe.py)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -217,9 +218,10 @@ def test_the_chunked_loss_allocates_its_logits_buffers_once_for_all_chunks(dtype
             return out
 
     model, batch = _model("llama").to(dtype), _batch()
+    model.get_output_embeddings().weight.requires_grad_(form != "per-position-frozen-head")
     monkeypatch.setattr(loss_mod, "LOSS_CHUNK_ELEMENTS", 512 * 5)  # 10 chunks of 5 positions
     with Allocations():
-        loss = token_nll(model, batch).sum() if per_position else token_loss_sum(model, batch)
+        loss = token_loss_sum(model, batch) if form == "summed" else token_nll(model, batch).sum()
         loss.backward()
-    passes = 2 if per_position else 1
+    passes = 2 if form == "per-position" else 1
     assert sorted(fresh) == sorted([str(dtype), "torch.float32"] * passes), fresh
