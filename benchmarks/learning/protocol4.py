@@ -94,12 +94,15 @@ def run_name(objective: str, start: str, method: str, lr: float, seed: int) -> s
     return f"{objective}-{start}-{method}-lr{lr:g}-s{seed}"
 
 
-def plan(done: dict[str, dict], seeds_first: tuple[str, str] | None = None) -> list[tuple[str, str, str, float, int]]:
+def plan(done: dict[str, dict], first: tuple[str, str] | None = None) -> list[tuple[str, str, str, float, int]]:
     """The runs still to do, (objective, start, method, lr, seed), in the protocol's order; with
-    `seeds_first` (objective, start), that cell's three seeds per method come before everything
-    else (full fine-tuning's last: it takes about twice as long), at its picked lr where its sweep
-    is done and at its grid's middle where it is not (the sweep's other lrs still run later, and
-    report4 says which lr each seed ran at)."""
+    `first` (objective, start), that cell's whole protocol (sweep, edge, seeds) before the others'."""
+    if first is not None:
+        return _plan(done, [first]) or _plan(done, CELLS)
+    return _plan(done, CELLS)
+
+
+def _plan(done: dict[str, dict], cells: list[tuple[str, str]]) -> list[tuple[str, str, str, float, int]]:
     todo: list[tuple[str, str, str, float, int]] = []
 
     def add(objective: str, start: str, method: str, lr: float, seed: int) -> None:
@@ -107,25 +110,18 @@ def plan(done: dict[str, dict], seeds_first: tuple[str, str] | None = None) -> l
         if run_name(*run) not in done and run not in todo:
             todo.append(run)
 
-    if seeds_first is not None:
-        objective, start = seeds_first
-        for method, seed in sorted(((m, s) for m in METHODS for s in SEEDS), key=lambda ms: (ms[0] == "full", ms[1])):
-            sweep = [r for r in done.values() if (r["objective"], r["start"], r["method"], r["seed"])
-                     == (objective, start, method, 0)]
-            swept = {r["lr"] for r in sweep} >= set(grid(objective, method))
-            add(objective, start, method, p3.best_lr(sweep) if swept else grid(objective, method)[1], seed)
-    for cells in (CELLS[:3], CELLS[3:]):
+    for stage in (cells[:3], cells[3:]):
         for method in METHODS:
-            for objective, start in cells:
+            for objective, start in stage:
                 add(objective, start, method, grid(objective, method)[1], 0)
-    for objective, start in CELLS:
+    for objective, start in cells:
         for method in METHODS:
             for lr in grid(objective, method):
                 add(objective, start, method, lr, 0)
     if todo:  # the edges and the seeds depend on what the sweep picks
         return todo
     picked = {}
-    for objective, start in CELLS:
+    for objective, start in cells:
         for method in METHODS:
             sweep = [r for r in done.values() if (r["objective"], r["start"], r["method"], r["seed"])
                      == (objective, start, method, 0)]
@@ -162,10 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help="the model folder (default: python -m benchmarks.real_model's)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
-    ap.add_argument("--seeds-first", choices=[f"{o}-{s}" for o, s in CELLS],
-                    help="that cell's seeds 0-2 per method before the rest (its picked lr, or its grid's middle)")
+    ap.add_argument("--first", choices=[f"{o}-{s}" for o, s in CELLS],
+                    help="that cell's whole protocol (sweep, edge, seeds) before the other cells'")
     args = ap.parse_args(argv)
-    first = tuple(args.seeds_first.split("-")) if args.seeds_first else None
+    first = tuple(args.first.split("-")) if args.first else None
     from benchmarks import real_model
     from benchmarks.learning import report4, run4
 

@@ -57,17 +57,16 @@ def test_plan_runs_each_methods_first_cells_together_then_every_cell_then_the_gr
     assert ("grpo", "sft", "full", 3e-6, 1) in p4.plan(_done(middle_best))
 
 
-def test_seeds_first_puts_one_cells_seeds_ahead_full_fine_tuning_last():
-    first = p4.plan({}, ("grpo", "sft"))
-    middles = {m: p4.GRPO_GRIDS[m][1] for m in p4.METHODS}
-    ahead = [("grpo", "sft", m, middles[m], s) for m in ("lisa_g4", "lora_eq_g4") for s in p4.SEEDS]
-    assert sorted(first[:6]) == sorted(ahead) and first[:2] == [ahead[0], ahead[3]]  # seed by seed
-    assert first[6:9] == [("grpo", "sft", "full", middles["full"], s) for s in p4.SEEDS]
-    assert set(first[9:]) == set(p4.plan({})) - set(first[:9])  # then the protocol's own order
-    swept = _runs([("grpo", "sft", "lisa_g4", lr, 0) for lr in p4.GRPO_GRIDS["lisa_g4"]])  # the top wins
-    after = p4.plan(_done(swept), ("grpo", "sft"))
-    assert after[:2] == [("grpo", "sft", "lora_eq_g4", middles["lora_eq_g4"], 0),
-                         ("grpo", "sft", "lisa_g4", p4.GRPO_GRIDS["lisa_g4"][2], 1)]
+def test_first_runs_one_cells_whole_protocol_before_the_others():
+    cell = ("grpo", "sft")
+    sweep = p4.plan({}, cell)
+    assert len(sweep) == 3 * len(p4.METHODS) and {(o, s) for o, s, *_ in sweep} == {cell}
+    assert sweep[:3] == [(*cell, m, p4.GRPO_GRIDS[m][1], 0) for m in p4.METHODS]  # the middles lead
+    seeds = p4.plan(_done(_runs(sweep, val=0.5)), cell)  # all tie: the middle, run first, is picked: no edge
+    assert {(o, s, seed) for o, s, _, _, seed in seeds} == {(*cell, 1), (*cell, 2)} and len(seeds) == 6
+    rest = p4.plan(_done(_runs(sweep, val=0.5) + _runs(seeds, val=0.5)), cell)
+    assert rest == p4.plan(_done(_runs(sweep, val=0.5) + _runs(seeds, val=0.5)))  # then the protocol's own order
+    assert cell not in {(o, s) for o, s, *_ in rest}
 
 
 def test_grpos_reward_is_the_held_out_scores_exact_test():
