@@ -9,9 +9,10 @@ Three comparisons on the same model, data, batch and steps (benchmarks/peer_side
          once before step 1
   lisa_compiled  (only with --only lisa_compiled) lisaft LISA with training.compile (each decoder
          layer compiled) against the callback run with the Trainer's torch_compile (the whole
-         model, compiled again for each new sample of layers), and against the eager callback and
-         full run. Compilation falls in the timed steps wherever it happens there, as a user pays
-         it; each side's median step (step_s_median) leaves it out.
+         model, compiled again for each new sample of layers), and against the eager callback,
+         full run and lisaft LISA. Compilation falls in the timed steps wherever it happens there, as a user pays
+         it; each side's median step (step_s_median) leaves it out. lisaft's eager LISA runs in
+         the same rounds: the eager ratios of this comparison come from the same processes.
 
 Shapes: `tiny` (SFT: Llama 8 layers x 384, 4 rows of 256 tokens, data.packing; DPO: Llama 4 x 256,
 8 pairs a step, the quickstart tokenizer), `quick` (a smoke test's), or the real model with
@@ -69,7 +70,7 @@ SETTINGS = {"sft": {"tiny": dict(steps=30, warmup=5, batch_size=4, seq_len=256, 
 COMPARISONS = {"full": ("lisaft_full", "hf_full"), "lisa": ("lisaft_lisa", "hf_lmflow"),
                "dpo": ("lisaft_dpo", "trl_dpo"), "lisa_compiled": ("lisaft_lisa_compiled", "hf_lmflow_compiled")}
 # Beside each side of a comparison, the third sides it is also read against (each ratio in the JSON).
-ALSO = {"lisa": ["hf_full"], "lisa_compiled": ["hf_lmflow", "hf_full"]}
+ALSO = {"lisa": ["hf_full"], "lisa_compiled": ["hf_lmflow", "hf_full", "lisaft_lisa"]}
 # lisa_compiled only on request: the Trainer's whole-model compile runs again at each new sample.
 DEFAULT = ["full", "lisa", "dpo"]
 

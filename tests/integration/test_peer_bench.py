@@ -53,10 +53,11 @@ def test_the_sides_alternate_and_the_best_round_counts(monkeypatch):
     assert out["tokens_per_s"]["lisaft_lisa"] == 3.0 * s["batch_size"] * s["seq_len"]
     json.dumps(out)  # what the result file holds
     figures.update(lisaft_lisa_compiled=iter([4.0]), hf_lmflow_compiled=iter([2.5]), hf_lmflow=iter([2.0]),
-                   hf_full=iter([1.6]))
+                   hf_full=iter([1.6]), lisaft_lisa=iter([3.2]))
     out = compare("lisa_compiled", settings("lisa_compiled", "quick", None, 1), repeats=1, profile=False)
     assert (out["lisaft_lisa_compiled_over_hf_lmflow_compiled"], out["lisaft_lisa_compiled_over_hf_lmflow"],
-            out["lisaft_lisa_compiled_over_hf_full"]) == (1.6, 2.0, 2.5)  # against each peer, compiled or not
+            out["lisaft_lisa_compiled_over_hf_full"], out["lisaft_lisa_compiled_over_lisaft_lisa"]) == (
+        1.6, 2.0, 2.5, 1.25)  # against each peer, compiled or not, and against lisaft's eager LISA
     assert out["by_median_step"]["lisaft_lisa_compiled_over_hf_lmflow_compiled"] == 1.6
 
 
