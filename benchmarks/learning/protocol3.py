@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -181,18 +182,47 @@ def main(argv: list[str] | None = None) -> None:
                    lambda run: run_name(*run), report3.write, args.max_runs)
 
 
-def run_until_done(out: Path, plan, run_one, name, report, max_runs: int | None) -> None:
+def claim(out: Path, name: str) -> bool:
+    """Takes run `name` for this process (OUT/work/claims/NAME holds its pid), so that two
+    processes on one protocol never run the same run; a claim whose process is gone is taken over."""
+    path = out / "work" / "claims" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(path.read_text() or 0), 0)
+            return False  # its process is alive
+        except PermissionError:
+            return False  # alive, another user's
+        except (ProcessLookupError, ValueError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+            return claim(out, name)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def run_until_done(out: Path, plan, run_one, name, report, max_runs: int | None, wait_s: float = 30.0) -> None:
     """The resumable loop of protocols 3 and 4: the first run `plan` still wants given the run
-    files in `out`, one at a time, each reported in a line and in the rewritten report, until the
-    plan is empty or `max_runs` have run."""
+    files in `out` and no other process has claimed, one at a time, each reported in a line and in
+    the rewritten report, until the plan is empty or `max_runs` have run. Where every wanted run is
+    another process's, it waits for their files (the next stage may depend on them)."""
     t0, count = time.perf_counter(), 0
     while max_runs is None or count < max_runs:
         todo = plan(load_done(out))
         if not todo:
             break
-        rec = run_one(todo[0])
+        run = next((r for r in todo if claim(out, name(r))), None)
+        if run is None:
+            time.sleep(wait_s)
+            continue
+        try:
+            rec = run_one(run)
+        finally:
+            (out / "work" / "claims" / name(run)).unlink(missing_ok=True)
         count += 1
-        print(f"[{count}] {name(todo[0])}: test exact {100 * rec['test']['exact']:.1f}% "
+        print(f"[{count}] {name(run)}: test exact {100 * rec['test']['exact']:.1f}% "
               f"(lenient {100 * rec['test']['lenient']:.1f}%), instructions NLL {rec['instructions_nll']:.3f}, "
               f"facts {100 * rec['facts']:.1f}%, {rec['train_s']:.0f} s train ({time.perf_counter() - t0:.0f} s)",
               flush=True)

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     ap.add_argument("--first", choices=[f"{o}-{s}" for o, s in CELLS],
                     help="that cell's whole protocol (sweep, edge, seeds) before the other cells'")
+    ap.add_argument("--threads", type=int, default=SETTINGS["threads"],
+                    help="each run's torch threads (two processes at 1 each share a 2-core machine's runs)")
     args = ap.parse_args(argv)
     first = tuple(args.first.split("-")) if args.first else None
     from benchmarks import real_model
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = Path(args.model) if args.model else real_model.build(real_model.cache_dir())
     out = Path(args.out)
-    bench = run4.Bench4(model, out, SETTINGS)
+    bench = run4.Bench4(model, out, {**SETTINGS, "threads": args.threads})
     p3.run_until_done(out, lambda done: plan(done, first),
                       lambda run: bench.run_objective(*run[:3], method_spec(run[2], bench.config), *run[3:]),
                       lambda run: run_name(*run), report4.write, args.max_runs)

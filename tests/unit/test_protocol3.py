@@ -136,3 +136,36 @@ def test_greedy_answers_batched_are_the_one_by_one_answers():
     together = greedy_answers(model, tok, prompts, 6)
     assert together == [greedy_answers(model, tok, [p], 6)[0] for p in prompts]
     assert any(together) and all(tok.eos_token not in a for a in together)
+
+
+def test_two_processes_never_run_the_same_run_and_a_dead_ones_claim_is_taken_over(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    assert p3.claim(tmp_path, "a") and not p3.claim(tmp_path, "a")  # ours, alive
+    claims = tmp_path / "work" / "claims"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (claims / "b").write_text(dead.stdout.strip())
+    assert p3.claim(tmp_path, "b") and (claims / "b").read_text() == str(os.getpid())
+
+    (claims / "b").unlink()
+    (claims / "a").write_text(str(os.getppid()))  # "a" is another live process's
+    ran = []
+
+    def run_one(run):
+        ran.append(run)
+        record = {"test": {"exact": 0.5, "lenient": 0.5}, "instructions_nll": 1.0, "facts": 1.0, "train_s": 1.0}
+        (tmp_path / "runs").mkdir(exist_ok=True)
+        (tmp_path / "runs" / f"{run}.json").write_text(json.dumps(record))
+        return record
+
+    def other_finishes_a(_s):  # while this process waits, the other one writes its run
+        (tmp_path / "runs" / "a.json").write_text(json.dumps({"other": True}))
+        (claims / "a").unlink()
+
+    monkeypatch.setattr(p3.time, "sleep", other_finishes_a)
+    plan = lambda done: [r for r in ("a", "b", "c") if r not in done]  # noqa: E731
+    p3.run_until_done(tmp_path, plan, run_one, str, lambda out: None, None, wait_s=0)
+    assert ran == ["b", "c"] and json.loads((tmp_path / "runs" / "a.json").read_text()) == {"other": True}
+    assert not any(claims.iterdir())  # every claim released
