@@ -96,10 +96,12 @@ def run_name(objective: str, start: str, method: str, lr: float, seed: int) -> s
 
 def plan(done: dict[str, dict], first: tuple[str, str] | None = None) -> list[tuple[str, str, str, float, int]]:
     """The runs still to do, (objective, start, method, lr, seed), in the protocol's order; with
-    `first` (objective, start), that cell's whole protocol (sweep, edge, seeds) before the others'."""
-    if first is not None:
-        return _plan(done, [first]) or _plan(done, CELLS)
-    return _plan(done, CELLS)
+    `first` (objective, start), that cell's whole protocol (sweep, edge, seeds) before the others'
+    (and the others' after it, for a second process while the cell's next stage waits)."""
+    if first is None:
+        return _plan(done, CELLS)
+    head = _plan(done, [first])
+    return head + [run for run in _plan(done, CELLS) if run not in head]
 
 
 def _plan(done: dict[str, dict], cells: list[tuple[str, str]]) -> list[tuple[str, str, str, float, int]]:
