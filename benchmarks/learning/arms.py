@@ -103,7 +103,8 @@ def lisaft_recipe(job: dict, spec: dict, model_ref: dict, run_dir: Path, max_ste
         "lisa": {"enabled": lisa is not None, "interval_steps": s["interval_steps"], **(lisa or {})},
         "lora": lora_section,
         "training": {"seed": job["seed"], "batch_size": s["batch_size"], "max_steps": max_steps,
-                     "max_grad_norm": MAX_GRAD_NORM, "output_dir": str(run_dir), "device": "cpu"},
+                     "max_grad_norm": MAX_GRAD_NORM, "output_dir": str(run_dir), "device": "cpu",
+                     "threads": job.get("threads", "auto")},
     }, f"learning_bench:{job['arm']}")
 
 

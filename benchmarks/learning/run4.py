@@ -41,7 +41,7 @@ class Bench4(Bench):
     def _job(self, name: str, seed: int, lr: float, batch_size: int, max_seq_len: int, steps: int) -> dict:
         s = self.s
         model = str(self.model_dir)
-        return {"arm": name, "seed": seed, "lr": lr, "pretrained": model, "tokenizer": model,
+        return {"arm": name, "seed": seed, "lr": lr, "pretrained": model, "tokenizer": model, "threads": s["threads"],
                 "settings": {"steps": steps, "batch_size": batch_size, "max_seq_len": max_seq_len,
                              "warmup_steps": s["warmup_steps"], "interval_steps": s["interval_steps"]}}
 

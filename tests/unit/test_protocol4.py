@@ -113,3 +113,14 @@ def test_table_gives_the_picked_lr_its_seeds_and_grpos_reward(tmp_path):
     assert "| grpo | sft | full | 3e-05 (1e-05, 3e-05) | 2 | 50.0 ± 14.1 |" in table
     assert "0.10 ± 0.00 → 0.50 ± 0.00" in table
     assert "| dpo | base | lisa_g4 | 3e-05 (3e-05) | 1 | 50.0 | 50.0 | 1.500 | 90.0 | – → – |" in table
+
+
+def test_a_runs_threads_reach_its_recipe(tmp_path):
+    """--threads: the recipe's training.threads, which the session applies (its `auto` would take
+    every core, so two processes would each run on both)."""
+    from benchmarks.learning.arms import lisaft_recipe
+
+    job = {"arm": "grpo", "seed": 0, "lr": 1e-5, "threads": 1, "settings": {
+        "steps": 2, "batch_size": 2, "max_seq_len": 32, "warmup_steps": 0, "interval_steps": 2}}
+    recipe = lisaft_recipe(job, p4.method_spec("lisa_g4", SMOLLM2), {"name_or_path": "m"}, tmp_path, 2, 1e-5)
+    assert recipe.training.threads == 1
