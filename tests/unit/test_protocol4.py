@@ -120,7 +120,7 @@ def test_a_runs_threads_reach_its_recipe(tmp_path):
     every core, so two processes would each run on both)."""
     from benchmarks.learning.arms import lisaft_recipe
 
-    job = {"arm": "grpo", "seed": 0, "lr": 1e-5, "threads": 1, "settings": {
+    job = {"arm": "grpo", "seed": 0, "lr": 1e-5, "threads": 1, "tokenizer": "m", "settings": {
         "steps": 2, "batch_size": 2, "max_seq_len": 32, "warmup_steps": 0, "interval_steps": 2}}
     recipe = lisaft_recipe(job, p4.method_spec("lisa_g4", SMOLLM2), {"name_or_path": "m"}, tmp_path, 2, 1e-5)
     assert recipe.training.threads == 1
