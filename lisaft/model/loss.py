@@ -6,10 +6,8 @@ for Llama-3's 128,256-entry vocabulary is 1.5 GiB per 1,024 tokens — at 2,048 
 LISA's whole optimizer state. When that product exceeds LOSS_CHUNK_ELEMENTS, the head and the
 loss run over chunks of positions, only one chunk's logits existing at a time. The summed loss
 forms each chunk's gradients in its forward (_FusedHeadLoss), so backward has nothing to
-recompute; the per-position loss, whose output gradients backward alone knows, recomputes each
-chunk's logits there (_ChunkedHeadLoss), at one more head matmul per token, where the head's
-weight trains. Where it is frozen (LoRA) only the hidden states' gradient is wanted, and each
-row's is its output gradient times the one at an output gradient of 1, formed in the forward
+recompute; the per-position loss recomputes each chunk's logits there where the head trains
+(_ChunkedHeadLoss), and forms the hidden states' gradient in the forward where it is frozen
 (_FrozenHeadRows).
 """
 
@@ -213,12 +211,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 class _FrozenHeadRows(torch.autograd.Function):
     """_ChunkedHeadLoss's per-position cross entropy where the head's weight is frozen (LoRA, DoRA,
-    QLoRA) and only the hidden states want a gradient. The rows are independent: row i's gradient
-    is grad_out[i] * u_i, u_i its gradient at an output gradient of 1, which the forward forms
-    chunk by chunk from the logits it has anyway (the soft-cap's slope included, 0 where the
-    target is -100) and saves in place of the hidden states: [N, H] in their dtype, the size a
-    recompute keeps. Backward scales it in place by the output gradients: no logits recomputed,
-    one head matmul per token fewer."""
+    QLoRA). The rows are independent: row i's gradient is grad_out[i] * u_i, u_i its gradient at
+    an output gradient of 1, formed in the forward from the chunk's logits (the soft-cap's slope
+    in it, 0 where the target is -100) and saved in place of the hidden states (the same bytes);
+    backward scales it in place: no logits recomputed, one head matmul per token fewer."""
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
