@@ -105,23 +105,10 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, step: int, softcap: float | None, want_h: bool, want_w: bool):
+        rows, grad_h, grad_w = _chunks_forward(hidden, targets, weight, step, softcap, want_h, want_w)
         total = hidden.new_zeros((), dtype=torch.float32)
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.empty_like(weight) if want_w else None
-        logits_buf, logp_buf = _chunk_buffers(hidden, weight, step)
         for i in range(0, hidden.size(0), step):
-            h = hidden[i:i + step]
-            n = h.size(0)
-            logits = torch.mm(h, weight.t(), out=logits_buf[:n])
-            rows, g = _ce_rows_and_logit_grad(logits, targets[i:i + step], softcap, want_h or want_w, logp_buf[:n])
-            total += rows.sum()
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[i:i + step])
-            if grad_w is not None:
-                if i == 0:
-                    torch.mm(g.t(), h, out=grad_w)
-                else:
-                    grad_w.addmm_(g.t(), h)
+            total += rows[i:i + step].sum()  # chunk by chunk: the order of addition a chunk's loss has
         ctx.grads = (grad_h, grad_w)
         return total
 
@@ -137,6 +124,30 @@ class _FusedHeadLoss(torch.autograd.Function):
             if g is not None:
                 g.mul_(grad_out)
         return grad_h, None, grad_w, None, None, None, None
+
+
+def _chunks_forward(hidden, targets, weight, step: int, softcap: float | None, want_h: bool, want_w: bool):
+    """Each row's float32 cross entropy [N] of hidden @ weight.T, chunk by chunk in one logits and
+    one log-probs buffer, and where wanted the gradients at an output gradient of 1 for every row:
+    the hidden states' [N, H], and the weight's summed over the rows into one head-sized buffer."""
+    rows = hidden.new_empty(hidden.size(0), dtype=torch.float32)
+    grad_h = torch.empty_like(hidden) if want_h else None
+    grad_w = torch.empty_like(weight) if want_w else None
+    logits_buf, logp_buf = _chunk_buffers(hidden, weight, step)
+    for i in range(0, hidden.size(0), step):
+        h = hidden[i:i + step]
+        n = h.size(0)
+        logits = torch.mm(h, weight.t(), out=logits_buf[:n])
+        rows[i:i + step], g = _ce_rows_and_logit_grad(logits, targets[i:i + step], softcap, want_h or want_w,
+                                                      logp_buf[:n])
+        if grad_h is not None:
+            torch.mm(g, weight, out=grad_h[i:i + step])
+        if grad_w is not None:
+            if i == 0:
+                torch.mm(g.t(), h, out=grad_w)
+            else:
+                grad_w.addmm_(g.t(), h)
+    return rows, grad_h, grad_w
 
 
 def _ce_rows_and_logit_grad(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None, want_grad: bool,
@@ -178,15 +189,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
-        total = hidden.new_zeros(hidden.size(0), dtype=torch.float32)
-        logits_buf, logp_buf = _chunk_buffers(hidden, weight, step)
-        for i in range(0, hidden.size(0), step):
-            h = hidden[i:i + step]
-            logits = torch.mm(h, weight.t(), out=logits_buf[:h.size(0)])
-            total[i:i + step] = _ce_rows(_capped(logits, softcap), targets[i:i + step], logp_buf[:h.size(0)])
+        rows, _, _ = _chunks_forward(hidden, targets, weight, step, softcap, False, False)
         ctx.save_for_backward(hidden, targets, weight)
         ctx.step, ctx.softcap = step, softcap
-        return total
+        return rows
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -218,15 +224,7 @@ class _FrozenHeadRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, weight, step: int, softcap: float | None):
-        total = hidden.new_empty(hidden.size(0), dtype=torch.float32)
-        unit = hidden.new_empty(hidden.shape)
-        logits_buf, logp_buf = _chunk_buffers(hidden, weight, step)
-        for i in range(0, hidden.size(0), step):
-            h = hidden[i:i + step]
-            n = h.size(0)
-            logits = torch.mm(h, weight.t(), out=logits_buf[:n])
-            total[i:i + step], g = _ce_rows_and_logit_grad(logits, targets[i:i + step], softcap, True, logp_buf[:n])
-            torch.mm(g, weight, out=unit[i:i + step])
+        total, unit, _ = _chunks_forward(hidden, targets, weight, step, softcap, True, False)
         # Saved, not kept on ctx: saved-tensor hooks (the activation meter) see it, as the hidden
         # states a recompute saves.
         ctx.save_for_backward(unit)
@@ -247,9 +245,9 @@ def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
-def _ce_rows(logits: torch.Tensor, targets: torch.Tensor, logp: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's float32 cross entropy, 0 where the target is -100 (the log-probs into `logp`, if given)."""
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=logp)
+def _ce_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's float32 cross entropy, 0 where the target is -100."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     valid = targets != IGNORE
     return -torch.where(valid, logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1), 0.0)
 
