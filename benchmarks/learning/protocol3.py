@@ -182,10 +182,14 @@ def main(argv: list[str] | None = None) -> None:
                    lambda run: run_name(*run), report3.write, args.max_runs)
 
 
+def _claim_path(out: Path, name: str) -> Path:
+    return out / "work" / "claims" / name
+
+
 def claim(out: Path, name: str) -> bool:
     """Takes run `name` for this process (OUT/work/claims/NAME holds its pid), so that two
     processes on one protocol never run the same run; a claim whose process is gone is taken over."""
-    path = out / "work" / "claims" / name
+    path = _claim_path(out, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -220,7 +224,7 @@ def run_until_done(out: Path, plan, run_one, name, report, max_runs: int | None,
         try:
             rec = run_one(run)
         finally:
-            (out / "work" / "claims" / name(run)).unlink(missing_ok=True)
+            _claim_path(out, name(run)).unlink(missing_ok=True)
         count += 1
         print(f"[{count}] {name(run)}: test exact {100 * rec['test']['exact']:.1f}% "
               f"(lenient {100 * rec['test']['lenient']:.1f}%), instructions NLL {rec['instructions_nll']:.3f}, "
