@@ -24,8 +24,10 @@ own scores, OUT/onpolicy-<start>.json the on-policy data's counts.
 Stages, most informative first: each method (cheapest first) at the middle of its lr grid, seed 0,
 GRPO from the SFT start then DPO and KTO from the base; then GRPO from the base, DPO and KTO from
 the SFT start, the same way; then the rest of the grid; one lr beyond it where the best is at its edge (seed 0); then
-seeds 1 and 2 at each cell's picked lr. Each run writes OUT/runs/<name>.json; a run whose
-file exists is skipped, so the command resumes where it stopped. report4 makes the tables.
+seeds 1 and 2 at each cell's picked lr. A GRPO cell whose middle run scored 0 in every step
+(`unmoved`) skips the rest of its grid and its edge: those runs would repeat it. Each run writes
+OUT/runs/<name>.json; a run whose file exists is skipped, so the command resumes where it
+stopped. report4 makes the tables.
 """
 
 from __future__ import annotations
@@ -118,13 +120,16 @@ def _plan(done: dict[str, dict], cells: list[tuple[str, str]]) -> list[tuple[str
                 add(objective, start, method, grid(objective, method)[1], 0)
     for objective, start in cells:
         for method in METHODS:
-            for lr in grid(objective, method):
+            for lr in grid(objective, method) if not unmoved(done, objective, start, method) else ():
                 add(objective, start, method, lr, 0)
     if todo:  # the edges and the seeds depend on what the sweep picks
         return todo
     picked = {}
     for objective, start in cells:
         for method in METHODS:
+            if unmoved(done, objective, start, method):
+                picked[objective, start, method] = grid(objective, method)[1]
+                continue
             sweep = [r for r in done.values() if (r["objective"], r["start"], r["method"], r["seed"])
                      == (objective, start, method, 0)]
             beyond = p3.lr_beyond(grid(objective, method), p3.best_lr(sweep))
@@ -137,6 +142,16 @@ def _plan(done: dict[str, dict], cells: list[tuple[str, str]]) -> list[tuple[str
         for seed in SEEDS[1:]:
             add(objective, start, method, lr, seed)
     return todo
+
+
+def unmoved(done: dict[str, dict], objective: str, start: str, method: str) -> bool:
+    """Whether the cell's seed-0 run at its middle lr was a GRPO run whose every step scored 0:
+    every group alike, every advantage and so every gradient 0, and with GRPO's β 0 (the grpo
+    section's default, kept here) and no weight decay (benchmarks/learning/arms.py) the model never
+    moved. Any other lr samples the same completions from the same unmoved model,
+    so the cell's sweep would repeat one run; its seeds, which sample differently, still run."""
+    middle = done.get(run_name(objective, start, method, grid(objective, method)[1], 0))
+    return objective == "grpo" and middle is not None and bool(middle["rewards"]) and not any(middle["rewards"])
 
 
 def onpolicy_rows(pairs: list[tuple[int, int]], answers: list[str], limit: int) -> tuple[list[dict], list[dict]]:

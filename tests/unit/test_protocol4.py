@@ -70,6 +70,24 @@ def test_first_runs_one_cells_whole_protocol_before_the_others():
     assert cell not in {(o, s) for o, s, *_ in rest}
 
 
+def test_a_grpo_cell_whose_middle_run_never_scored_skips_its_sweep_but_not_its_seeds():
+    cell = ("grpo", "base")
+    sweep = p4.plan({}, cell)[:9]
+    middles = _runs(sweep[:3])
+    for r in middles[1:]:  # LoRA's and full fine-tuning's rewards were 0 in every step
+        r["rewards"] = [0.0] * 30
+    rest = p4.plan(_done(middles), cell)
+    assert {(m, lr) for o, s, m, lr, seed in rest if (o, s) == cell} == \
+        {("lisa_g4", lr) for lr in p4.GRPO_GRIDS["lisa_g4"] if lr != p4.GRPO_GRIDS["lisa_g4"][1]}
+    seeds = p4.plan(_done(middles + _runs(rest[:2], val=0.0)), cell)[:6]
+    assert {(m, lr, seed) for _, _, m, lr, seed in seeds} == {
+        (m, p4.GRPO_GRIDS[m][1], seed) for m in p4.METHODS for seed in (1, 2)}  # seeds sample anew
+    no_steps = _run(*cell, "full", p4.GRPO_GRIDS["full"][1], 0)
+    no_steps["rewards"] = []
+    assert not p4.unmoved(_done([no_steps]), *cell, "full")
+    assert not p4.unmoved(_done([_run("dpo", "base", "full", p4.GRIDS["full"][1], 0)]), "dpo", "base", "full")
+
+
 def test_grpos_reward_is_the_held_out_scores_exact_test():
     completions = [[{"role": "assistant", "content": text}] for text in ("180", " 180\n", "180.", "Sum: 180", "18")]
     assert p4.exact_sum([None] * 5, completions, ["180"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
