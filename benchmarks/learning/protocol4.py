@@ -120,7 +120,9 @@ def _plan(done: dict[str, dict], cells: list[tuple[str, str]]) -> list[tuple[str
                 add(objective, start, method, grid(objective, method)[1], 0)
     for objective, start in cells:
         for method in METHODS:
-            for lr in grid(objective, method) if not unmoved(done, objective, start, method) else ():
+            if unmoved(done, objective, start, method):
+                continue
+            for lr in grid(objective, method):
                 add(objective, start, method, lr, 0)
     if todo:  # the edges and the seeds depend on what the sweep picks
         return todo
